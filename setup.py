@@ -1,0 +1,30 @@
+"""Build and install titan_kernels (the op library) and trainer (Llama 3 pre-training).
+
+The native extension in csrc/ is optional; see csrc/ and the README for how it is built.
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="titan-kernels",
+    version="0.1.0",
+    description="Fused kernels (RMSNorm, rotary, float8, FlashAttention) and a PyTorch-native Llama 3 trainer",
+    python_requires=">=3.10",
+    packages=find_packages(include=["titan_kernels", "titan_kernels.*", "trainer", "trainer.*"]),
+    package_data={"trainer": ["configs/*.toml"]},
+    install_requires=[
+        "torch>=2.11",
+        "triton>=3.6; platform_system == 'Linux'",
+        "numpy",
+        "tokenizers>=0.19",
+        "tiktoken>=0.7",
+        "sentencepiece>=0.2",
+        "tensorboard>=2.15",
+        "pyarrow>=14",
+        "psutil>=5.9",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja"],
+        "hf": ["datasets>=2.18"],
+        "float8": ["torchao>=0.10"],
+    },
+)

@@ -1,0 +1,61 @@
+"""Helpers shared by every op module: input validation and the eager fast path test."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def check_tensor(t: object, arg: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_float(t: torch.Tensor, arg: str, dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES) -> None:
+    check_tensor(t, arg)
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{arg}: expected dtype in ({names}), got {str(t.dtype).replace('torch.', '')}")
+
+
+def check_same_device(arg_tensors: dict[str, torch.Tensor | None]) -> None:
+    items = [(k, v) for k, v in arg_tensors.items() if v is not None]
+    if not items:
+        return
+    name0, t0 = items[0]
+    for name, t in items[1:]:
+        if t.device != t0.device:
+            raise ValueError(f"{name}: expected device {t0.device} (the device of {name0}), got {t.device}")
+
+
+def check_eps(eps: object, arg: str = "eps") -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"{arg}: expected a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"{arg}: expected a finite value > 0, got {eps}")
+    return eps
+
+
+def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
+    """True when an op may skip the dispatcher and call its implementation directly.
+
+    That is allowed only in plain eager mode: nothing is tracing (torch.compile, export, make_fx),
+    no torch-function or dispatch mode is active (FakeTensorMode, CommDebugMode, FlopCounterMode...),
+    no functorch transform is on, and every tensor is a plain ``torch.Tensor`` (no DTensor or other
+    subclass). Everything else goes through the registered ``torch.ops.titan`` op, whose fake,
+    autograd and sharding rules handle it. This saves the ~2x Python overhead of ``custom_op``.
+    """
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    return True
