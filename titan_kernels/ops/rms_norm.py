@@ -1,0 +1,279 @@
+"""RMSNorm ops: ``torch.ops.titan.rms_norm``, ``torch.ops.titan.add_rms_norm`` and their backward
+``torch.ops.titan.rms_norm_backward``.
+
+Math: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4 (see
+``titan_kernels.reference.rms_norm`` for the forward and backward formulas).
+
+Every op is a ``torch.library.custom_op`` whose real implementation picks the backend at run time
+(``titan_kernels.backend``), with a fake implementation (torch.compile, FakeTensorMode), autograd
+through ``register_autograd`` (the backward is itself an op) and DTensor sharding rules
+(``titan_kernels.dtensor``). In plain eager mode the public functions skip the dispatcher and call the
+backend directly through a ``torch.autograd.Function`` (``eager_fast_path``), which costs about a
+third of a ``custom_op`` call.
+"""
+from __future__ import annotations
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops._common import check_eps, check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.reference import rms_norm as _ref
+
+OP = "rms_norm"
+_backend.register_impl(OP, "reference", (_ref.rms_norm_fwd, _ref.rms_norm_bwd))
+
+
+def _register_triton() -> None:
+    try:
+        from titan_kernels.triton import rms_norm as _tri
+    except ImportError:  # triton not installed: the backend reports itself unavailable
+        return
+    _backend.register_impl(OP, "triton", (_tri.rms_norm_fwd, _tri.rms_norm_bwd))
+
+
+def _native_fwd(x, residual, weight, eps):
+    return tuple(torch.ops.titan.rms_norm_fwd_native(x, residual, weight, eps))
+
+
+def _native_bwd(dy, x, weight, rstd, dresidual, compute_dweight):
+    dx, dw = torch.ops.titan.rms_norm_bwd_native(dy, x, weight, rstd, dresidual, compute_dweight)
+    return dx, (dw if compute_dweight and weight is not None else None)
+
+
+_register_triton()
+for _name in ("cpu", "cuda"):
+    _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
+
+
+def _impl(device: torch.device):
+    return _backend.get_impl(OP, device)
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(x, weight, eps, residual=None) -> float:
+    check_float(x, "x")
+    if x.dim() < 1:
+        raise ValueError(f"x: expected at least 1 dimension (..., hidden), got a 0-d tensor")
+    if residual is not None:
+        check_float(residual, "residual")
+        if residual.shape != x.shape:
+            raise ValueError(f"residual: expected shape {tuple(x.shape)} (the shape of x), got {tuple(residual.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"residual: expected dtype {x.dtype} (the dtype of x), got {residual.dtype}")
+    if weight is not None:
+        check_float(weight, "weight")
+        if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+            raise ValueError(
+                f"weight: expected shape ({x.shape[-1]},) to match the last dim of x, got {tuple(weight.shape)}"
+            )
+    check_same_device({"x": x, "residual": residual, "weight": weight})
+    return check_eps(eps)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("titan::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = x * rsqrt(mean(x^2, -1) + eps) * weight, and the per-row rstd.
+
+    x: (..., N) float32/bf16/fp16; weight: (N,) or None. Returns y (..., N) in x.dtype and
+    rstd (...,) float32 (saved for the backward).
+    """
+    y, _, rstd = _impl(x.device)[0](x, None, weight, eps)
+    return y, rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("titan::add_rms_norm", mutates_args=())
+def add_rms_norm_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h = x + residual (in x.dtype); y = rms_norm(h). Returns (y, h, rstd); shapes as rms_norm."""
+    y, h, rstd = _impl(x.device)[0](x, residual, weight, eps)
+    return y, h, rstd
+
+
+@add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        x.new_empty(x.shape[:-1], dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("titan::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual: torch.Tensor | None,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of rms_norm. dy, x: (..., N); rstd: (...,) float32; dresidual: (..., N) or None,
+    added to dx (the residual branch of add_rms_norm). Returns dx (..., N) in x.dtype, a fresh
+    buffer (never an alias of dy or dresidual), and dweight (N,) in weight.dtype accumulated in
+    float32, or an empty (0,) tensor when ``compute_dweight`` is False or weight is None.
+    """
+    dx, dw = _impl(x.device)[1](dy, x, weight, rstd, dresidual, compute_dweight)
+    if dw is None:
+        dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
+    return dx, dw
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd, dresidual, compute_dweight):
+    n = x.shape[-1] if (compute_dweight and weight is not None) else 0
+    return (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device),
+        x.new_empty((n,), dtype=weight.dtype if weight is not None else x.dtype),
+    )
+
+
+# ----------------------------------------------------------------------------- autograd (op path)
+
+
+def _wants_dw(weight) -> bool:
+    return weight is not None and weight.requires_grad
+
+
+def _setup_rms_norm(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+    ctx.compute_dw = _wants_dw(weight)
+
+
+def _backward_rms_norm(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.titan.rms_norm_backward(dy, x, weight, rstd, None, ctx.compute_dw)
+    return dx, (dw if ctx.compute_dw else None), None
+
+
+rms_norm_op.register_autograd(_backward_rms_norm, setup_context=_setup_rms_norm)
+
+
+def _setup_add_rms_norm(ctx, inputs, output):
+    _, _, weight, _ = inputs
+    ctx.save_for_backward(output[1], weight, output[2])
+    ctx.compute_dw = _wants_dw(weight)
+
+
+def _backward_add_rms_norm(ctx, dy, dh, _drstd):
+    h, weight, rstd = ctx.saved_tensors
+    dx, dw = torch.ops.titan.rms_norm_backward(dy, h, weight, rstd, dh, ctx.compute_dw)
+    # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
+    return dx, dx, (dw if ctx.compute_dw else None), None
+
+
+add_rms_norm_op.register_autograd(_backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+
+
+# ----------------------------------------------------------------------------- eager fast path
+
+
+class _RMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        fwd, bwd = _impl(x.device)
+        y, _, rstd = fwd(x, None, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.bwd = bwd
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        compute_dw = ctx.needs_input_grad[1]
+        dx, dw = ctx.bwd(dy, x, weight, rstd, None, compute_dw)
+        return (dx if ctx.needs_input_grad[0] else None), dw, None
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        fwd, bwd = _impl(x.device)
+        y, h, rstd = fwd(x, residual, weight, eps)
+        ctx.save_for_backward(h, weight, rstd)
+        ctx.bwd = bwd
+        return y, h
+
+    @staticmethod
+    def backward(ctx, dy, dh):
+        h, weight, rstd = ctx.saved_tensors
+        compute_dw = ctx.needs_input_grad[2]
+        dx, dw = ctx.bwd(dy, h, weight, rstd, dh, compute_dw)
+        return dx, dx, dw, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """Root-mean-square normalization over the last dim, fused in one kernel.
+
+    Same result as ``torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)``.
+
+    Args:
+        x: (..., N), float32 / bfloat16 / float16, any strides; zero-size allowed.
+        weight: (N,) float tensor or None (no affine scale).
+        eps: finite float > 0 added to the mean square.
+
+    Returns:
+        (..., N) tensor in x.dtype; statistics are computed in float32.
+
+    Raises:
+        TypeError: x or weight not a float32/bf16/fp16 tensor, eps not a number.
+        ValueError: weight shape != (N,), mixed devices, eps <= 0 or not finite.
+        RuntimeError: the requested backend cannot run on x's device.
+
+    Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4.
+    """
+    eps = _validate(x, weight, eps)
+    if eager_fast_path(x, weight):
+        if _needs_grad(x, weight):
+            return _RMSNormFn.apply(x, weight, eps)
+        return _impl(x.device)[0](x, None, weight, eps)[0]
+    return torch.ops.titan.rms_norm(x, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused pre-norm residual step: returns ``(rms_norm(x + residual, weight, eps), x + residual)``.
+
+    One pass reads x and residual once and writes the sum and the normalized output; the backward
+    adds the residual-stream gradient into dx in the same kernel.
+
+    Args:
+        x, residual: (..., N), the same shape and dtype (float32 / bfloat16 / float16).
+        weight: (N,) or None. eps: finite float > 0.
+
+    Returns:
+        (normed, h): both (..., N) in x.dtype; h = x + residual rounded to x.dtype.
+
+    Raises:
+        TypeError / ValueError as ``rms_norm``, plus residual shape or dtype different from x.
+
+    Source: Zhang & Sennrich 2019, eq. 4; the residual layout of the Llama pre-norm block.
+    """
+    check_tensor(residual, "residual")
+    eps = _validate(x, weight, eps, residual)
+    if eager_fast_path(x, residual, weight):
+        if _needs_grad(x, residual, weight):
+            return _AddRMSNormFn.apply(x, residual, weight, eps)
+        y, h, _ = _impl(x.device)[0](x, residual, weight, eps)
+        return y, h
+    y, h, _ = torch.ops.titan.add_rms_norm(x, residual, weight, eps)
+    return y, h
