@@ -1,0 +1,204 @@
+"""Benchmark harness shared by every bench/bench_*.py module.
+
+Each benchmark times one implementation of one op at one shape and records a row with:
+  time (median seconds), bytes the op must move and FLOPs it must do, the achieved GB/s and
+  TFLOP/s, their share of the device's *measured* ceilings (copy bandwidth, dense matmul rate),
+  and at the end of the session the speed ratio against the baselines timed in the same run.
+
+Timing: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs, median);
+on the CPU, pytest-benchmark's own timer (median of rounds). Inputs are random, never zeros.
+
+The session summary (bench/conftest.py) prints the table and, when ``BENCH_OUT`` is set, writes
+``$BENCH_OUT.json`` and ``$BENCH_OUT.md`` with the device, date and library versions.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+ROWS: list["Row"] = []
+BASELINES = ("eager", "compile", "liger", "torchao", "sdpa", "_scaled_mm", "torch.mm")
+
+
+@dataclass
+class Row:
+    op: str
+    shape: str
+    dtype: str
+    impl: str
+    time_s: float
+    bytes: float = 0.0
+    flops: float = 0.0
+    gbps: float = 0.0
+    bw_share: float = 0.0
+    tflops: float = 0.0
+    flop_share: float = 0.0
+    ratios: dict = field(default_factory=dict)
+
+
+def device() -> torch.device:
+    """The device benchmarks run on: CUDA when present, else the CPU (``BENCH_DEVICE`` overrides)."""
+    name = os.environ.get("BENCH_DEVICE")
+    if name:
+        return torch.device(name)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_cuda() -> bool:
+    return device().type == "cuda"
+
+
+def sync() -> None:
+    if on_cuda():
+        torch.cuda.synchronize()
+
+
+def _cpu_median(fn: Callable[[], object], warmup: int = 3, min_time: float = 0.2, max_reps: int = 200) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    start = time.perf_counter()
+    while len(times) < max_reps and (time.perf_counter() - start < min_time or len(times) < 5):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(fn: Callable[[], object]) -> float:
+    """Median seconds per call of ``fn`` on the benchmark device."""
+    if on_cuda():
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e-3
+    return _cpu_median(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def copy_bandwidth() -> float:
+    """Measured device copy bandwidth in bytes/s (read + write bytes of a large ``copy_``)."""
+    dev = device()
+    n = (1 << 30 if dev.type == "cuda" else 1 << 26) // 4  # 1 GiB on GPU (>> L2), 64 MiB on CPU
+    src = torch.randn(n, device=dev)
+    dst = torch.empty_like(src)
+    t = measure(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / t
+
+
+@functools.lru_cache(maxsize=None)
+def matmul_rate(dtype: torch.dtype = torch.bfloat16) -> float:
+    """Measured dense matmul rate in FLOP/s for ``dtype`` (8192^3 on GPU, 1024^3 on CPU)."""
+    dev = device()
+    if dev.type == "cpu":
+        dtype = torch.float32  # no bf16 units on our CPUs
+    n = 8192 if dev.type == "cuda" else 1024
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    t = measure(lambda: a @ b)
+    return 2 * n**3 / t
+
+
+def run(
+    benchmark,
+    fn: Callable[[], object],
+    *,
+    op: str,
+    impl: str,
+    shape: str | tuple,
+    dtype: torch.dtype | str,
+    bytes_moved: float = 0.0,
+    flops: float = 0.0,
+    flop_dtype: torch.dtype = torch.bfloat16,
+) -> Row:
+    """Time ``fn`` through pytest-benchmark and record a row of the session table.
+
+    bytes_moved: the bytes the op must read and write at minimum (the roofline numerator);
+    flops: the FLOPs it must do. Either may be 0 when it does not apply.
+    """
+
+    def call():
+        fn()
+        sync()
+
+    if benchmark is not None:
+        benchmark.pedantic(call, warmup_rounds=2, rounds=5 if on_cuda() else 3, iterations=1)
+    t = measure(fn)
+    row = Row(op=op, shape=str(shape), dtype=str(dtype).replace("torch.", ""), impl=impl, time_s=t,
+              bytes=float(bytes_moved), flops=float(flops))
+    if bytes_moved:
+        row.gbps = bytes_moved / t / 1e9
+        row.bw_share = bytes_moved / t / copy_bandwidth()
+    if flops:
+        row.tflops = flops / t / 1e12
+        row.flop_share = flops / t / matmul_rate(flop_dtype)
+    if benchmark is not None:
+        benchmark.extra_info.update({k: v for k, v in asdict(row).items() if k != "ratios"})
+    ROWS.append(row)
+    return row
+
+
+def with_ratios(rows: list[Row]) -> list[Row]:
+    """Fill each row's ``ratios``: baseline time / this time, for baselines in the same group."""
+    groups: dict[tuple, list[Row]] = {}
+    for r in rows:
+        groups.setdefault((r.op, r.shape, r.dtype), []).append(r)
+    for group in groups.values():
+        base = {r.impl: r.time_s for r in group if r.impl in BASELINES}
+        for r in group:
+            r.ratios = {b: t / r.time_s for b, t in base.items() if b != r.impl}
+    return rows
+
+
+def environment() -> dict:
+    """Device, date and versions recorded with every result file."""
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if on_cuda() else (platform.processor() or platform.machine()),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if os.environ.get("BENCH_SKIP_CEILINGS") != "1":
+        info["copy_bandwidth_GBps"] = copy_bandwidth() / 1e9
+        info["matmul_TFLOPs"] = matmul_rate() / 1e12
+    return info
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown table of the rows (ratios > 1 mean this impl is faster than that baseline)."""
+    head = "| op | shape | dtype | impl | time (us) | GB/s | % copy BW | TFLOP/s | % matmul | speedup vs baselines |"
+    lines = [head, "|" + "---|" * 10]
+    for r in with_ratios(rows):
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in sorted(r.ratios.items()))
+        lines.append(
+            f"| {r.op} | {r.shape} | {r.dtype} | {r.impl} | {r.time_s * 1e6:.1f} | "
+            f"{r.gbps:.1f} | {100 * r.bw_share:.0f} | {r.tflops:.1f} | {100 * r.flop_share:.0f} | {ratios} |"
+        )
+    return "\n".join(lines)
+
+
+def save(prefix: str, rows: list[Row]) -> None:
+    """Write ``prefix.json`` and ``prefix.md`` with the environment and the rows."""
+    env = environment()
+    with open(prefix + ".json", "w") as f:
+        json.dump({"environment": env, "rows": [asdict(r) for r in with_ratios(rows)]}, f, indent=1)
+    with open(prefix + ".md", "w") as f:
+        f.write("# Benchmark results\n\n")
+        f.write("\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n\n")
+        f.write(table(rows) + "\n")
