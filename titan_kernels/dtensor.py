@@ -8,3 +8,48 @@ redistribute the inputs to a listed one, never compute a wrong answer.
 Rules are registered on import of ``titan_kernels`` (when torch.distributed is available).
 """
 from __future__ import annotations
+
+import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules below refer to)
+
+import torch
+
+if torch.distributed.is_available():
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.experimental import register_sharding
+
+    def _row_dims(x) -> range:
+        # Every dim but the normalized (last) one may be sharded: batch, sequence, ...
+        return range(len(x.shape) - 1)
+
+    # ------------------------------------------------------------------------- rms_norm
+    # Mirrors PyTorch's rules for aten._fused_rms_norm: rows shard freely, the hidden dim must be
+    # whole on every rank, the weight is replicated and its gradient comes out Partial (a per-rank
+    # sum over local rows, reduced later by whoever owns the parameter, e.g. FSDP or TP).
+
+    @register_sharding(torch.ops.titan.rms_norm.default)
+    def _rms_norm_sharding(x, weight, eps):
+        w = Replicate() if weight is not None else None
+        rules = [([Replicate(), Replicate()], [Replicate(), w, None])]
+        for d in _row_dims(x):
+            rules.append(([Shard(d), Shard(d)], [Shard(d), w, None]))
+        return rules
+
+    @register_sharding(torch.ops.titan.add_rms_norm.default)
+    def _add_rms_norm_sharding(x, residual, weight, eps):
+        w = Replicate() if weight is not None else None
+        rules = [([Replicate()] * 3, [Replicate(), Replicate(), w, None])]
+        for d in _row_dims(x):
+            rules.append(([Shard(d)] * 3, [Shard(d), Shard(d), w, None]))
+        return rules
+
+    @register_sharding(torch.ops.titan.rms_norm_backward.default)
+    def _rms_norm_backward_sharding(dy, x, weight, rstd, dresidual, compute_dweight):
+        w = Replicate() if weight is not None else None
+        rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), w, Replicate(),
+                                              Replicate() if dresidual is not None else None, None])]
+        # With no weight, dweight is an empty placeholder: keep it Replicate (nothing to reduce).
+        dw = Partial() if weight is not None else Replicate()
+        for d in _row_dims(x):
+            rules.append(([Shard(d), dw], [Shard(d), Shard(d), w, Shard(d),
+                                           Shard(d) if dresidual is not None else None, None]))
+        return rules

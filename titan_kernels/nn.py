@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
     def __init__(
         self,
         normalized_shape: int | list[int] | tuple[int, ...] | torch.Size,
-        eps: float | None = 1e-6,
+        eps: float | None = None,
         elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
