@@ -1,4 +1,4 @@
-"""RMSNorm in plain PyTorch, float32 math.
+"""RMSNorm in plain PyTorch, float32 math (float64 for float64 inputs).
 
 Math (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4), per row x of width N:
     rstd = 1 / sqrt(mean(x^2) + eps),   y = x * rstd * w
@@ -8,6 +8,11 @@ Backward, with xhat = x * rstd and g = dy * w:
 from __future__ import annotations
 
 import torch
+
+
+def _acc_dtype(x: torch.Tensor) -> torch.dtype:
+    # float32 math for float32/bf16/fp16; float64 inputs (tests, gradcheck) stay float64.
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def rms_norm_fwd(
@@ -23,11 +28,11 @@ def rms_norm_fwd(
     if residual is not None:
         h = x + residual  # rounded to x.dtype first, as the unfused `rms_norm(x + residual)` does
         x = h
-    xf = x.float()
+    xf = x.to(_acc_dtype(x))
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
     if weight is not None:
-        y = y * weight.float()
+        y = y * weight.to(xf.dtype)
     return y.to(x.dtype), h, rstd
 
 
@@ -42,15 +47,16 @@ def rms_norm_bwd(
     """Backward of rms_norm: dx (..., N) in x.dtype (plus ``dresidual`` when given) and dweight (N,)
     in weight.dtype, accumulated in float32 (None unless ``compute_dweight``)."""
     n = x.shape[-1]
-    xhat = x.float() * rstd.unsqueeze(-1)
-    g = dy.float()
+    acc = _acc_dtype(x)
+    xhat = x.to(acc) * rstd.unsqueeze(-1)
+    g = dy.to(acc)
     dw = None
     if compute_dweight and weight is not None:
         dw = (g * xhat).reshape(-1, n).sum(0).to(weight.dtype)
     if weight is not None:
-        g = g * weight.float()
+        g = g * weight.to(acc)
     c = (g * xhat).mean(-1, keepdim=True)
     dx = (g - xhat * c) * rstd.unsqueeze(-1)
     if dresidual is not None:
-        dx = dx + dresidual.float()
+        dx = dx + dresidual.to(acc)
     return dx.to(x.dtype), dw
