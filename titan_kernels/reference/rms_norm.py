@@ -26,14 +26,15 @@ def rms_norm_fwd(
     """
     h = None
     if residual is not None:
-        h = x + residual  # rounded to x.dtype first, as the unfused `rms_norm(x + residual)` does
+        h = (x + residual).contiguous()  # rounded to x.dtype, as the unfused `rms_norm(x + residual)` does
         x = h
     xf = x.to(_acc_dtype(x))
     rstd = torch.rsqrt(xf.square().mean(-1) + eps)
     y = xf * rstd.unsqueeze(-1)
     if weight is not None:
         y = y * weight.to(xf.dtype)
-    return y.to(x.dtype), h, rstd
+    # Outputs are contiguous whatever the input strides, as every backend and the fake impl say.
+    return y.to(x.dtype).contiguous(), h, rstd.contiguous()
 
 
 def rms_norm_bwd(
@@ -59,4 +60,4 @@ def rms_norm_bwd(
     dx = (g - xhat * c) * rstd.unsqueeze(-1)
     if dresidual is not None:
         dx = dx + dresidual.to(acc)
-    return dx.to(x.dtype), dw
+    return dx.to(x.dtype).contiguous(), dw
