@@ -145,6 +145,7 @@ def register_impl(op: str, backend: str, fn: Callable) -> None:
     """Record that ``fn`` implements ``op`` for ``backend`` (called by each op module)."""
     _check_name(backend)
     _impls.setdefault(op, {})[backend] = fn
+    _resolved.clear()
 
 
 def implemented_backends(op: str) -> tuple[str, ...]:
@@ -178,6 +179,14 @@ def resolve(op: str, device: torch.device | str, backend: str | None = None) -> 
     raise RuntimeError(f"no backend implements titan op {op!r} on {dev}")
 
 
+_resolved: dict[tuple, Callable] = {}
+
+
 def get_impl(op: str, device: torch.device | str, backend: str | None = None) -> Callable:
-    """The implementation function of ``op`` chosen by ``resolve``."""
-    return _impls[op][resolve(op, device, backend)]
+    """The implementation of ``op`` chosen by ``resolve``; memoized, since it runs on every op call."""
+    dev = device.type if isinstance(device, torch.device) else _device_type(device)
+    key = (op, dev, backend or _override.get() or os.environ.get(ENV_VAR), triton_interpret())
+    fn = _resolved.get(key)
+    if fn is None:
+        fn = _resolved[key] = _impls[op][resolve(op, dev, backend)]
+    return fn

@@ -1,0 +1,390 @@
+"""Rotary position embedding ops: ``torch.ops.titan.rotary`` and its backward
+``torch.ops.titan.rotary_backward``, plus the cos/sin table builder ``rope_cos_sin``.
+
+Math: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding", eq. 34 (see
+``titan_kernels.reference.rotary``); Llama 3.1 frequency scaling as ``apply_scaling`` in Meta's
+llama3 reference implementation (``llama/model.py``).
+
+Both ops are ``torch.library.custom_op``s whose real implementation picks the backend at run time
+(``titan_kernels.backend``), with fake implementations, autograd through ``register_autograd`` (the
+backward is itself an op) and DTensor sharding rules (``titan_kernels.dtensor``). In plain eager mode
+``apply_rotary_emb`` skips the dispatcher and calls the backend through a ``torch.autograd.Function``.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.reference import rotary as _ref
+
+OP = "rotary"
+_backend.register_impl(OP, "reference", (_ref.rotary_fwd, _ref.rotary_bwd))
+
+
+def _register_triton() -> None:
+    try:
+        from titan_kernels.triton import rotary as _tri
+    except ImportError:  # triton not installed: the backend reports itself unavailable
+        return
+    _backend.register_impl(OP, "triton", (_tri.rotary_fwd, _tri.rotary_bwd))
+
+
+_register_triton()
+# No "cpu"/"cuda" registration: the csrc extension has no rotary kernel yet.
+
+
+def _impl(device: torch.device):
+    return _backend.get_impl(OP, device)
+
+
+POSITION_DTYPES = (torch.int32, torch.int64)
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(q, k, cos, sin, position_ids, interleaved) -> None:
+    """Shape, dtype and device checks (static: safe under torch.compile)."""
+    check_float(q, "q")
+    check_tensor(k, "k")
+    check_tensor(cos, "cos")
+    check_tensor(sin, "sin")
+    if q.dim() != 4:
+        raise ValueError(f"q: expected 4 dims (batch, seq, n_heads, head_dim), got shape {tuple(q.shape)}")
+    if k.dim() != 4:
+        raise ValueError(f"k: expected 4 dims (batch, seq, n_kv_heads, head_dim), got shape {tuple(k.shape)}")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {q.dtype} (the dtype of q), got {k.dtype}")
+    batch, seq, n_heads, head_dim = q.shape
+    for i, name in ((0, "batch"), (1, "seq"), (3, "head_dim")):
+        if k.shape[i] != q.shape[i]:
+            raise ValueError(
+                f"k: expected {name} {q.shape[i]} (dim {i} of q, shape {tuple(q.shape)}), got shape {tuple(k.shape)}"
+            )
+    n_kv_heads = k.shape[2]
+    if n_kv_heads < 1 or n_heads % n_kv_heads != 0:
+        raise ValueError(
+            f"k: expected n_kv_heads (dim 2) >= 1 dividing n_heads = {n_heads} (grouped-query attention), "
+            f"got n_kv_heads = {n_kv_heads}"
+        )
+    for t, name in ((cos, "cos"), (sin, "sin")):
+        if t.dtype != torch.float32:
+            raise TypeError(f"{name}: expected dtype float32 (see rope_cos_sin), got {t.dtype}")
+        if t.dim() != 2:
+            raise ValueError(f"{name}: expected 2 dims (max_positions, rotary_dim // 2), got shape {tuple(t.shape)}")
+        if t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(f"{name}: no gradient flows into the rotary tables; pass a tensor with requires_grad=False")
+    if sin.shape != cos.shape:
+        raise ValueError(f"sin: expected shape {tuple(cos.shape)} (the shape of cos), got {tuple(sin.shape)}")
+    half = cos.shape[1]
+    if half < 1 or 2 * half > head_dim:
+        raise ValueError(
+            f"cos: expected rotary_dim // 2 columns with 1 <= rotary_dim // 2 <= head_dim // 2 = {head_dim // 2}, "
+            f"got shape {tuple(cos.shape)}"
+        )
+    max_positions = cos.shape[0]
+    if position_ids is None:
+        if seq > max_positions:
+            raise ValueError(
+                f"q: seq = {seq} is longer than cos/sin (max_positions = {max_positions}); build larger tables "
+                f"or pass position_ids"
+            )
+    else:
+        check_tensor(position_ids, "position_ids")
+        if position_ids.dtype not in POSITION_DTYPES:
+            raise TypeError(f"position_ids: expected dtype int32 or int64, got {position_ids.dtype}")
+        if tuple(position_ids.shape) not in ((seq,), (batch, seq)):
+            raise ValueError(
+                f"position_ids: expected shape ({seq},) or ({batch}, {seq}) (seq or batch, seq of q), "
+                f"got {tuple(position_ids.shape)}"
+            )
+    if not isinstance(interleaved, bool):
+        raise TypeError(f"interleaved: expected a bool, got {type(interleaved).__name__}")
+    check_same_device({"q": q, "k": k, "cos": cos, "sin": sin, "position_ids": position_ids})
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)  # DTensor: each rank checks its own shard, no collective
+    return to_local() if callable(to_local) else t
+
+
+def _check_position_values(position_ids: torch.Tensor | None, max_positions: int) -> None:
+    """Raise for positions outside [0, max_positions) in eager mode.
+
+    Reading the values costs one host-device sync. It is skipped where values are not available or
+    a sync is not allowed (torch.compile, fake/proxy tracing, CUDA graph capture); there the kernels
+    mask out-of-range rows, which come out NaN instead of reading out of bounds.
+    """
+    if position_ids is None or torch.compiler.is_compiling():
+        return
+    p = _local(position_ids)
+    if type(p) is not torch.Tensor or p.numel() == 0:
+        return
+    for key in (torch._C._TorchDispatchModeKey.FAKE, torch._C._TorchDispatchModeKey.PROXY):
+        if torch._C._get_dispatch_mode(key) is not None:
+            return
+    if p.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    lo, hi = (int(v) for v in torch.aminmax(p))
+    if lo < 0 or hi >= max_positions:
+        raise ValueError(
+            f"position_ids: expected values in [0, {max_positions}) (the rows of cos/sin), got min {lo}, max {hi}"
+        )
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("titan::rotary", mutates_args=())
+def rotary_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q (batch, seq, n_heads, head_dim) and k (batch, seq, n_kv_heads, head_dim)
+    with cos/sin (max_positions, R) float32 at position_ids (None, (seq,) or (batch, seq) int).
+    Returns new contiguous (q_out, k_out) in the input dtype; see ``apply_rotary_emb``."""
+    return _impl(q.device)[0](q, k, cos, sin, position_ids, interleaved)
+
+
+@rotary_op.register_fake
+def _(q, k, cos, sin, position_ids, interleaved):
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
+
+
+@torch.library.custom_op("titan::rotary_backward", mutates_args=())
+def rotary_backward_op(
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    interleaved: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of titan::rotary with respect to q and k: (dq, dk) rotated by -theta. Shapes and
+    dtypes as titan::rotary; returns new contiguous tensors."""
+    return _impl(dq.device)[1](dq, dk, cos, sin, position_ids, interleaved)
+
+
+@rotary_backward_op.register_fake
+def _(dq, dk, cos, sin, position_ids, interleaved):
+    return (
+        torch.empty(dq.shape, dtype=dq.dtype, device=dq.device),
+        torch.empty(dk.shape, dtype=dk.dtype, device=dk.device),
+    )
+
+
+# ----------------------------------------------------------------------------- autograd (op path)
+
+
+def _setup_rotary(ctx, inputs, output):
+    _, _, cos, sin, position_ids, interleaved = inputs
+    ctx.save_for_backward(cos, sin, position_ids)
+    ctx.interleaved = interleaved
+
+
+def _backward_rotary(ctx, dq, dk):
+    cos, sin, position_ids = ctx.saved_tensors
+    dq_in, dk_in = torch.ops.titan.rotary_backward(dq, dk, cos, sin, position_ids, ctx.interleaved)
+    return dq_in, dk_in, None, None, None, None
+
+
+def _backward_rotary_backward(ctx, ddq, ddk):
+    # rotary_backward is the linear map R(-theta); its adjoint is R(theta), i.e. the forward op.
+    cos, sin, position_ids = ctx.saved_tensors
+    d2q, d2k = torch.ops.titan.rotary(ddq, ddk, cos, sin, position_ids, ctx.interleaved)
+    return d2q, d2k, None, None, None, None
+
+
+rotary_op.register_autograd(_backward_rotary, setup_context=_setup_rotary)
+rotary_backward_op.register_autograd(_backward_rotary_backward, setup_context=_setup_rotary)
+
+
+# ----------------------------------------------------------------------------- eager fast path
+
+
+class _RotaryFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids, interleaved):
+        fwd, bwd = _impl(q.device)
+        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.bwd = bwd
+        ctx.interleaved = interleaved
+        return fwd(q, k, cos, sin, position_ids, interleaved)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        cos, sin, position_ids = ctx.saved_tensors
+        dq_in, dk_in = ctx.bwd(dq, dk, cos, sin, position_ids, ctx.interleaved)
+        return (
+            dq_in if ctx.needs_input_grad[0] else None,
+            dk_in if ctx.needs_input_grad[1] else None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def apply_rotary_emb(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    interleaved: bool = False,
+    position_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys, fused: one kernel for q and k.
+
+    Each pair (x1, x2) of the first ``rotary_dim`` dims of a head is rotated by the angle of its
+    token's position: ``(x1 cos - x2 sin, x2 cos + x1 sin)``; dims past rotary_dim are copied.
+
+    Args:
+        q: (batch, seq, n_heads, head_dim), float32 / bfloat16 / float16, any strides (e.g. a
+            slice of a fused qkv projection); zero-size allowed.
+        k: (batch, seq, n_kv_heads, head_dim), same dtype and device; n_heads % n_kv_heads == 0.
+        cos, sin: (max_positions, rotary_dim // 2) float32 tables, ``rotary_dim <= head_dim``
+            (see ``rope_cos_sin``). No gradient flows into them.
+        interleaved: pairs are (2i, 2i+1), the complex-number layout of Meta's llama and
+            torchtitan (True), or (i, i + rotary_dim/2), the rotate-half layout of Hugging Face
+            (False). Checkpoints convert between them by permuting the rows of wq/wk.
+        position_ids: None (positions 0..seq-1), or int32/int64 (seq,) or (batch, seq): each
+            token's row of cos/sin (packed documents, context-parallel shards, offsets).
+
+    Returns:
+        (q_out, k_out): new contiguous tensors of the input shapes and dtype (the inputs are not
+        modified); the math runs in float32.
+
+    Raises:
+        TypeError: q not float32/bf16/fp16, k of another dtype, cos/sin not float32, position_ids
+            not int32/int64, interleaved not a bool.
+        ValueError: q or k not 4-D, k with another batch/seq/head_dim, n_heads not a multiple of
+            n_kv_heads, cos/sin shapes that do not fit head_dim, seq longer than the tables without
+            position_ids, position_ids of a wrong shape or (eager mode) outside [0, max_positions),
+            cos/sin requiring grad, mixed devices.
+        RuntimeError: the requested backend cannot run on q's device.
+
+    In eager mode the range check of position_ids reads their min/max (one host sync). Under
+    torch.compile it is skipped; an out-of-range position then yields NaN in its rotated dims and
+    is never read out of bounds.
+
+    Source: Su et al. 2021 (RoFormer), eq. 34.
+    """
+    _validate(q, k, cos, sin, position_ids, interleaved)
+    _check_position_values(position_ids, cos.shape[0])
+    if eager_fast_path(q, k, cos, sin, position_ids):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return _RotaryFn.apply(q, k, cos, sin, position_ids, interleaved)
+        return _impl(q.device)[0](q, k, cos, sin, position_ids, interleaved)
+    q_out, k_out = torch.ops.titan.rotary(q, k, cos, sin, position_ids, interleaved)
+    return q_out, k_out
+
+
+_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _check_int(value: object, arg: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{arg}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _check_positive(value: object, arg: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{arg}: expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{arg}: expected a finite number > 0, got {value}")
+    return float(value)
+
+
+def _check_scaling(scaling: object) -> dict[str, float]:
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"scaling: expected a dict with keys {_SCALING_KEYS} or None, got {type(scaling).__name__}")
+    extra = set(scaling) - set(_SCALING_KEYS) - {"rope_type"}
+    missing = [key for key in _SCALING_KEYS if key not in scaling]
+    if extra or missing:
+        raise ValueError(
+            f"scaling: expected keys {_SCALING_KEYS} (Llama 3.1 scaling), got unknown {sorted(extra)}, missing {missing}"
+        )
+    if scaling.get("rope_type", "llama3") != "llama3":
+        raise ValueError(f"scaling: only rope_type 'llama3' is implemented, got {scaling['rope_type']!r}")
+    out = {key: _check_positive(scaling[key], f"scaling[{key!r}]") for key in _SCALING_KEYS}
+    if out["high_freq_factor"] <= out["low_freq_factor"]:
+        raise ValueError(
+            f"scaling: expected high_freq_factor > low_freq_factor, got {out['high_freq_factor']} <= {out['low_freq_factor']}"
+        )
+    return out
+
+
+def rope_cos_sin(
+    head_dim: int,
+    max_positions: int,
+    theta: float = 500000.0,
+    scaling: Mapping[str, float] | None = None,
+    *,
+    rotary_dim: int | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for ``apply_rotary_emb``.
+
+    freq_i = theta ** (-2i / rotary_dim) for i < rotary_dim / 2 (RoFormer eq. 15), optionally
+    rescaled for long context as Llama 3.1 does (Meta's llama3 ``apply_scaling``): with
+    wavelen = 2 pi / freq, frequencies whose wavelength is shorter than
+    original_max_position_embeddings / high_freq_factor are kept, those longer than
+    original_max_position_embeddings / low_freq_factor are divided by factor, and those between
+    are blended with smooth = (original_max_position_embeddings / wavelen - low_freq_factor) /
+    (high_freq_factor - low_freq_factor). Angles position * freq are computed in float64 and
+    rounded once at the end (a float32 angle at position 1e5 would be off by ~1e-2 rad).
+
+    Args:
+        head_dim: size of a head (int >= 2).
+        max_positions: number of table rows, i.e. positions 0..max_positions-1 (int >= 0).
+        theta: RoPE base (500000 for Llama 3, 10000 for Llama 2).
+        scaling: None, or dict(factor, low_freq_factor, high_freq_factor,
+            original_max_position_embeddings), e.g. Llama 3.1's dict(factor=8.0,
+            low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192).
+            A Hugging Face ``rope_scaling`` dict with ``rope_type="llama3"`` is accepted as is.
+        rotary_dim: number of rotated dims (even, 2 <= rotary_dim <= head_dim); default head_dim.
+        device: where to build the tables (a "meta" device gives meta tensors).
+
+    Returns:
+        (cos, sin): float32 (max_positions, rotary_dim // 2).
+
+    Raises:
+        TypeError: a non-int size, a non-number theta or scaling value, scaling not a dict.
+        ValueError: head_dim < 2, max_positions < 0, odd rotary_dim or one outside [2, head_dim],
+            theta not finite > 0, scaling keys missing/unknown, high_freq_factor <= low_freq_factor.
+    """
+    head_dim = _check_int(head_dim, "head_dim", 2)
+    max_positions = _check_int(max_positions, "max_positions", 0)
+    theta = _check_positive(theta, "theta")
+    rotary_dim = head_dim if rotary_dim is None else _check_int(rotary_dim, "rotary_dim", 2)
+    if rotary_dim % 2 or rotary_dim > head_dim:
+        raise ValueError(f"rotary_dim: expected an even number <= head_dim = {head_dim}, got {rotary_dim}")
+    f64 = dict(dtype=torch.float64, device=device)
+    freqs = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, **f64) / rotary_dim)
+    if scaling is not None:
+        sc = _check_scaling(scaling)
+        old_len = sc["original_max_position_embeddings"]
+        low_wavelen = old_len / sc["low_freq_factor"]
+        high_wavelen = old_len / sc["high_freq_factor"]
+        wavelen = 2 * math.pi / freqs
+        smooth = (old_len / wavelen - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
+        blended = (1 - smooth) * freqs / sc["factor"] + smooth * freqs
+        freqs = torch.where(
+            wavelen < high_wavelen, freqs, torch.where(wavelen > low_wavelen, freqs / sc["factor"], blended)
+        )
+    angles = torch.outer(torch.arange(max_positions, **f64), freqs)
+    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)
