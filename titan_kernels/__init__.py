@@ -2,12 +2,14 @@
 
 Public API (each op has a reference, a Triton and, where built, a C++/CUDA implementation):
   rms_norm, add_rms_norm            fused RMSNorm (+ residual add)
+  apply_rotary_emb, rope_cos_sin    rotary position embedding (q and k in one kernel)
   use_backend, available_backends   choose / inspect implementations
   patch                             swap PyTorch modules in a model for ours
   nn                                drop-in modules (RMSNorm, ...)
 """
 from titan_kernels.backend import available_backends, use_backend  # noqa: F401
 from titan_kernels.ops.rms_norm import add_rms_norm, rms_norm  # noqa: F401
+from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin  # noqa: F401
 from titan_kernels import nn  # noqa: F401
 from titan_kernels.patch import patch  # noqa: F401
 from titan_kernels import dtensor as _dtensor  # noqa: F401,E402  (registers DTensor sharding rules)

@@ -10,6 +10,7 @@ Rules are registered on import of ``titan_kernels`` (when torch.distributed is a
 from __future__ import annotations
 
 import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules below refer to)
+import titan_kernels.ops.rotary  # noqa: F401
 
 import torch
 
@@ -52,4 +53,32 @@ if torch.distributed.is_available():
         for d in _row_dims(x):
             rules.append(([Shard(d), dw], [Shard(d), Shard(d), w, Shard(d),
                                            Shard(d) if dresidual is not None else None, None]))
+        return rules
+
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- rotary
+    # Every head of every token is rotated on its own, by angles that depend only on the token's
+    # position: q/k split on batch (dim 0) or heads (dim 2) run locally with cos/sin replicated and
+    # 2-D position_ids split on batch like q. k may stay replicated while q is split on heads
+    # (fewer kv heads than ranks). seq (dim 1) is local only with explicit position_ids split the
+    # same way (without them each shard would count positions from 0). head_dim (dim 3) is never
+    # split: a pair may straddle ranks, so DTensor gathers it first. The backward has the same
+    # signature and the same rules. DTensor requires cos/sin (and position_ids) to be DTensors too
+    # (e.g. Replicate), or the call to run under ``implicit_replication()``.
+
+    @register_sharding([torch.ops.titan.rotary.default, torch.ops.titan.rotary_backward.default])
+    def _rotary_sharding(q, k, cos, sin, position_ids, interleaved):
+        rep = Replicate()
+        pos = rep if position_ids is not None else None
+        rules = [
+            ([rep, rep], [rep, rep, rep, rep, pos, None]),
+            ([Shard(2), Shard(2)], [Shard(2), Shard(2), rep, rep, pos, None]),
+            ([Shard(2), rep], [Shard(2), rep, rep, rep, pos, None]),
+        ]
+        pos_batch = None if position_ids is None else (Shard(0) if position_ids.ndim == 2 else rep)
+        rules.append(([Shard(0), Shard(0)], [Shard(0), Shard(0), rep, rep, pos_batch, None]))
+        if position_ids is not None:
+            pos_seq = Shard(position_ids.ndim - 1)
+            rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, pos_seq, None]))
         return rules
