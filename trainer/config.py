@@ -428,7 +428,10 @@ def _parse_str(key: str, text: str, hint: Any) -> Any:
     if _is_optional(hint):
         if text.strip().lower() in ("none", "null", ""):
             return None
-        return _parse_str(key, text, _optional_inner(hint))
+        try:
+            return _parse_str(key, text, _optional_inner(hint))
+        except ConfigError:
+            raise bad from None
     if hint is bool:
         low = text.strip().lower()
         if low in _TRUE:
@@ -459,7 +462,10 @@ def _check_toml_value(key: str, value: Any, hint: Any, where: str) -> Any:
     if _is_optional(hint):
         if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
-        return _check_toml_value(key, value, _optional_inner(hint), where)
+        try:
+            return _check_toml_value(key, value, _optional_inner(hint), where)
+        except ConfigError:
+            raise bad from None
     if hint is bool:
         if isinstance(value, bool):
             return value
