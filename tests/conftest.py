@@ -1,11 +1,14 @@
 """Shared test fixtures.
 
-Triton kernels run on CPU tensors under the interpreter; the variable must be set before triton is
-imported anywhere, so it is set here for the whole test session.
+Kernel tests run on ``TITAN_TEST_DEVICE`` (default ``cpu``; ``cuda`` on a GPU machine, see
+bench/run_gpu.sh). On the CPU, Triton kernels run under the interpreter; the variable must be set
+before triton is imported anywhere, so it is set here for the whole test session.
 """
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+TEST_DEVICE = os.environ.get("TITAN_TEST_DEVICE", "cpu")
+if TEST_DEVICE == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pathlib  # noqa: E402
 

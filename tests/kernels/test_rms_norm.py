@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import titan_kernels as tk
 from titan_kernels import backend
 from titan_kernels.reference import rms_norm as ref
+from tests.conftest import TEST_DEVICE
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
@@ -18,8 +19,8 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 def backends_here() -> list:
     """Each backend, skipped with its reason when it cannot run on the CPU here."""
     out = []
-    for name in ("reference", "triton", "cpu"):
-        st = backend.backend_status(name, "cpu")
+    for name in ("reference", "triton", TEST_DEVICE):
+        st = backend.backend_status(name, TEST_DEVICE)
         marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
         out.append(pytest.param(name, marks=marks, id=name))
     return out
@@ -46,7 +47,7 @@ def f64_rms_norm(x, w, eps, residual=None):
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):
-    return (torch.randn(*shape, dtype=torch.float64) * scale + 0.1).to(dtype)
+    return (torch.randn(*shape, dtype=torch.float64) * scale + 0.1).to(dtype).to(TEST_DEVICE)
 
 
 # --------------------------------------------------------------------------- forward
@@ -101,12 +102,12 @@ def test_zero_rows(be):
     w = randn(16)
     with tk.use_backend(be):
         for shape in [(0, 16), (2, 0, 16)]:
-            x = torch.randn(shape, requires_grad=True)
+            x = torch.randn(shape, device=TEST_DEVICE, requires_grad=True)
             y = tk.rms_norm(x, w, 1e-6)
             assert y.shape == x.shape
             y.sum().backward()
             assert x.grad.shape == x.shape
-            out, h = tk.add_rms_norm(torch.randn(shape), torch.randn(shape), w)
+            out, h = tk.add_rms_norm(randn(*shape), randn(*shape), w)
             assert out.shape == shape and h.shape == shape
 
 
@@ -132,8 +133,8 @@ def test_wide_row_uses_multi_block_path():
     # Wider than one Triton block (MAX_BLOCK_N): the two-pass loop is used.
     from titan_kernels.triton.rms_norm import MAX_BLOCK_N
 
-    if not backend.backend_status("triton", "cpu").available:
-        pytest.skip(f"triton unavailable: {backend.backend_status('triton', 'cpu').reason}")
+    if not backend.backend_status("triton", TEST_DEVICE).available:
+        pytest.skip(f"triton unavailable: {backend.backend_status('triton', TEST_DEVICE).reason}")
     n = MAX_BLOCK_N + 37
     x = randn(2, n).requires_grad_()
     w = randn(n).requires_grad_()
@@ -233,7 +234,7 @@ def test_gradient_never_aliases_incoming(be):
     with tk.use_backend(be):
         out = tk.rms_norm(x, w)
         dx, _ = torch.autograd.grad(out, (x, w), dy)
-        dx2, _ = torch.ops.titan.rms_norm_backward(dy, x.detach(), w.detach(), torch.ones(3), None, True)
+        dx2, _ = torch.ops.titan.rms_norm_backward(dy, x.detach(), w.detach(), randn(3).abs() + 0.5, None, True)
     assert torch.equal(dy, dy_copy)
     assert dx.data_ptr() != dy.data_ptr() and dx2.data_ptr() != dy.data_ptr()
 
@@ -274,7 +275,7 @@ def test_opcheck(be):
         torch.library.opcheck(torch.ops.titan.rms_norm.default, (x.requires_grad_(), w, 1e-6))
         torch.library.opcheck(torch.ops.titan.rms_norm.default, (randn(5, 24).t(), None, 1e-6))
         torch.library.opcheck(torch.ops.titan.add_rms_norm.default, (x, r.requires_grad_(), w, 1e-6))
-        rstd = torch.rand(4, 3) + 0.5
+        rstd = randn(4, 3).abs() + 0.5
         torch.library.opcheck(torch.ops.titan.rms_norm_backward.default, (randn(4, 3, 24), x.detach(), w.detach(), rstd, None, True))
         torch.library.opcheck(torch.ops.titan.rms_norm_backward.default, (randn(4, 3, 24), x.detach(), None, rstd, r.detach(), False))
 
@@ -310,11 +311,11 @@ def test_bad_input_errors():
     with pytest.raises(ValueError, match="weight"):
         tk.rms_norm(x, randn(2, 8))
     with pytest.raises(TypeError, match="x"):
-        tk.rms_norm(torch.ones(4, 8, dtype=torch.int32))
+        tk.rms_norm(torch.ones(4, 8, dtype=torch.int32, device=TEST_DEVICE))
     with pytest.raises(TypeError, match="x"):
         tk.rms_norm(x.to(torch.float8_e4m3fn))
     with pytest.raises(TypeError, match="weight"):
-        tk.rms_norm(x, torch.ones(8, dtype=torch.int64))
+        tk.rms_norm(x, torch.ones(8, dtype=torch.int64, device=TEST_DEVICE))
     for eps in (0.0, -1e-6, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="eps"):
             tk.rms_norm(x, None, eps)
@@ -327,11 +328,11 @@ def test_bad_input_errors():
     with pytest.raises(TypeError, match="residual"):
         tk.add_rms_norm(x, randn(4, 8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="x"):
-        tk.rms_norm(torch.tensor(1.0))
+        tk.rms_norm(randn(1)[0])
 
 
 def test_unavailable_backend_is_a_clear_error():
-    x = randn(2, 8)
+    x = randn(2, 8).cpu()
     with tk.use_backend("cuda"):
         with pytest.raises(RuntimeError, match="cuda"):
             tk.rms_norm(x)
