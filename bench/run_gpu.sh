@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The one script for a GPU machine: environment, native build, CUDA tests, benchmarks, result files.
+#
+#   bash bench/run_gpu.sh [RESULTS_DIR]      (default bench/results; about 8 minutes on an H100/H200)
+#
+# Writes RESULTS_DIR/<date>-<gpu>.{json,md} (benchmark table with the measured copy bandwidth and
+# bf16 matmul rate, device, date and versions) and RESULTS_DIR/<date>-<gpu>.log (everything printed).
+# Each stage has its own time limit, so one slow stage cannot eat the others.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench/results}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export TITAN_TEST_DEVICE=cuda TRITON_INTERPRET=0
+gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
+prefix="$OUT/$(date -u +%Y-%m-%d)-$gpu"
+log="$prefix.log"
+: > "$log"
+stage() { echo; echo "=== $1 ($(date -u +%T))" | tee -a "$log"; }
+
+stage "environment"
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  which nvcc && nvcc --version | tail -1; } 2>&1 | tee -a "$log"
+
+stage "native CUDA extension build (in place)"
+TITAN_KERNELS_CUDA=1 timeout 240 $PY setup.py build_ext --inplace 2>&1 | tail -25 | tee -a "$log"
+$PY -c "import titan_kernels as tk; [print(' ', s) for s in tk.available_backends('cuda').values()]" 2>&1 | tee -a "$log"
+
+stage "kernel tests on CUDA tensors"
+timeout 150 $PY -m pytest -q -p no:cacheprovider tests/kernels -x --timeout 120 2>&1 | tail -30 | tee -a "$log"
+
+stage "benchmarks"
+BENCH_OUT="$prefix" timeout 300 $PY -m pytest -q -p no:cacheprovider bench --benchmark-disable --timeout 280 2>&1 \
+  | grep -v "^bench/" | tail -120 | tee -a "$log"
+
+stage "done: $prefix.{json,md,log}"
