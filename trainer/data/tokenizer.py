@@ -340,6 +340,8 @@ def _load_hf_json(path: pathlib.Path) -> Tokenizer:
     if ranked is None:
         return hf  # _check_lossless reports it
     ranks, special_ids = ranked
+    # Llama 3's split pattern: such vocabularies hold tokens like ".\n" that only it can produce
+    # (GPT-2's pattern always splits punctuation from the following newline).
     return TiktokenTokenizer(ranks, special_ids, bos, eos, name=f"tokenizer.json(ranked bytes):{path}")
 
 
