@@ -1,9 +1,10 @@
-"""Rotary embedding: every backend that runs here against float64 formulas, gradients, tables,
+"""Rotary embedding: every backend that runs on the test device against float64 formulas, gradients, tables,
 opcheck, torch.compile, errors and the RotaryEmbedding module.
 
 The float64 formulas are written independently of the code under test: a complex multiplication
 for the interleaved (Meta) layout and rotate-half for the Hugging Face layout. Triton kernels run
-under TRITON_INTERPRET=1 (set in tests/conftest.py), so shapes stay small.
+on CPU tensors under TRITON_INTERPRET=1 (set in tests/conftest.py), so shapes stay small; with
+TITAN_TEST_DEVICE=cuda the same tests run on a GPU.
 """
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ import titan_kernels as tk
 from titan_kernels import backend
 from titan_kernels.nn import RotaryEmbedding
 from titan_kernels.reference import rotary as ref
+from tests.conftest import TEST_DEVICE
+
+DEV = torch.device(TEST_DEVICE)
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
 def backends_here() -> list:
-    """Each backend, skipped with its reason when it cannot run on the CPU here or lacks rotary."""
+    """Each backend, skipped with its reason when it cannot run on the test device or lacks rotary."""
     out = []
-    for name in ("reference", "triton", "cpu"):
-        st = backend.backend_status(name, "cpu")
+    for name in ("reference", "triton", DEV.type):
+        st = backend.backend_status(name, DEV)
         why = None
         if not st.available:
             why = f"{name} backend unavailable: {st.reason}"
@@ -47,12 +51,16 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def randn(*shape, dtype=torch.float32):
-    return (torch.randn(*shape, dtype=torch.float64) + 0.1).to(dtype)
+    return (torch.randn(*shape, dtype=torch.float64) + 0.1).to(dtype).to(DEV)
+
+
+def ids(data, dtype=torch.int64) -> torch.Tensor:
+    return torch.tensor(data, dtype=dtype, device=DEV)
 
 
 def tables(max_positions: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Random angles (not a RoPE frequency ladder), so every pair gets a distinct rotation."""
-    ang = torch.rand(max_positions, half, dtype=torch.float64) * 2 * math.pi
+    ang = torch.rand(max_positions, half, dtype=torch.float64, device=DEV) * 2 * math.pi
     return ang.cos().float(), ang.sin().float()
 
 
@@ -61,7 +69,7 @@ def f64_rope(x, cos, sin, position_ids, interleaved):
     batch, seq, _, head_dim = x.shape
     half = cos.shape[1]
     rd = 2 * half
-    pos = torch.arange(seq) if position_ids is None else position_ids.long()
+    pos = torch.arange(seq, device=x.device) if position_ids is None else position_ids.long()
     c = cos.double()[pos]  # (S, R) or (B, S, R)
     s = sin.double()[pos]
     if c.dim() == 2:
@@ -104,7 +112,11 @@ def test_forward_matches_float64(be, interleaved, dtype, positions):
     batch, seq, n_heads, n_kv_heads, head_dim, max_pos = 3, 7, 6, 2, 24, 19
     q, k = randn(batch, seq, n_heads, head_dim, dtype=dtype), randn(batch, seq, n_kv_heads, head_dim, dtype=dtype)
     cos, sin = tables(max_pos, head_dim // 2)
-    pos = {"none": None, "1d": torch.randperm(max_pos)[:seq], "2d": torch.randint(0, max_pos, (batch, seq))}[positions]
+    pos = {
+        "none": None,
+        "1d": torch.randperm(max_pos, device=DEV)[:seq],
+        "2d": torch.randint(0, max_pos, (batch, seq), device=DEV),
+    }[positions]
     qo, ko = run(be, q, k, cos, sin, interleaved=interleaved, position_ids=pos)
     check(q, k, cos, sin, qo, ko, pos, interleaved, TOL[dtype])
 
@@ -114,7 +126,7 @@ def test_rows_of_one_batch_use_their_own_positions(be):
     # Packed documents: each row restarts at its own offsets; equal tokens at equal positions
     # must give equal outputs, whatever row they sit in (Liger PR 477 ignored per-row positions).
     cos, sin = tables(32, 8)
-    pos = torch.tensor([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 9, 10], [31, 0, 30, 1, 29, 2]], dtype=torch.int32)
+    pos = ids([[0, 1, 2, 0, 1, 2], [5, 6, 7, 8, 9, 10], [31, 0, 30, 1, 29, 2]], torch.int32)
     q = randn(3, 6, 4, 16)
     k = randn(3, 6, 2, 16)
     q[0, 3:] = q[0, :3]  # row 0 holds two documents with equal tokens at positions 0, 1, 2
@@ -136,7 +148,7 @@ def test_rows_of_one_batch_use_their_own_positions(be):
 def test_mqa_and_seq_one_leave_inputs_unmodified(be, interleaved):
     # One kv head (Liger #342) and a single token (decode step at an offset).
     cos, sin = tables(50, 5)
-    for seq, pos in ((1, torch.tensor([37])), (9, None)):
+    for seq, pos in ((1, ids([37])), (9, None)):
         q, k = randn(2, seq, 7, 10), randn(2, seq, 1, 10)
         q0, k0 = q.clone(), k.clone()
         qo, ko = run(be, q, k, cos, sin, interleaved=interleaved, position_ids=pos)
@@ -162,7 +174,7 @@ def test_partial_rotary_dim_passes_the_rest_through(be, interleaved, rotary_dim)
 def test_strided_inputs(be, interleaved):
     batch, seq, n_heads, n_kv_heads, head_dim = 2, 5, 4, 2, 12
     cos, sin = tables(16, 6)
-    pos = torch.randint(0, 16, (batch, seq))
+    pos = torch.randint(0, 16, (batch, seq), device=DEV)
     # Slices of a fused qkv projection: token stride (n_heads + 2 n_kv_heads) * head_dim.
     qkv = randn(batch, seq, (n_heads + 2 * n_kv_heads) * head_dim)
     q = qkv[..., : n_heads * head_dim].view(batch, seq, n_heads, head_dim)
@@ -176,7 +188,7 @@ def test_strided_inputs(be, interleaved):
     kt = randn(batch, n_kv_heads, seq, head_dim).transpose(1, 2)
     wide = randn(16, 12)
     cos_s, sin_s = wide[:, ::2], wide[:, 1::2]  # column stride 2
-    pos_t = torch.randint(0, 16, (seq, batch)).t()
+    pos_t = torch.randint(0, 16, (seq, batch), device=DEV).t()
     qo, ko = run(be, qt, kt, cos_s, sin_s, interleaved=interleaved, position_ids=pos_t)
     check(qt, kt, cos_s, sin_s, qo, ko, pos_t, interleaved, 1e-5)
     # A broadcast (stride-0) k, e.g. one kv head expanded for every batch row.
@@ -191,10 +203,10 @@ def test_zero_size(be):
     for shape_q, shape_k, pos in (
         ((0, 3, 4, 8), (0, 3, 2, 8), None),
         ((2, 0, 4, 8), (2, 0, 2, 8), None),
-        ((2, 0, 4, 8), (2, 0, 2, 8), torch.zeros(2, 0, dtype=torch.int64)),
+        ((2, 0, 4, 8), (2, 0, 2, 8), ids([[], []])),
     ):
-        q = torch.randn(shape_q, requires_grad=True)
-        k = torch.randn(shape_k, requires_grad=True)
+        q = torch.randn(shape_q, device=DEV, requires_grad=True)
+        k = torch.randn(shape_k, device=DEV, requires_grad=True)
         qo, ko = run(be, q, k, cos, sin, position_ids=pos)
         assert qo.shape == shape_q and ko.shape == shape_k
         with tk.use_backend(be):
@@ -208,7 +220,8 @@ def test_layouts_are_a_permutation_of_each_other(be):
     # permutation used when converting checkpoints).
     q, k = randn(2, 6, 3, 16), randn(2, 6, 1, 16)
     cos, sin = tables(6, 8)
-    perm = torch.cat((torch.arange(0, 16, 2), torch.arange(1, 16, 2)))  # meta index of each hf slot
+    # perm[j]: the Meta-layout index of Hugging Face slot j.
+    perm = torch.cat((torch.arange(0, 16, 2, device=DEV), torch.arange(1, 16, 2, device=DEV)))
     qm, km = run(be, q, k, cos, sin, interleaved=True)
     qh, kh = run(be, q[..., perm], k[..., perm], cos, sin, interleaved=False)
     torch.testing.assert_close(qh, qm[..., perm], rtol=1e-6, atol=1e-6)
@@ -224,8 +237,8 @@ def test_wide_heads_loop_over_blocks(be):
     q, k = randn(1, 3, 2 * (MAX_BLOCK_H + 1), head_dim), randn(1, 3, MAX_BLOCK_H + 1, head_dim)
     cos, sin = tables(5, MAX_BLOCK_R + 3)
     for interleaved in (True, False):
-        qo, ko = run(be, q, k, cos, sin, interleaved=interleaved, position_ids=torch.tensor([4, 0, 2]))
-        check(q, k, cos, sin, qo, ko, torch.tensor([4, 0, 2]), interleaved, 1e-5)
+        qo, ko = run(be, q, k, cos, sin, interleaved=interleaved, position_ids=ids([4, 0, 2]))
+        check(q, k, cos, sin, qo, ko, ids([4, 0, 2]), interleaved, 1e-5)
 
 
 # --------------------------------------------------------------------------- positions out of range
@@ -234,8 +247,8 @@ def test_wide_heads_loop_over_blocks(be):
 def test_out_of_range_positions_raise_in_eager():
     q, k = randn(2, 4, 2, 8), randn(2, 4, 1, 8)
     cos, sin = tables(10, 4)
-    for bad in (torch.tensor([0, 1, 10, 2]), torch.tensor([[0, 1, 2, 3], [-1, 0, 0, 0]])):
-        for be in ("reference", "triton"):
+    for bad in (ids([0, 1, 10, 2]), ids([[0, 1, 2, 3], [-1, 0, 0, 0]])):
+        for be in ("reference", "triton"):  # the check runs before any backend
             with pytest.raises(ValueError, match=r"position_ids: expected values in \[0, 10\)"):
                 run(be, q, k, cos, sin, position_ids=bad)
     with pytest.raises(ValueError, match="seq = 4"):
@@ -248,8 +261,8 @@ def test_kernels_never_read_out_of_range_rows(be):
     # dims: the kernels mask the table read instead of reading past the end.
     q, k = randn(1, 4, 2, 10), randn(1, 4, 1, 10)
     cos, sin = tables(6, 4)
-    pos = torch.tensor([[0, 6, -3, 5]])
-    fwd, bwd = backend.get_impl("rotary", "cpu", be)
+    pos = ids([[0, 6, -3, 5]])
+    fwd, bwd = backend.get_impl("rotary", DEV, be)
     for fn in (fwd, bwd):
         qo, ko = fn(q, k, cos, sin, pos, True)
         for out, x in ((qo, q), (ko, k)):
@@ -280,8 +293,8 @@ class _RefFn(torch.autograd.Function):
 def test_reference_backward_gradcheck_float64(interleaved):
     q = randn(2, 3, 2, 10, dtype=torch.float64).requires_grad_()
     k = randn(2, 3, 1, 10, dtype=torch.float64).requires_grad_()
-    ang = torch.rand(7, 4, dtype=torch.float64) * 6
-    pos = torch.tensor([[6, 0, 3], [1, 1, 5]])
+    ang = torch.rand(7, 4, dtype=torch.float64, device=DEV) * 6
+    pos = ids([[6, 0, 3], [1, 1, 5]])
     assert torch.autograd.gradcheck(
         lambda a, b: _RefFn.apply(a, b, ang.cos(), ang.sin(), pos, interleaved), (q, k)
     )
@@ -292,8 +305,8 @@ def test_op_autograd_gradcheck_and_gradgradcheck_float64():
     # reference backend, which keeps float64 inputs in float64.
     q = randn(2, 3, 4, 6, dtype=torch.float64).requires_grad_()
     k = randn(2, 3, 2, 6, dtype=torch.float64).requires_grad_()
-    ang = torch.rand(5, 2, dtype=torch.float64) * 6
-    pos = torch.tensor([4, 0, 2])
+    ang = torch.rand(5, 2, dtype=torch.float64, device=DEV) * 6
+    pos = ids([4, 0, 2])
     with tk.use_backend("reference"):
         f = lambda a, b: torch.ops.titan.rotary(a, b, ang.cos(), ang.sin(), pos, False)  # noqa: E731
         assert torch.autograd.gradcheck(f, (q, k))
@@ -313,7 +326,7 @@ def test_backward_matches_float64(be, interleaved, dtype):
     q = randn(3, 5, 4, 14, dtype=dtype).requires_grad_()
     k = randn(3, 5, 2, 14, dtype=dtype).requires_grad_()
     cos, sin = tables(9, 6)  # rotary_dim 12 < head_dim 14
-    pos = torch.randint(0, 9, (3, 5))
+    pos = torch.randint(0, 9, (3, 5), device=DEV)
     gq = randn(3, 5, 4, 14, dtype=dtype).transpose(0, 1).contiguous().transpose(0, 1)  # non-contiguous grad
     gk = randn(3, 5, 2, 14, dtype=dtype)
     with tk.use_backend(be):
@@ -376,7 +389,8 @@ def f64_llama_freqs(rotary_dim: int, theta: float, scaling: dict | None) -> list
 @pytest.mark.parametrize("head_dim,rotary_dim,theta", [(128, None, 500000.0), (64, 40, 10000.0)])
 def test_rope_cos_sin_matches_float64(scaling, head_dim, rotary_dim, theta):
     max_pos = 131072  # Llama 3.1 context: large angles, where float32 angle math would drift
-    cos, sin = tk.rope_cos_sin(head_dim, max_pos, theta, scaling, rotary_dim=rotary_dim)
+    cos, sin = tk.rope_cos_sin(head_dim, max_pos, theta, scaling, rotary_dim=rotary_dim, device=DEV)
+    cos, sin = cos.cpu(), sin.cpu()
     rd = rotary_dim or head_dim
     assert cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (max_pos, rd // 2)
     freqs = torch.tensor(f64_llama_freqs(rd, theta, scaling), dtype=torch.float64)
@@ -444,8 +458,8 @@ def test_opcheck(be):
     qt = randn(2, 4, 3, 12).transpose(1, 2)  # non-contiguous q
     cases = [
         (q, k, cos, sin, None, True),
-        (q, k, cos, sin, torch.tensor([10, 0, 5]), False),
-        (qt, k.detach(), cos, sin, torch.randint(0, 11, (2, 3), dtype=torch.int32), True),
+        (q, k, cos, sin, ids([10, 0, 5]), False),
+        (qt, k.detach(), cos, sin, torch.randint(0, 11, (2, 3), dtype=torch.int32, device=DEV), True),
     ]
     with tk.use_backend(be):
         for args in cases:
@@ -455,10 +469,10 @@ def test_opcheck(be):
 
 @pytest.mark.parametrize("be", BACKENDS)
 def test_compile_fullgraph_matches_eager(be):
-    cos, sin = tk.rope_cos_sin(16, 32, scaling=LLAMA31)
+    cos, sin = tk.rope_cos_sin(16, 32, scaling=LLAMA31, device=DEV)
     q = randn(2, 5, 4, 16).requires_grad_()
     k = randn(2, 5, 2, 16).requires_grad_()
-    pos = torch.randint(0, 32, (2, 5))
+    pos = torch.randint(0, 32, (2, 5), device=DEV)
 
     def f(q, k, pos):
         qo, ko = tk.apply_rotary_emb(q * 2, k, cos, sin, interleaved=True, position_ids=pos)
@@ -474,7 +488,7 @@ def test_compile_fullgraph_matches_eager(be):
         g_comp = torch.autograd.grad(compiled.sum(), (q, k))
         # Out-of-range positions inside a compiled graph: no check runs, nothing is read out of
         # bounds, and the rotated dims of those tokens come out NaN.
-        bad = cf(q.detach(), k.detach(), torch.tensor([[0, 1, 2, 3, 4], [0, 99, 2, 3, 4]]))
+        bad = cf(q.detach(), k.detach(), ids([[0, 1, 2, 3, 4], [0, 99, 2, 3, 4]]))
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
     for a, b in zip(g_comp, g_eager):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -504,10 +518,10 @@ def test_bad_input_errors():
         (ValueError, "sin", dict(sin=sin[:, :3])),
         (ValueError, "cos", dict(cos=cos.clone().requires_grad_())),
         (ValueError, "device", dict(sin=sin.to("meta"))),
-        (TypeError, "position_ids", dict(position_ids=torch.zeros(4))),
-        (ValueError, "position_ids", dict(position_ids=torch.zeros(5, dtype=torch.int64))),
-        (ValueError, "position_ids", dict(position_ids=torch.zeros(3, 4, dtype=torch.int64))),
-        (ValueError, "position_ids", dict(position_ids=torch.zeros(1, 2, 4, dtype=torch.int64))),
+        (TypeError, "position_ids", dict(position_ids=torch.zeros(4, device=DEV))),
+        (ValueError, "position_ids", dict(position_ids=ids([0] * 5))),
+        (ValueError, "position_ids", dict(position_ids=ids([[0] * 4] * 3))),
+        (ValueError, "position_ids", dict(position_ids=ids([[[0] * 4] * 2]))),
         (TypeError, "interleaved", dict(interleaved=1)),
     ]
     for exc, match, kw in cases:
@@ -522,12 +536,12 @@ def test_bad_input_errors():
 
 
 def test_rotary_embedding_module():
-    mod = RotaryEmbedding(16, 64, theta=10000.0, scaling=LLAMA31, interleaved=False)
-    cos, sin = tk.rope_cos_sin(16, 64, 10000.0, LLAMA31)
+    mod = RotaryEmbedding(16, 64, theta=10000.0, scaling=LLAMA31, interleaved=False, device=DEV)
+    cos, sin = tk.rope_cos_sin(16, 64, 10000.0, LLAMA31, device=DEV)
     assert torch.equal(mod.cos, cos) and torch.equal(mod.sin, sin)
     assert "cos" not in mod.state_dict() and "sin" not in mod.state_dict()
     q, k = randn(2, 5, 4, 16), randn(2, 5, 2, 16)
-    pos = torch.randint(0, 64, (2, 5))
+    pos = torch.randint(0, 64, (2, 5), device=DEV)
     qo, ko = mod(q, k, pos)
     qr, kr = tk.apply_rotary_emb(q, k, cos, sin, position_ids=pos)
     assert torch.equal(qo, qr) and torch.equal(ko, kr)
@@ -542,16 +556,16 @@ def test_rotary_embedding_meta_init_then_to_empty():
     with torch.device("meta"):
         mod = RotaryEmbedding(32, 128, scaling=LLAMA31, rotary_dim=24)
     assert mod.cos.is_meta
-    mod.to_empty(device="cpu")
+    mod.to_empty(device=DEV)
     mod.reset_parameters()
-    cos, sin = tk.rope_cos_sin(32, 128, scaling=LLAMA31, rotary_dim=24)
+    cos, sin = tk.rope_cos_sin(32, 128, scaling=LLAMA31, rotary_dim=24, device=DEV)
     assert torch.equal(mod.cos, cos) and torch.equal(mod.sin, sin)
 
 
 def test_rotary_embedding_tables_stay_float32_under_dtype_casts():
-    mod = RotaryEmbedding(16, 4096).to(torch.bfloat16)
-    cos, sin = tk.rope_cos_sin(16, 4096)
+    mod = RotaryEmbedding(16, 4096).to(DEV, torch.bfloat16)
+    cos, sin = tk.rope_cos_sin(16, 4096, device=DEV)
     assert mod.cos.dtype == torch.float32 and torch.equal(mod.cos, cos) and torch.equal(mod.sin, sin)
     q, k = randn(1, 3, 2, 16, dtype=torch.bfloat16), randn(1, 3, 2, 16, dtype=torch.bfloat16)
-    qo, _ = mod(q, k, torch.tensor([4000, 4001, 4095]))
+    qo, _ = mod(q, k, ids([4000, 4001, 4095]))
     assert qo.dtype == torch.bfloat16

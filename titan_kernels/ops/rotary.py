@@ -33,8 +33,17 @@ def _register_triton() -> None:
     _backend.register_impl(OP, "triton", (_tri.rotary_fwd, _tri.rotary_bwd))
 
 
+def _native_fwd(q, k, cos, sin, position_ids, interleaved):
+    return tuple(torch.ops.titan.rotary_fwd_native(q, k, cos, sin, position_ids, interleaved))
+
+
+def _native_bwd(dq, dk, cos, sin, position_ids, interleaved):
+    return tuple(torch.ops.titan.rotary_bwd_native(dq, dk, cos, sin, position_ids, interleaved))
+
+
 _register_triton()
-# No "cpu"/"cuda" registration: the csrc extension has no rotary kernel yet.
+for _name in ("cpu", "cuda"):  # available only where the csrc extension is built (backend.py checks)
+    _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
 
 
 def _impl(device: torch.device):
