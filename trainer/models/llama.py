@@ -1,0 +1,426 @@
+"""Llama 3 (Grattafiori et al., "The Llama 3 Herd of Models", 2024) built from titan_kernels.
+
+Architecture: token embedding -> n_layers x [RMSNorm -> GQA attention with rotary -> residual,
+RMSNorm -> SwiGLU feed-forward -> residual] -> RMSNorm -> output projection. Rotary uses the Meta
+"interleaved" layout (pairs (2i, 2i+1) of each head rotate together, as in Meta's reference code and
+torchtitan) with Llama 3.1 frequency scaling; ``to_hf_state_dict`` converts to the Hugging Face
+layout (rotate-half), which needs a permutation of the wq/wk rows.
+
+Flavors (``LLAMA3_FLAVORS``) carry the published hyperparameters:
+debugmodel (dim 256, 6 layers, 16 heads; vocab from the tokenizer), 1B and 3B (Llama 3.2, tied
+embeddings, rope factor 32), 8B, 70B and 405B (Llama 3.1, rope factor 8).
+
+The model is built on the meta device (``build_model``), parallelized, materialized with
+``to_empty`` and filled by ``Transformer.init_weights(seed)``, whose result does not depend on the
+parallel layout: each parameter is drawn whole from a generator seeded by (seed, parameter name) and
+each rank keeps its shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import titan_kernels
+from titan_kernels.nn import RMSNorm, RotaryEmbedding
+
+# Llama 3.1 (8B/70B/405B) and Llama 3.2 (1B/3B) rotary frequency scaling, from the models' published
+# configs (rope_scaling in config.json).
+LLAMA31_ROPE_SCALING = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+LLAMA32_ROPE_SCALING = dict(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Hyperparameters of a Llama 3 model (names as in Meta's reference code and torchtitan).
+
+    ``vocab_size = -1`` means "take it from the tokenizer" (debugmodel). ``init_std`` is the standard
+    deviation of every weight matrix except the residual output projections (attention.wo and
+    feed_forward.w2), which are scaled down with depth (``depth_init``: 0.02/sqrt(2*(layer_id+1)),
+    as torchtitan; otherwise 0.02/sqrt(2*n_layers), GPT-2 sec. 2.3).
+    """
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int | None = None
+    vocab_size: int = 128256
+    multiple_of: int = 256
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: dict | None = None
+    max_seq_len: int = 8192
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+    depth_init: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("dim", "n_layers", "n_heads", "multiple_of", "max_seq_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ModelArgs.{name}: expected an integer >= 1, got {v!r}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"ModelArgs.dim: expected a multiple of n_heads={self.n_heads}, got {self.dim}")
+        if self.head_dim % 2:
+            raise ValueError(f"ModelArgs: head_dim = dim / n_heads must be even for rotary, got {self.head_dim}")
+        if self.kv_heads < 1 or self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelArgs.n_kv_heads: expected a divisor of n_heads={self.n_heads}, got {self.n_kv_heads}"
+            )
+        if self.vocab_size != -1 and self.vocab_size < 1:
+            raise ValueError(f"ModelArgs.vocab_size: expected -1 (from the tokenizer) or >= 1, got {self.vocab_size}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_hidden_dim(self) -> int:
+        """SwiGLU hidden size: ``multiple_of * ceil(int(mult * int(8*dim/3)) / multiple_of)`` (Meta's code)."""
+        hidden = int(2 * (4 * self.dim) / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * ((hidden + self.multiple_of - 1) // self.multiple_of)
+
+    def replace(self, **changes) -> "ModelArgs":
+        return dataclasses.replace(self, **changes)
+
+    # -- analytic counts (no model needed; used by trainer.estimate and the MFU) --
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.dim
+
+    def layer_params(self) -> int:
+        """Parameters of one transformer block: wq, wk, wv, wo, w1, w2, w3 and two norm weights."""
+        kv_dim = self.kv_heads * self.head_dim
+        attn = self.dim * self.dim * 2 + self.dim * kv_dim * 2
+        ffn = 3 * self.dim * self.ffn_hidden_dim
+        return attn + ffn + 2 * self.dim
+
+    def num_params(self) -> int:
+        """Total trainable parameters (the tied output weight counted once)."""
+        self._need_vocab()
+        out = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
+        return self.embedding_params() + self.n_layers * self.layer_params() + self.dim + out
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: ``6*N + 6*n_layers*n_heads*2*head_dim*seq_len`` (torchtitan's MFU formula).
+
+        N excludes the input embedding (a lookup, no FLOPs); with tied embeddings the same matrix is
+        the output projection and is counted. The second term is causal-unaware attention (QK^T and
+        PV), as in torchtitan and the PaLM paper (appendix B).
+        """
+        n = self.num_params() - (0 if self.tie_word_embeddings else self.embedding_params())
+        return 6 * n + 6 * self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
+
+    def _need_vocab(self) -> None:
+        if self.vocab_size < 1:
+            raise ValueError("ModelArgs.vocab_size: not set; take it from the tokenizer (with_vocab) first")
+
+
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # torchtitan's debug model; vocab from the tokenizer, rope scaling as the Llama 3.1 models.
+    "debugmodel": ModelArgs(dim=256, n_layers=6, n_heads=16, vocab_size=-1, rope_scaling=LLAMA31_ROPE_SCALING),
+    # Llama 3.2 (meta-llama/Llama-3.2-1B and -3B config.json)
+    "1B": ModelArgs(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.5, multiple_of=256,
+                    rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True),
+    "3B": ModelArgs(dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim_multiplier=1.0, multiple_of=256,
+                    rope_scaling=LLAMA32_ROPE_SCALING, tie_word_embeddings=True),
+    # Llama 3.1 (Meta's reference params.json)
+    "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=1024,
+                    rope_scaling=LLAMA31_ROPE_SCALING),
+    "70B": ModelArgs(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim_multiplier=1.3, multiple_of=4096,
+                     rope_scaling=LLAMA31_ROPE_SCALING),
+    "405B": ModelArgs(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim_multiplier=1.2, multiple_of=4096,
+                      rope_scaling=LLAMA31_ROPE_SCALING),
+}
+
+
+def model_args(flavor: str, vocab_size: int, max_seq_len: int) -> ModelArgs:
+    """The flavor's ModelArgs for a tokenizer of ``vocab_size`` tokens and sequences up to ``max_seq_len``.
+
+    A flavor with ``vocab_size=-1`` (debugmodel) takes the tokenizer's; the others keep their
+    published 128256 and reject a larger tokenizer.
+
+    Raises:
+        ValueError: unknown flavor, a tokenizer larger than the model's vocabulary, bad max_seq_len.
+    """
+    if flavor not in LLAMA3_FLAVORS:
+        raise ValueError(f"flavor: expected one of {', '.join(LLAMA3_FLAVORS)}, got {flavor!r}")
+    args = LLAMA3_FLAVORS[flavor]
+    if not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size: expected an integer >= 1, got {vocab_size!r}")
+    if args.vocab_size == -1:
+        args = args.replace(vocab_size=vocab_size)
+    elif vocab_size > args.vocab_size:
+        raise ValueError(
+            f"vocab_size: the tokenizer has {vocab_size} tokens but flavor {flavor!r} has an embedding of "
+            f"{args.vocab_size}; use the model's own tokenizer"
+        )
+    return args.replace(max_seq_len=max_seq_len)
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules
+
+
+class Attention(nn.Module):
+    """Grouped-query attention (Ainslie et al. 2023) with rotary on q and k.
+
+    Shapes: x (batch, seq, dim); rope: the model's RotaryEmbedding (interleaved layout); position_ids
+    (batch, seq) int64 or None. With position_ids, tokens attend only inside their document (a
+    document starts where position_ids is 0), and rotary uses those positions.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
+        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        q, k = rope(q, k, position_ids)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim) for SDPA
+        gqa = self.n_kv_heads != self.n_heads
+        if position_ids is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(position_ids), enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool mask: causal and within the same document (a document starts at position 0)."""
+    doc = torch.cumsum(position_ids == 0, dim=1)
+    seq = position_ids.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU feed-forward (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; x (..., dim) -> (..., dim)."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block; the residual add before the feed-forward norm is one fused titan op."""
+
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+
+    def forward(
+        self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        attn = self.attention(self.attention_norm(x), rope, position_ids)
+        ffn_in, h = titan_kernels.add_rms_norm(attn, x, self.ffn_norm.weight, self.ffn_norm.eps)
+        return h + self.feed_forward(ffn_in)
+
+
+class Transformer(nn.Module):
+    """Llama 3. ``forward(tokens (batch, seq) int64, position_ids=None) -> logits (batch, seq, vocab_size)``.
+
+    Logits come in the parameters' (compute) dtype; compute the loss in float32 (``cross_entropy_loss``).
+    Layers live in a ModuleDict keyed "0".."n-1" so that parameter names stay the same when a
+    pipeline stage drops some of them.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        args._need_vocab()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, eps=args.norm_eps)
+        # Tied (Llama 3.2): the output projection is tok_embeddings.weight itself, so there is one
+        # parameter whatever happens to the module (to_empty, FSDP) and nothing to re-tie.
+        self.output = None if args.tie_word_embeddings else nn.Linear(args.dim, args.vocab_size, bias=False)
+        # One table for all blocks, passed to them as a module (not as tensors, which FSDP2's
+        # mixed precision would cast to bf16). Its cos/sin buffers are not in the state dict.
+        self.rope = RotaryEmbedding(
+            args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, interleaved=True
+        )
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens: expected shape (batch, seq), got {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, self.rope, position_ids)
+        h = self.norm(h)
+        if self.output is None:
+            return F.linear(h, self.tok_embeddings.weight)
+        return self.output(h)
+
+    # -- initialization --
+
+    def param_init_std(self, name: str) -> float | None:
+        """Init standard deviation of parameter ``name``; None for norm weights (ones)."""
+        if name.endswith("norm.weight"):
+            return None
+        m = re.match(r"layers\.(\d+)\.(attention\.wo|feed_forward\.w2)\.weight$", name)
+        if m:
+            depth = 2 * (int(m.group(1)) + 1) if self.args.depth_init else 2 * self.args.n_layers
+            return self.args.init_std / math.sqrt(depth)
+        return self.args.init_std
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer; the result is the same for any sharding of the parameters.
+
+        Weights: truncated normal(0, std) at +-3 std (``param_init_std``); norm weights: ones. Each
+        parameter is drawn whole on its device from a generator seeded by (seed, name), then each rank
+        keeps its own shard (DTensor parameters, e.g. under FSDP2). Costs one full parameter of
+        temporary memory at a time. The rotary tables are recomputed where they are.
+
+        Raises RuntimeError if the model is still on the meta device (call ``to_empty`` first).
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if any(t.device.type == "meta" for t in (*self.parameters(), *self.buffers())):
+            raise RuntimeError("init_weights: the model is still on the meta device; call to_empty(device=...) first")
+        for name, param in self.named_parameters():
+            is_dt = isinstance(param, DTensor)
+            local = param.to_local() if is_dt else param
+            full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+            std = self.param_init_std(name)
+            if std is None:
+                full.fill_(1.0)
+            else:
+                gen = torch.Generator(device=local.device)
+                gen.manual_seed(_param_seed(seed, name))
+                nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+            if is_dt:
+                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+            param.copy_(full)
+        self.rope.reset_parameters()
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def build_model(args: ModelArgs, device: torch.device | str = "meta") -> Transformer:
+    """A Transformer for ``args`` on ``device`` (default meta: no memory; call to_empty + init_weights)."""
+    with torch.device(device):
+        return Transformer(args)
+
+
+def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Sum of token cross-entropies in float32.
+
+    logits (batch, seq, vocab) any float dtype; labels (batch, seq) int64, ``ignore_index`` skipped.
+    Returns a float32 scalar: the SUM over tokens (the caller divides by the global token count so
+    that gradient accumulation and data parallelism give the gradient of one big batch).
+    """
+    return F.cross_entropy(
+        logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Hugging Face Llama state dict
+
+# ours (layer index as {}) -> Hugging Face LlamaForCausalLM
+HF_KEY_MAP: dict[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
+    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
+    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
+    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
+    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
+    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
+    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_HF_INV = {v: k for k, v in HF_KEY_MAP.items()}
+
+
+def _rename(key: str, table: dict[str, str]) -> str:
+    m = re.search(r"\.(\d+)\.", key)
+    pattern = key.replace(f".{m.group(1)}.", ".{}.", 1) if m else key
+    if pattern not in table:
+        raise KeyError(f"state dict key {key!r} has no Hugging Face Llama counterpart")
+    return table[pattern].format(m.group(1)) if m else table[pattern]
+
+
+def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of wq/wk from rotary pairs (2i, 2i+1) per head to halves (i, i + head_dim/2) per head."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def _half_to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def to_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Our (full, unsharded) state dict -> Hugging Face ``LlamaForCausalLM`` names and rotary layout.
+
+    Tied models (1B/3B) get ``lm_head.weight`` = the embedding, as HF expects when it is saved.
+    Raises KeyError for a key with no counterpart.
+    """
+    out = {}
+    for key, t in state_dict.items():
+        if key.endswith("attention.wq.weight"):
+            t = _interleaved_to_half(t, args.n_heads)
+        elif key.endswith("attention.wk.weight"):
+            t = _interleaved_to_half(t, args.kv_heads)
+        out[_rename(key, HF_KEY_MAP)] = t
+    if args.tie_word_embeddings and "lm_head.weight" not in out and "model.embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    return out
+
+
+def from_hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Inverse of ``to_hf_state_dict`` (a tied model drops ``lm_head.weight``). Raises KeyError for unknown keys."""
+    out = {}
+    for key, t in state_dict.items():
+        if key == "lm_head.weight" and args.tie_word_embeddings:
+            continue
+        if key.endswith("rotary_emb.inv_freq"):  # a buffer some HF checkpoints carry
+            continue
+        ours = _rename(key, _HF_INV)
+        if ours.endswith("attention.wq.weight"):
+            t = _half_to_interleaved(t, args.n_heads)
+        elif ours.endswith("attention.wk.weight"):
+            t = _half_to_interleaved(t, args.kv_heads)
+        out[ours] = t
+    return out
