@@ -21,6 +21,7 @@ setup(
         "tensorboard>=2.15",
         "pyarrow>=14",
         "psutil>=5.9",
+        "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja"],
