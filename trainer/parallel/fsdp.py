@@ -1,0 +1,44 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): one unit per transformer block, plus the root.
+
+On GPUs, parameters are all-gathered in ``param_dtype`` (bf16 by default) and gradients reduced in
+``reduce_dtype`` (fp32), while the sharded master weights and the optimizer stay fp32
+(``MixedPrecisionPolicy``). On a 2-D mesh (dp_replicate, dp_shard) this is HSDP: shard within a
+group, all-reduce across groups.
+
+Gloo (CPU) does not implement every reduce op FSDP2 may pick (ReduceOp.AVG, PREMUL_SUM), so on gloo
+every FSDP unit is told to use plain SUM collectives with a separate division by the data-parallel
+size (``set_force_sum_reduction_for_comms``). The result is the same average of gradients.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """Shard ``model`` (a Transformer with ``model.layers``) in place with FSDP2 and return it.
+
+    ``param_dtype``/``reduce_dtype`` None keep the parameters' own dtype (fp32 on CPU).
+    The root keeps its parameters (embedding, final norm, output) gathered from forward to backward,
+    as FSDP2 does for the root. Works on the meta device (materialize afterwards with ``to_empty``).
+    """
+    if not hasattr(model, "layers"):
+        raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+    return model
