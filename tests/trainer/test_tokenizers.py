@@ -150,7 +150,7 @@ def test_byte_tokenizer_round_trip(seed):
 
 def test_hf_tokenizer_json_round_trip(hf_json, shared_data):
     tok = build_tokenizer(hf_json)
-    assert tok.name.startswith("tokenizer.json:")
+    assert tok.name.startswith("tokenizer.json tokenizer.json sha1:")
     assert tok.vocab_size == 700
     assert (tok.bos_id, tok.eos_id) == (0, 1)
     held_out = _shakespeare(shared_data)[-20_000:]
@@ -160,10 +160,19 @@ def test_hf_tokenizer_json_round_trip(hf_json, shared_data):
     assert build_tokenizer(hf_json.parent).encode("speak") == tok.encode("speak")
 
 
+def test_tokenizer_name_follows_the_content_not_the_path(hf_json, tmp_path):
+    # The name goes into the loader state; a resume with the same file elsewhere must be accepted.
+    copy = tmp_path / "tokenizer.json"
+    copy.write_bytes(hf_json.read_bytes())
+    assert build_tokenizer(copy).name == build_tokenizer(hf_json).name
+    copy.write_bytes(hf_json.read_bytes().replace(b'"<|end_of_text|>"', b'"<|end_of_doc|>"'))
+    assert build_tokenizer(copy).name != build_tokenizer(hf_json).name
+
+
 def test_tiktoken_file_round_trip(tiktoken_file, shared_data):
     path, n_ranks = tiktoken_file
     tok = build_tokenizer(path)
-    assert tok.name.startswith("tiktoken:")
+    assert tok.name.startswith("tiktoken tokenizer.model sha1:")
     # Llama 3 layout: the 256 special tokens follow the ranks, BOS and EOS first
     assert tok.vocab_size == n_ranks + 256
     assert (tok.bos_id, tok.eos_id) == (n_ranks, n_ranks + 1)
@@ -176,7 +185,7 @@ def test_tiktoken_file_round_trip(tiktoken_file, shared_data):
 
 def test_sentencepiece_round_trip(sp_model, shared_data):
     tok = build_tokenizer(sp_model)
-    assert tok.name.startswith("sentencepiece:")
+    assert tok.name.startswith("sentencepiece sp.model sha1:")
     assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (500, 1, 2)
     held_out = _shakespeare(shared_data)[-20_000:]
     _check_round_trips(tok, [_random_text(5), held_out])

@@ -25,6 +25,7 @@ import difflib
 import json
 import os
 import pathlib
+import platform
 import random
 import re
 import socket
@@ -64,7 +65,8 @@ class EmbeddedCorpus(DocumentSource):
     text on CPython 3.11; the exact text depends on the Python version that runs it.
     """
 
-    name = "pydoc"
+    # The text depends on the Python version, so the name (kept in the loader state) records it.
+    name = f"pydoc (Python {platform.python_version()})"
     # Folders of the standard library whose docstrings are not prose (tests, generated codec
     # tables, vendored wheels, demos) are left out.
     _SKIP_PARTS = frozenset(

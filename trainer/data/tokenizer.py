@@ -18,6 +18,7 @@ entry for, e.g. spaces), but its ranks fully define a byte-level BPE, which tikt
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import pathlib
 import re
@@ -119,7 +120,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = tok.get_vocab_size(with_added_tokens=True)
         self.bos_id = tok.token_to_id(bos)
         self.eos_id = tok.token_to_id(eos)
-        self.name = f"tokenizer.json:{path}"
+        self.name = _file_name("tokenizer.json", path)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -158,7 +159,7 @@ class SentencePieceTokenizer(Tokenizer):
         self.vocab_size = sp.get_piece_size()
         self.bos_id = sp.bos_id()
         self.eos_id = sp.eos_id()
-        self.name = f"sentencepiece:{path}"
+        self.name = _file_name("sentencepiece", path)
         if self.bos_id < 0 or self.eos_id < 0:
             raise ValueError(
                 f"model.tokenizer_path: SentencePiece model {str(path)!r} has no BOS/EOS "
@@ -173,6 +174,12 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 # ----------------------------------------------------------------------------------------------
+
+
+def _file_name(kind: str, path: pathlib.Path) -> str:
+    """``kind file sha1:...``: names the tokenizer by its content, so a moved file still matches on resume."""
+    digest = hashlib.sha1(path.read_bytes()).hexdigest()[:12]
+    return f"{kind} {path.name} sha1:{digest}"
 
 
 def build_tokenizer(path: str | pathlib.Path | None) -> Tokenizer:
@@ -257,7 +264,7 @@ def _load_tiktoken_file(path: pathlib.Path) -> TiktokenTokenizer:
     _check_byte_coverage(ranks, path)
     n = max(ranks.values()) + 1
     specials = {tok: n + i for i, tok in enumerate(LLAMA3_SPECIAL_TOKENS)}
-    return TiktokenTokenizer(ranks, specials, "<|begin_of_text|>", "<|end_of_text|>", name=f"tiktoken:{path}")
+    return TiktokenTokenizer(ranks, specials, "<|begin_of_text|>", "<|end_of_text|>", name=_file_name("tiktoken", path))
 
 
 def _check_byte_coverage(ranks: dict[bytes, int], path: pathlib.Path) -> None:
@@ -342,7 +349,7 @@ def _load_hf_json(path: pathlib.Path) -> Tokenizer:
     ranks, special_ids = ranked
     # Llama 3's split pattern: such vocabularies hold tokens like ".\n" that only it can produce
     # (GPT-2's pattern always splits punctuation from the following newline).
-    return TiktokenTokenizer(ranks, special_ids, bos, eos, name=f"tokenizer.json(ranked bytes):{path}")
+    return TiktokenTokenizer(ranks, special_ids, bos, eos, name=_file_name("tokenizer.json (ranked bytes, tiktoken)", path))
 
 
 _BYTE_ESCAPE = re.compile(r"\\x([0-9a-fA-F]{2})")
