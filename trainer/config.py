@@ -264,6 +264,8 @@ class JobConfig:
     def validate(self) -> None:
         """Check every value and the relations between them; raise ConfigError naming the key."""
         for section, key, hint, value in _iter_fields(self):
+            # Types first: a config built in code (not parsed) may hold e.g. a str where an int belongs.
+            _check_toml_value(f"{section}.{key}", value, hint, "--")
             choices = _field_of(section, key).metadata.get("choices")
             if choices is not None and value not in choices:
                 raise ConfigError(_choice_message(f"{section}.{key}", value, choices))

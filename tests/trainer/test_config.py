@@ -263,6 +263,20 @@ def test_invalid_values_name_the_key(argv, key):
     assert "expected" in msg or "no such" in msg
 
 
+def test_validate_checks_the_types_of_a_config_built_in_code():
+    c = JobConfig()
+    c.training.steps = "10"
+    with pytest.raises(ConfigError, match=r"--training.steps: expected an integer, got '10' \(str\)"):
+        c.validate()
+    c = JobConfig()
+    c.checkpoint.enable = 1
+    with pytest.raises(ConfigError, match="--checkpoint.enable: expected true/false"):
+        c.validate()
+    c = JobConfig()
+    c.optimizer.lr = 1  # an int where a float belongs is fine
+    c.validate()
+
+
 def test_toml_errors(tmp_path):
     cases = {
         "[training]\nstpes = 3\n": "did you mean --training.steps?",
@@ -316,6 +330,30 @@ def test_cli_main_returns_2_with_one_line_error(capsys):
     assert cli.main(["--training.stpes", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean --training.steps?" in err
+
+
+def test_cli_main_runs_the_trainer_and_passes_its_exit_code(monkeypatch, capsys):
+    import types
+
+    seen = []
+
+    def fake_train_main(config):
+        seen.append(config)
+        if config.training.steps == 2:
+            raise ConfigError("--training.global_batch_size: 8 is not a multiple of 3")
+        if config.training.steps == 3:
+            raise KeyboardInterrupt
+        return 7
+
+    monkeypatch.setitem(sys.modules, "trainer.train", types.SimpleNamespace(main=fake_train_main))
+    assert cli.main(["--training.steps", "5", "--job.print_config"]) == 7
+    assert seen[-1].training.steps == 5
+    out = capsys.readouterr().out
+    assert "[training]" in out and "steps = 5" in out  # print_config prints the TOML
+    assert cli.main(["--training.steps", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "python -m trainer: error: --training.global_batch_size: 8 is not a multiple of 3")
+    assert cli.main(["--training.steps", "3"]) == 130
 
 
 def test_python_m_trainer_help_and_errors_are_fast_and_torch_free():
