@@ -372,12 +372,16 @@ def all_keys() -> list[str]:
 
 def _suggest(name: str, candidates: typing.Iterable[str]) -> str | None:
     """The closest candidate to ``name`` (also matching on the part after the dot), or None."""
-    candidates = list(candidates)
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
+
+    leaf = name.split(".", 1)[-1]
     best, best_score = None, 0.0
     for cand in candidates:
-        score = difflib.SequenceMatcher(None, name.lower(), cand.lower()).ratio()
-        if "." in cand and "." not in name:  # '--steps' -> 'training.steps'
-            score = max(score, difflib.SequenceMatcher(None, name.lower(), cand.split(".", 1)[1].lower()).ratio())
+        score = ratio(name, cand)
+        if "." in cand:
+            # '--steps' -> 'training.steps'; '--training.lr' -> 'optimizer.lr' (a little less sure)
+            score = max(score, ratio(leaf, cand.split(".", 1)[1]) - (0.05 if "." in name else 0.0))
         if score > best_score:
             best, best_score = cand, score
     return best if best_score >= 0.6 else None

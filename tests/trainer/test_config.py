@@ -194,6 +194,13 @@ def test_misspelled_key_suggests_the_closest():
 
 def test_key_without_section_suggests_the_sectioned_key():
     assert "did you mean --training.seq_len?" in _error(["--seq_len", "128"])
+    assert "did you mean --model.tokenizer_path?" in _error(["--tokenizer_path", "x"])
+
+
+def test_key_in_the_wrong_section_suggests_the_right_section():
+    assert "did you mean --optimizer.lr?" in _error(["--training.lr", "1"])
+    assert "did you mean --lr_scheduler.warmup_steps?" in _error(["--optimizer.warmup_steps", "3"])
+    assert "did you mean --training.seq_len?" in _error(["--model.seq_len", "3"])
 
 
 def test_unrelated_key_points_to_help():
