@@ -246,7 +246,9 @@ class HuggingFaceDataset(DocumentSource):
     def iter_from(self, start: int) -> Iterator[str]:
         ds = self._stream()
         for row in (ds.skip(start) if start else ds):
-            yield row.get("text") or ""
+            if "text" not in row:
+                raise ValueError(f"training.dataset={self.name[3:]!r}: expected a 'text' field, got fields {sorted(row)}")
+            yield row["text"] or ""
 
 
 def check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
