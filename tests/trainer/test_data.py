@@ -419,6 +419,41 @@ def test_hf_dataset_without_the_datasets_package(monkeypatch):
         HuggingFaceDataset("c4")
 
 
+def test_hf_dataset_streams_text_and_resumes_by_skipping(monkeypatch):
+    """The streaming path, with a stand-in for the ``datasets`` package (no network here)."""
+    import sys
+    import types
+
+    rows = [{"text": f"document {i}", "url": "u"} for i in range(10)]
+    calls = []
+
+    class Stream:
+        def __init__(self, items):
+            self.items = items
+
+        def skip(self, n):
+            return Stream(self.items[n:])
+
+        def __iter__(self):
+            return iter(self.items)
+
+    def load_dataset(path, name=None, split=None, streaming=False):
+        calls.append((path, name, split, streaming))
+        return Stream(rows)
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr("trainer.data.datasets.check_hub_reachable", lambda name, timeout_s=3.0: None)
+    source = build_source("c4")
+    assert list(source.iter_from(0)) == [r["text"] for r in rows]
+    assert list(source.iter_from(7)) == ["document 7", "document 8", "document 9"]
+    assert calls[0] == ("allenai/c4", "en", "train", True)
+    assert list(build_source("someone/corpus:v2").iter_from(9)) == ["document 9"]
+    assert calls[-1] == ("someone/corpus", "v2", "train", True)
+    rows[3] = {"content": "no text"}
+    with pytest.raises(ValueError, match=r"training.dataset='c4': expected a 'text' field, got fields \['content'\]"):
+        list(build_source("c4").iter_from(0))
+
+
 # ---- build_dataloader --------------------------------------------------------------------------
 
 
