@@ -1,6 +1,7 @@
 """Config parsing: defaults, flavor TOML files, overrides, boolean flags, errors and --help."""
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from trainer.config import (
     parse_args,
 )
 
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
 
 
@@ -364,18 +366,17 @@ def test_cli_main_runs_the_trainer_and_passes_its_exit_code(monkeypatch, capsys)
 
 
 def test_python_m_trainer_help_and_errors_are_fast_and_torch_free():
+    run = dict(capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     start = time.perf_counter()
-    help_run = subprocess.run([sys.executable, "-m", "trainer", "--help"], capture_output=True, text=True, timeout=60)
-    bad_run = subprocess.run([sys.executable, "-m", "trainer", "--training.steps", "x"], capture_output=True,
-                             text=True, timeout=60)
+    help_run = subprocess.run([sys.executable, "-m", "trainer", "--help"], **run)
+    bad_run = subprocess.run([sys.executable, "-m", "trainer", "--training.steps", "x"], **run)
     elapsed = time.perf_counter() - start
     assert help_run.returncode == 0 and "--training.steps" in help_run.stdout
     assert bad_run.returncode == 2
     assert bad_run.stderr.strip().count("\n") == 0 and "Traceback" not in bad_run.stderr
     assert "--training.steps: expected an integer, got 'x'" in bad_run.stderr
     assert elapsed < 20, f"--help and a config error took {elapsed:.1f}s (torch should not be imported)"
-    probe = subprocess.run([sys.executable, "-c", "import sys, trainer.config; print('torch' in sys.modules)"],
-                           capture_output=True, text=True, timeout=60)
+    probe = subprocess.run([sys.executable, "-c", "import sys, trainer.config; print('torch' in sys.modules)"], **run)
     assert probe.stdout.strip() == "False"
 
 
