@@ -2,7 +2,13 @@
 
 The native extension in csrc/ is optional; see csrc/ and the README for how it is built.
 """
+import os
+import sys
+
 from setuptools import find_packages, setup
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc"))
+from setup_native import native_build  # noqa: E402  (the optional C++/CUDA extension; see its docstring)
 
 setup(
     name="titan-kernels",
@@ -28,4 +34,5 @@ setup(
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],
     },
+    **native_build(),
 )

@@ -1,0 +1,116 @@
+// CPU kernel interface: plain parameter structs (raw pointers, sizes, strides) and the per-ISA
+// kernel tables.
+//
+// kernels_impl.h is compiled once per instruction set (kernels_default.cpp, kernels_avx2.cpp,
+// kernels_avx512.cpp, each with its own compiler flags), the way ATen builds its own CPU kernels;
+// dispatch.cpp picks the table for the machine at run time. Only this header is shared between those
+// objects, so it holds nothing but POD types and declarations.
+#pragma once
+
+#include <cstdint>
+
+namespace titan::cpu {
+
+enum class DType : int { Float = 0, BFloat16 = 1, Half = 2 };
+
+// Offsets of the rows of a tensor viewed as (rows, N): the leading dims (coalesced where they
+// flatten) with their element strides. Handles slices and transposes of the leading dims without a
+// copy; the last dim must have stride 1 (the caller makes it so).
+constexpr int kMaxRowDims = 6;
+
+struct RowIndexer {
+  int ndim = 1;
+  int64_t sizes[kMaxRowDims] = {0};
+  int64_t strides[kMaxRowDims] = {0};
+
+  int64_t offset(int64_t row) const {
+    if (ndim == 1) return row * strides[0];
+    int64_t off = 0;
+    for (int d = ndim - 1; d >= 0; --d) {
+      const int64_t i = row % sizes[d];
+      row /= sizes[d];
+      off += i * strides[d];
+    }
+    return off;
+  }
+};
+
+// y = x * rstd * w (h = x + r first when r is given). y, h, rstd are contiguous outputs.
+struct RmsNormFwdParams {
+  DType dtype;
+  int64_t M;  // rows
+  int64_t N;  // hidden size (row width), > 0
+  float eps;
+  const void* x;
+  RowIndexer x_rows;
+  const void* r;  // residual or nullptr
+  RowIndexer r_rows;
+  const float* w;  // weight as float32 (N,) or nullptr
+  void* y;         // (M, N) contiguous, dtype
+  void* h;         // (M, N) contiguous, dtype, or nullptr when r is nullptr
+  float* rstd;     // (M,)
+};
+
+// dx = rstd * (g - xhat * mean(g * xhat)) (+ dres), g = dy * w, xhat = x * rstd;
+// dw_partial[c] = sum over the rows of chunk c of dy * xhat (float32).
+struct RmsNormBwdParams {
+  DType dtype;
+  int64_t M;
+  int64_t N;  // > 0
+  const void* dy;
+  RowIndexer dy_rows;
+  const void* x;
+  RowIndexer x_rows;
+  const float* w;     // float32 (N,) or nullptr
+  const float* rstd;  // (M,) contiguous
+  const void* dres;   // or nullptr
+  RowIndexer dres_rows;
+  void* dx;             // (M, N) contiguous, dtype
+  float* dw_partial;    // (n_chunks, N) or nullptr when dweight is not wanted
+  int64_t n_chunks;     // rows are split into n_chunks contiguous ranges, one per dw_partial row
+};
+
+// Rotary embedding of one tensor x (batch, seq, n_heads, head_dim) into a contiguous output.
+struct RotaryParams {
+  DType dtype;
+  int64_t batch, seq, n_heads, head_dim;
+  int64_t half;  // R = rotary_dim / 2 pairs; dims >= 2R are copied
+  const void* x;
+  int64_t x_stride_b, x_stride_s, x_stride_h;  // stride of head_dim is 1
+  void* out;  // (batch, seq, n_heads, head_dim) contiguous
+  const float* cos;  // (max_positions, R) float32, row stride cs_stride, column stride 1
+  const float* sin;  // same shape and strides as cos
+  int64_t cs_stride;
+  int64_t max_positions;
+  const float* nan_row;  // R NaNs: the cos/sin row of a position outside the table
+  const int64_t* pos;  // positions or nullptr (= s); pos[b * pos_stride_b + s * pos_stride_s]
+  int64_t pos_stride_b, pos_stride_s;
+  bool interleaved;  // pairs (2i, 2i+1) instead of (i, i + R)
+  bool backward;     // rotate by -theta
+};
+
+struct KernelTable {
+  const char* name;
+  void (*rms_norm_fwd)(const RmsNormFwdParams&);
+  void (*rms_norm_bwd)(const RmsNormBwdParams&);
+  // Rotates q and k in one parallel region (one pass over the tokens, cos/sin rows read once).
+  void (*rotary)(const RotaryParams& q, const RotaryParams& k);
+};
+
+// One table per instruction set built into this extension (see dispatch.cpp).
+namespace DEFAULT { extern const KernelTable kTable; }
+#ifdef TITAN_CPU_AVX2
+namespace AVX2 { extern const KernelTable kTable; }
+#endif
+#ifdef TITAN_CPU_AVX512
+namespace AVX512 { extern const KernelTable kTable; }
+#endif
+
+// The table for this machine: the best built ISA that the CPU supports and that ATen would use
+// (ATEN_CPU_CAPABILITY caps it), unless set_capability() chose another.
+const KernelTable& kernels();
+// "default", "avx2", "avx512" or "auto"; throws c10::ValueError for an unknown or unsupported one.
+void set_capability(const char* name);
+const char* capability();
+
+}  // namespace titan::cpu

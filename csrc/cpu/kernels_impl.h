@@ -1,0 +1,327 @@
+// CPU kernels for RMSNorm (+ fused residual) and rotary embedding, written once with ATen's
+// at::vec::Vectorized types and compiled once per instruction set. The including file defines
+// CPU_CAPABILITY (DEFAULT / AVX2 / AVX512), CPU_CAPABILITY_<ISA> and TITAN_CAPABILITY_NAME, and is
+// compiled with the matching -m flags; everything here lives in namespace titan::cpu::CPU_CAPABILITY
+// so the copies never collide.
+//
+// Math: RMSNorm, Zhang & Sennrich 2019 eq. 4 (titan_kernels/reference/rms_norm.py has the forward
+// and backward formulas); rotary, Su et al. 2021 eq. 34 (titan_kernels/reference/rotary.py).
+// All arithmetic is float32, whatever the storage dtype (float32, bfloat16, float16).
+//
+// Do not define static data that needs a dynamic initializer here: it would run instructions of
+// this ISA when the library loads, on any machine (the same rule as ATen's cpu/ kernels).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels.h"
+
+namespace titan::cpu {
+namespace CPU_CAPABILITY {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kF = Vec::size();
+// Elements per step: two float vectors, i.e. one full vector of a 16-bit type.
+constexpr int64_t kStep = 2 * kF;
+// Work per parallel task, in elements: big enough that the OpenMP overhead (~ a few us) is small.
+constexpr int64_t kGrainElems = 32768;
+
+// Loads and stores of kStep elements as two float vectors; `n` < kStep handles a row's tail with
+// masked loads (zero-filled) and stores.
+template <typename T>
+struct Io {  // bfloat16 and float16
+  using VT = at::vec::Vectorized<T>;
+  static_assert(VT::size() == kStep, "a 16-bit vector must hold two float vectors");
+
+  static inline void load(const T* p, int64_t n, Vec& a, Vec& b) {
+    if (n == kStep) {
+      at::vec::load_to_float<T>(p, a, b);
+    } else {
+      std::tie(a, b) = at::vec::convert_to_float<T>(VT::loadu(p, n));
+    }
+  }
+  static inline void store(T* p, int64_t n, const Vec& a, const Vec& b) {
+    at::vec::convert_from_float<T>(a, b).store(p, n);
+  }
+  // Store and replace a, b by the values as stored (rounded to T), so later math sees exactly
+  // what was written: the residual sum h is normalized as rounded, like unfused `rms_norm(x + r)`.
+  static inline void store_rounded(T* p, int64_t n, Vec& a, Vec& b) {
+    const VT v = at::vec::convert_from_float<T>(a, b);
+    v.store(p, n);
+    std::tie(a, b) = at::vec::convert_to_float<T>(v);
+  }
+};
+
+template <>
+struct Io<float> {
+  static inline void load(const float* p, int64_t n, Vec& a, Vec& b) {
+    if (n == kStep) {
+      a = Vec::loadu(p);
+      b = Vec::loadu(p + kF);
+    } else {
+      a = Vec::loadu(p, std::min(n, kF));
+      b = n > kF ? Vec::loadu(p + kF, n - kF) : Vec(0.f);
+    }
+  }
+  static inline void store(float* p, int64_t n, const Vec& a, const Vec& b) {
+    if (n == kStep) {
+      a.store(p);
+      b.store(p + kF);
+    } else {
+      a.store(p, std::min(n, kF));
+      if (n > kF) b.store(p + kF, n - kF);
+    }
+  }
+  static inline void store_rounded(float* p, int64_t n, Vec& a, Vec& b) { store(p, n, a, b); }
+};
+
+inline float reduce_sum(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
+}
+
+// ------------------------------------------------------------------------------------------ RMSNorm
+
+template <typename T>
+void rms_norm_fwd_impl(const RmsNormFwdParams& p) {
+  const int64_t N = p.N;
+  const T* X = static_cast<const T*>(p.x);
+  const T* R = static_cast<const T*>(p.r);
+  T* Y = static_cast<T*>(p.y);
+  T* H = static_cast<T*>(p.h);
+  const float* W = p.w;
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
+  at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* x = X + p.x_rows.offset(m);
+      T* y = Y + m * N;
+      Vec acc0(0.f), acc1(0.f);
+      Vec a, b, c, d;
+      const T* src = x;  // the row that is normalized: x, or h = x + r
+      if (R != nullptr) {
+        const T* r = R + p.r_rows.offset(m);
+        T* h = H + m * N;
+        for (int64_t j = 0; j < N; j += kStep) {
+          const int64_t n = std::min(kStep, N - j);
+          Io<T>::load(x + j, n, a, b);
+          Io<T>::load(r + j, n, c, d);
+          a = a + c;
+          b = b + d;
+          Io<T>::store_rounded(h + j, n, a, b);
+          acc0 = at::vec::fmadd(a, a, acc0);
+          acc1 = at::vec::fmadd(b, b, acc1);
+        }
+        src = h;
+      } else {
+        for (int64_t j = 0; j < N; j += kStep) {
+          const int64_t n = std::min(kStep, N - j);
+          Io<T>::load(x + j, n, a, b);
+          acc0 = at::vec::fmadd(a, a, acc0);
+          acc1 = at::vec::fmadd(b, b, acc1);
+        }
+      }
+      const float rstd = 1.f / std::sqrt(reduce_sum(acc0 + acc1) / static_cast<float>(N) + p.eps);
+      p.rstd[m] = rstd;
+      const Vec vr(rstd);
+      // Second pass over the row (now in L1/L2): y = (x * rstd) * w, in the reference's order.
+      for (int64_t j = 0; j < N; j += kStep) {
+        const int64_t n = std::min(kStep, N - j);
+        Io<T>::load(src + j, n, a, b);
+        a = a * vr;
+        b = b * vr;
+        if (W != nullptr) {
+          Io<float>::load(W + j, n, c, d);
+          a = a * c;
+          b = b * d;
+        }
+        Io<T>::store(y + j, n, a, b);
+      }
+    }
+  });
+}
+
+template <typename T>
+void rms_norm_bwd_impl(const RmsNormBwdParams& p) {
+  const int64_t M = p.M;
+  const int64_t N = p.N;
+  const int64_t C = p.n_chunks;
+  const T* DY = static_cast<const T*>(p.dy);
+  const T* X = static_cast<const T*>(p.x);
+  const T* DR = static_cast<const T*>(p.dres);
+  T* DX = static_cast<T*>(p.dx);
+  const float* W = p.w;
+  const float inv_n = 1.f / static_cast<float>(N);
+  // One task per chunk of rows; the chunk owns row c of dw_partial (float32, no atomics), so the
+  // result does not depend on thread scheduling.
+  at::parallel_for(0, C, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t ch = cb; ch < ce; ++ch) {
+      float* dwp = p.dw_partial != nullptr ? p.dw_partial + ch * N : nullptr;
+      if (dwp != nullptr) std::fill(dwp, dwp + N, 0.f);
+      const int64_t m0 = M * ch / C;
+      const int64_t m1 = M * (ch + 1) / C;
+      for (int64_t m = m0; m < m1; ++m) {
+        const T* dy = DY + p.dy_rows.offset(m);
+        const T* x = X + p.x_rows.offset(m);
+        T* dx = DX + m * N;
+        const float rstd = p.rstd[m];
+        Vec a, b, c, d, wa, wb;
+        // Pass 1: s = sum(g * x) with g = dy * w.
+        Vec s0(0.f), s1(0.f);
+        for (int64_t j = 0; j < N; j += kStep) {
+          const int64_t n = std::min(kStep, N - j);
+          Io<T>::load(dy + j, n, a, b);
+          Io<T>::load(x + j, n, c, d);
+          if (W != nullptr) {
+            Io<float>::load(W + j, n, wa, wb);
+            a = a * wa;
+            b = b * wb;
+          }
+          s0 = at::vec::fmadd(a, c, s0);
+          s1 = at::vec::fmadd(b, d, s1);
+        }
+        // mean(g * xhat) = rstd * s / N; dx = (g - xhat * mean) * rstd = (g - x * k2) * rstd.
+        const float mean_gxhat = rstd * reduce_sum(s0 + s1) * inv_n;
+        const Vec k1(rstd), k2(rstd * mean_gxhat);
+        const T* dr = DR != nullptr ? DR + p.dres_rows.offset(m) : nullptr;
+        // Pass 2: dx, and dy * xhat into this chunk's float32 dweight row.
+        for (int64_t j = 0; j < N; j += kStep) {
+          const int64_t n = std::min(kStep, N - j);
+          Io<T>::load(dy + j, n, a, b);
+          Io<T>::load(x + j, n, c, d);
+          Vec ga = a, gb = b;
+          if (W != nullptr) {
+            Io<float>::load(W + j, n, wa, wb);
+            ga = a * wa;
+            gb = b * wb;
+          }
+          Vec dxa = (ga - c * k2) * k1;
+          Vec dxb = (gb - d * k2) * k1;
+          if (dr != nullptr) {
+            Vec ra, rb;
+            Io<T>::load(dr + j, n, ra, rb);
+            dxa = dxa + ra;
+            dxb = dxb + rb;
+          }
+          Io<T>::store(dx + j, n, dxa, dxb);
+          if (dwp != nullptr) {
+            Vec pa, pb;
+            Io<float>::load(dwp + j, n, pa, pb);
+            pa = at::vec::fmadd(a, c * k1, pa);
+            pb = at::vec::fmadd(b, d * k1, pb);
+            Io<float>::store(dwp + j, n, pa, pb);
+          }
+        }
+      }
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ rotary
+
+// Rotate every head of one token. c, s: the token's cos and sin rows (R floats each).
+template <typename T>
+inline void rotary_token(const RotaryParams& p, int64_t b, int64_t t, int64_t tok, const float* cs,
+                         const float* sn) {
+  const int64_t D = p.head_dim;
+  const int64_t R = p.half;
+  const T* xt = static_cast<const T*>(p.x) + b * p.x_stride_b + t * p.x_stride_s;
+  T* ot = static_cast<T*>(p.out) + tok * p.n_heads * D;
+  const Vec sign(p.backward ? -1.f : 1.f);
+  for (int64_t hd = 0; hd < p.n_heads; ++hd) {
+    const T* x = xt + hd * p.x_stride_h;
+    T* o = ot + hd * D;
+    if (p.interleaved) {
+      // kF pairs (2 kF elements) per step: split even/odd lanes, rotate, interleave back.
+      for (int64_t i = 0; i < R; i += kF) {
+        const int64_t n = std::min(kF, R - i);
+        Vec a, bb;
+        Io<T>::load(x + 2 * i, 2 * n, a, bb);
+        auto [x1, x2] = at::vec::deinterleave2(a, bb);
+        const Vec cv = Vec::loadu(cs + i, n);
+        const Vec sv = Vec::loadu(sn + i, n) * sign;
+        const Vec y1 = x1 * cv - x2 * sv;
+        const Vec y2 = x2 * cv + x1 * sv;
+        auto [oa, ob] = at::vec::interleave2(y1, y2);
+        Io<T>::store(o + 2 * i, 2 * n, oa, ob);
+      }
+    } else {
+      // Rotate-half: x1 = x[i], x2 = x[i + R]; kStep pairs per step.
+      for (int64_t i = 0; i < R; i += kStep) {
+        const int64_t n = std::min(kStep, R - i);
+        Vec x1a, x1b, x2a, x2b, ca, cb, sa, sb;
+        Io<T>::load(x + i, n, x1a, x1b);
+        Io<T>::load(x + R + i, n, x2a, x2b);
+        Io<float>::load(cs + i, n, ca, cb);
+        Io<float>::load(sn + i, n, sa, sb);
+        sa = sa * sign;
+        sb = sb * sign;
+        Io<T>::store(o + i, n, x1a * ca - x2a * sa, x1b * cb - x2b * sb);
+        Io<T>::store(o + R + i, n, x2a * ca + x1a * sa, x2b * cb + x1b * sb);
+      }
+    }
+    if (2 * R < D) std::memcpy(o + 2 * R, x + 2 * R, (D - 2 * R) * sizeof(T));
+  }
+}
+
+using RotaryTokenFn = void (*)(const RotaryParams&, int64_t, int64_t, int64_t, const float*, const float*);
+
+inline RotaryTokenFn rotary_token_fn(DType dt) {
+  switch (dt) {
+    case DType::BFloat16: return &rotary_token<c10::BFloat16>;
+    case DType::Half: return &rotary_token<c10::Half>;
+    default: return &rotary_token<float>;
+  }
+}
+
+void rotary(const RotaryParams& q, const RotaryParams& k) {
+  const int64_t S = q.seq;
+  const int64_t n_tokens = q.batch * S;
+  const RotaryTokenFn fq = rotary_token_fn(q.dtype);
+  const RotaryTokenFn fk = rotary_token_fn(k.dtype);
+  const int64_t per_token = std::max<int64_t>(1, (q.n_heads + k.n_heads) * q.head_dim);
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / per_token);
+  at::parallel_for(0, n_tokens, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t tok = begin; tok < end; ++tok) {
+      const int64_t b = tok / S;
+      const int64_t t = tok % S;
+      const int64_t pos = q.pos != nullptr ? q.pos[b * q.pos_stride_b + t * q.pos_stride_s] : t;
+      // A position outside the table is never read: its rotated dims become NaN.
+      const bool valid = pos >= 0 && pos < q.max_positions;
+      const float* cs = valid ? q.cos + pos * q.cs_stride : q.nan_row;
+      const float* sn = valid ? q.sin + pos * q.cs_stride : q.nan_row;
+      fq(q, b, t, tok, cs, sn);
+      fk(k, b, t, tok, cs, sn);
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------ table
+
+void rms_norm_fwd(const RmsNormFwdParams& p) {
+  switch (p.dtype) {
+    case DType::Float: return rms_norm_fwd_impl<float>(p);
+    case DType::BFloat16: return rms_norm_fwd_impl<c10::BFloat16>(p);
+    case DType::Half: return rms_norm_fwd_impl<c10::Half>(p);
+  }
+}
+
+void rms_norm_bwd(const RmsNormBwdParams& p) {
+  switch (p.dtype) {
+    case DType::Float: return rms_norm_bwd_impl<float>(p);
+    case DType::BFloat16: return rms_norm_bwd_impl<c10::BFloat16>(p);
+    case DType::Half: return rms_norm_bwd_impl<c10::Half>(p);
+  }
+}
+
+// Constant-initialized (addresses only): no code of this ISA runs at load time.
+const KernelTable kTable = {TITAN_CAPABILITY_NAME, &rms_norm_fwd, &rms_norm_bwd, &rotary};
+
+}  // namespace CPU_CAPABILITY
+}  // namespace titan::cpu

@@ -1,0 +1,100 @@
+// Argument checks shared by the CPU, CUDA and Meta implementations of the native ops.
+// Errors name the argument, what was given and what was expected:
+// TORCH_CHECK_TYPE -> TypeError (dtype), TORCH_CHECK_VALUE -> ValueError (shape, device, value).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <optional>
+
+namespace titan {
+
+inline bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+inline void check_float_tensor(const at::Tensor& t, const char* arg) {
+  TORCH_CHECK_TYPE(is_supported_float(t.scalar_type()), arg,
+                   ": expected dtype float32, bfloat16 or float16, got ", t.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* arg, const char* ref_arg) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), arg, ": expected device ", ref.device(), " (the device of ", ref_arg,
+                    "), got ", t.device());
+}
+
+inline void check_like(const at::Tensor& t, const at::Tensor& ref, const char* arg, const char* ref_arg) {
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), arg, ": expected shape ", ref.sizes(), " (the shape of ", ref_arg,
+                    "), got ", t.sizes());
+  TORCH_CHECK_TYPE(t.scalar_type() == ref.scalar_type(), arg, ": expected dtype ", ref.scalar_type(),
+                   " (the dtype of ", ref_arg, "), got ", t.scalar_type());
+  check_same_device(t, ref, arg, ref_arg);
+}
+
+inline void check_weight(const std::optional<at::Tensor>& weight, const at::Tensor& x) {
+  if (!weight.has_value()) return;
+  check_float_tensor(*weight, "weight");
+  TORCH_CHECK_VALUE(weight->dim() == 1 && weight->size(0) == x.size(-1), "weight: expected shape (", x.size(-1),
+                    ",) to match the last dim of x, got ", weight->sizes());
+  check_same_device(*weight, x, "weight", "x");
+}
+
+// rms_norm_fwd_native(x, residual, weight, eps)
+inline void check_rms_norm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                               const std::optional<at::Tensor>& weight, double eps) {
+  check_float_tensor(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x: expected at least 1 dimension (..., hidden), got a 0-d tensor");
+  if (residual.has_value()) check_like(*residual, x, "residual", "x");
+  check_weight(weight, x);
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps > 0, "eps: expected a finite value > 0, got ", eps);
+}
+
+// rms_norm_bwd_native(dy, x, weight, rstd, dresidual, compute_dweight)
+inline void check_rms_norm_bwd(const at::Tensor& dy, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+                               const at::Tensor& rstd, const std::optional<at::Tensor>& dresidual) {
+  check_float_tensor(x, "x");
+  TORCH_CHECK_VALUE(x.dim() >= 1, "x: expected at least 1 dimension (..., hidden), got a 0-d tensor");
+  check_like(dy, x, "dy", "x");
+  if (dresidual.has_value()) check_like(*dresidual, x, "dresidual", "x");
+  check_weight(weight, x);
+  TORCH_CHECK_TYPE(rstd.scalar_type() == at::kFloat, "rstd: expected dtype float32, got ", rstd.scalar_type());
+  TORCH_CHECK_VALUE(rstd.sizes() == x.sizes().slice(0, x.dim() - 1), "rstd: expected shape ",
+                    x.sizes().slice(0, x.dim() - 1), " (the leading dims of x), got ", rstd.sizes());
+  check_same_device(rstd, x, "rstd", "x");
+}
+
+// rotary_{fwd,bwd}_native(q, k, cos, sin, position_ids, interleaved)
+inline void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin,
+                         const std::optional<at::Tensor>& position_ids) {
+  check_float_tensor(q, "q");
+  check_float_tensor(k, "k");
+  TORCH_CHECK_VALUE(q.dim() == 4, "q: expected 4 dims (batch, seq, n_heads, head_dim), got shape ", q.sizes());
+  TORCH_CHECK_VALUE(k.dim() == 4, "k: expected 4 dims (batch, seq, n_kv_heads, head_dim), got shape ", k.sizes());
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+                    "k: expected shape (", q.size(0), ", ", q.size(1), ", n_kv_heads, ", q.size(3),
+                    ") to match q's batch, seq and head_dim, got ", k.sizes());
+  check_same_device(k, q, "k", "q");
+  check_float_tensor(cos, "cos");
+  TORCH_CHECK_VALUE(cos.dim() == 2, "cos: expected 2 dims (max_positions, rotary_dim / 2), got shape ", cos.sizes());
+  TORCH_CHECK_VALUE(sin.sizes() == cos.sizes(), "sin: expected shape ", cos.sizes(), " (the shape of cos), got ",
+                    sin.sizes());
+  check_float_tensor(sin, "sin");
+  TORCH_CHECK_VALUE(2 * cos.size(1) <= q.size(3), "cos: expected rotary_dim / 2 <= head_dim / 2 = ", q.size(3) / 2,
+                    ", got ", cos.size(1));
+  check_same_device(cos, q, "cos", "q");
+  check_same_device(sin, q, "sin", "q");
+  if (position_ids.has_value()) {
+    const at::Tensor& p = *position_ids;
+    TORCH_CHECK_TYPE(at::isIntegralType(p.scalar_type(), /*includeBool=*/false),
+                     "position_ids: expected an integer dtype, got ", p.scalar_type());
+    const bool ok = (p.dim() == 1 && p.size(0) == q.size(1)) ||
+                    (p.dim() == 2 && (p.size(0) == q.size(0) || p.size(0) == 1) && p.size(1) == q.size(1));
+    TORCH_CHECK_VALUE(ok, "position_ids: expected shape (", q.size(1), ",) or (", q.size(0), ", ", q.size(1),
+                      ") (seq or batch x seq), got ", p.sizes());
+    check_same_device(p, q, "position_ids", "q");
+  }
+}
+
+}  // namespace titan

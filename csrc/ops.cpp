@@ -1,0 +1,68 @@
+// The titan native ops: schemas (one place for CPU, CUDA and Meta) and the Python module
+// titan_kernels._C, whose import registers everything. Implementations: cpu/*.cpp (CPU),
+// cuda/binding.cpp (CUDA), meta.cpp (shapes only, for FakeTensor / torch.compile).
+//
+// The Python op layer (titan_kernels/ops/*.py) calls these as the "cpu" / "cuda" backends; their
+// contracts equal titan_kernels/reference/*.py. An optional output that is not computed is an
+// undefined tensor (None in Python), as in aten::native_layer_norm_backward.
+#include <Python.h>
+
+#include <torch/library.h>
+
+#include "cpu/kernels.h"
+
+TORCH_LIBRARY_FRAGMENT(titan, m) {
+  m.def("rms_norm_fwd_native(Tensor x, Tensor? residual, Tensor? weight, float eps) -> (Tensor y, Tensor h, Tensor rstd)");
+  m.def("rms_norm_bwd_native(Tensor dy, Tensor x, Tensor? weight, Tensor rstd, Tensor? dresidual, bool compute_dweight)"
+        " -> (Tensor dx, Tensor dweight)");
+  m.def("rotary_fwd_native(Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved)"
+        " -> (Tensor q_out, Tensor k_out)");
+  m.def("rotary_bwd_native(Tensor dq, Tensor dk, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved)"
+        " -> (Tensor dq_in, Tensor dk_in)");
+}
+
+namespace {
+
+PyObject* has_cpu(PyObject*, PyObject*) { Py_RETURN_TRUE; }
+
+PyObject* has_cuda(PyObject*, PyObject*) {
+#ifdef TITAN_WITH_CUDA
+  Py_RETURN_TRUE;
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
+PyObject* cpu_capability(PyObject*, PyObject*) { return PyUnicode_FromString(titan::cpu::capability()); }
+
+PyObject* set_cpu_capability(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_Check(arg) ? PyUnicode_AsUTF8(arg) : nullptr;
+  if (name == nullptr) {
+    PyErr_Format(PyExc_TypeError, "capability: expected a str, got %s", Py_TYPE(arg)->tp_name);
+    return nullptr;
+  }
+  try {
+    titan::cpu::set_capability(name);
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef kMethods[] = {
+    {"has_cpu", has_cpu, METH_NOARGS, "True: the C++ CPU kernels are built."},
+    {"has_cuda", has_cuda, METH_NOARGS, "True when the CUDA kernels are built into this extension."},
+    {"cpu_capability", cpu_capability, METH_NOARGS,
+     "The instruction set of the CPU kernels in use: 'default', 'avx2' or 'avx512'."},
+    {"set_cpu_capability", set_cpu_capability, METH_O,
+     "Use the CPU kernels built for 'default', 'avx2' or 'avx512' (or 'auto'); ValueError if this CPU "
+     "or build lacks it. For tests and benchmarks."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "Native titan kernels (registers torch.ops.titan.*_native).", -1,
+                       kMethods};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&kModule); }

@@ -1,0 +1,170 @@
+"""How setup.py builds the optional native extension ``titan_kernels._C`` from csrc/.
+
+- C++ CPU kernels (csrc/cpu/): always tried when torch is importable at build time. Install with
+  ``pip install --no-build-isolation -e .`` so the build uses the installed torch (an isolated
+  build env would fetch another torch). The vectorized kernels are compiled once per x86 ISA
+  (default, AVX2, AVX512) with their own flags; the extension picks one at run time.
+- CUDA kernels (csrc/cuda/, sm_90a and sm_80): built when torch has CUDA and nvcc is found.
+
+Environment variables:
+  TITAN_KERNELS_NATIVE=0     build no extension (pure-Python install).
+  TITAN_KERNELS_CUDA=0 / 1   never / always build the CUDA kernels. With 1, a CUDA build that
+                             cannot be done or fails stops the install with the error.
+  MAX_JOBS                   parallel compile jobs (ninja), as for any torch extension.
+
+When the optional build fails, the install goes on in pure Python: a warning is printed and the
+reason is written next to where ``_C`` would be (``_C_build_error.txt``), from where
+``titan_kernels.available_backends()`` reports it.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import sys
+import traceback
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXT_NAME = "titan_kernels._C"
+ERROR_FILE = "_C_build_error.txt"
+
+# Per-ISA flags, as ATen compiles its own CPU kernels (cmake/Codegen.cmake).
+ISA_FLAGS = {
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
+}
+CPU_SOURCES = ["csrc/ops.cpp", "csrc/meta.cpp", "csrc/cpu/dispatch.cpp", "csrc/cpu/rms_norm.cpp",
+               "csrc/cpu/rotary.cpp", "csrc/cpu/kernels_default.cpp"]
+CUDA_SOURCES = ["csrc/cuda/rms_norm.cu", "csrc/cuda/rotary.cu", "csrc/cuda/binding.cpp"]
+# Hopper (the target) and Ampere; compute_90a allows the sm_90a-only instructions.
+CUDA_GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]
+
+
+def _warn(msg: str) -> None:
+    # pip shows setup output only with -v or on failure; stderr + warnings make it visible in logs.
+    warnings.warn(msg, stacklevel=2)
+    print(f"WARNING: {msg}", file=sys.stderr)
+
+
+def _x86_gnu() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and not sys.platform.startswith("win")
+
+
+def _cuda_choice(torch, cuda_home: str | None) -> tuple[bool, bool, str]:
+    """(build_cuda, forced, why_not) from TITAN_KERNELS_CUDA, torch's CUDA and nvcc."""
+    env = os.environ.get("TITAN_KERNELS_CUDA", "").strip()
+    if env not in ("", "0", "1"):
+        raise SystemExit(f"TITAN_KERNELS_CUDA: expected 0 or 1, got {env!r}")
+    if env == "0":
+        return False, False, "TITAN_KERNELS_CUDA=0"
+    why = ""
+    if torch.version.cuda is None:
+        why = f"torch {torch.__version__} is a CPU-only build"
+    elif cuda_home is None or shutil.which(os.path.join(cuda_home, "bin", "nvcc")) is None:
+        why = "nvcc was not found (set CUDA_HOME)"
+    if env == "1" and why:
+        raise SystemExit(f"TITAN_KERNELS_CUDA=1 but the CUDA kernels cannot be built: {why}")
+    return not why, env == "1", why
+
+
+def _extension(cpp_ext, with_cuda: bool):
+    cxx = ["-O3"]
+    link = []
+    if sys.platform.startswith("linux"):
+        # at::parallel_for is OpenMP code inlined from ATen's headers: without -fopenmp it runs serially.
+        # The resulting libgomp.so.1 dependency binds to the copy torch has already loaded.
+        cxx.append("-fopenmp")
+        link.append("-fopenmp")
+    macros = []
+    isa_sources = []
+    if _x86_gnu():
+        for isa, flags in ISA_FLAGS.items():
+            macros.append((f"TITAN_CPU_{isa.upper()}", None))
+            isa_sources.append((f"csrc/cpu/kernels_{isa}.cpp", flags))
+    kwargs = dict(define_macros=macros, extra_link_args=link,
+                  depends=[os.path.join("csrc", d) for d in ("op_checks.h", "cpu/kernels.h", "cpu/kernels_impl.h",
+                                                             "cpu/tensor_rows.h", "cuda/titan_cuda.h")])
+    if with_cuda:
+        macros.append(("TITAN_WITH_CUDA", None))
+        nvcc = ["-O3", "-lineinfo", *CUDA_GENCODE]
+        ext = cpp_ext.CUDAExtension(EXT_NAME, CPU_SOURCES + CUDA_SOURCES,
+                                    extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+    else:
+        ext = cpp_ext.CppExtension(EXT_NAME, CPU_SOURCES, extra_compile_args={"cxx": cxx}, **kwargs)
+    ext.titan_isa_sources = isa_sources
+    ext.titan_with_cuda = with_cuda
+    return ext
+
+
+def native_build() -> dict:
+    """setup() keyword arguments that build titan_kernels._C, or {} for a pure-Python install."""
+    if os.environ.get("TITAN_KERNELS_NATIVE", "").strip() == "0":
+        print("titan_kernels: TITAN_KERNELS_NATIVE=0, building no native extension", file=sys.stderr)
+        return {}
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as e:
+        _warn(f"titan_kernels: torch is not importable at build time ({e}); installing without the native "
+              "extension. Install torch first and use `pip install --no-build-isolation`.")
+        return {}
+
+    build_cuda, forced_cuda, why_no_cuda = _cuda_choice(torch, cpp_extension.CUDA_HOME)
+    if not build_cuda:
+        print(f"titan_kernels: building the CPU kernels only ({why_no_cuda})", file=sys.stderr)
+
+    class BuildNative(cpp_extension.BuildExtension):
+        """BuildExtension plus per-ISA objects, a CPU-only retry and a pure-Python fallback."""
+
+        def build_extension(self, ext):
+            out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
+            err_path = os.path.join(out_dir, ERROR_FILE)
+            try:
+                self._build(ext)
+            except Exception as e:  # noqa: BLE001  (compiler, linker, ninja: any failure is optional)
+                if getattr(ext, "titan_with_cuda", False) and forced_cuda:
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+                if getattr(ext, "titan_with_cuda", False):
+                    _warn(f"titan_kernels: the CUDA build failed ({reason}); retrying with the CPU kernels only")
+                    cpu_ext = _extension(cpp_extension, with_cuda=False)
+                    try:
+                        self._prepare(cpu_ext)
+                        self._build(cpu_ext)
+                        self._record(err_path, f"CUDA kernels not built: {reason}")
+                        return
+                    except Exception as e2:  # noqa: BLE001
+                        reason = f"{type(e2).__name__}: {e2}"
+                _warn(f"titan_kernels: the native extension failed to build; installing pure Python ({reason})")
+                self._record(err_path, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
+                return
+            if os.path.exists(err_path):
+                os.remove(err_path)
+
+        def _build(self, ext):
+            cxx = list(ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict)
+                       else ext.extra_compile_args)
+            objects = []
+            for src, flags in getattr(ext, "titan_isa_sources", []):
+                objects += self.compiler.compile([src], output_dir=self.build_temp, macros=ext.define_macros,
+                                                 include_dirs=ext.include_dirs, debug=self.debug,
+                                                 extra_postargs=cxx + flags, depends=ext.depends)
+            ext.extra_objects = list(ext.extra_objects or []) + objects
+            super().build_extension(ext)
+
+        def _prepare(self, ext):
+            # What BuildExtension.build_extensions does to each extension before compiling it.
+            for key in ("cxx", "nvcc", "sycl"):
+                ext.extra_compile_args.setdefault(key, [])
+            self._add_compile_flag(ext, "-DTORCH_API_INCLUDE_EXTENSION_H")
+            self._define_torch_extension_name(ext)
+
+        @staticmethod
+        def _record(path: str, text: str) -> None:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text)
+
+    ext = _extension(cpp_extension, with_cuda=build_cuda)
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildNative.with_options(use_ninja=True)}}
