@@ -301,7 +301,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer; the result is the same for any sharding of the parameters.
 
-        Weights: truncated normal(0, std) at +-3 std (``param_init_std``); norm weights: ones. Each
+        Weights: normal(0, std) truncated at +-3 std (``param_init_std``); norm weights: ones. Each
         parameter is drawn whole on its device from a generator seeded by (seed, name), then each rank
         keeps its own shard (DTensor parameters, e.g. under FSDP2). Costs one full parameter of
         temporary memory at a time. The rotary tables are recomputed where they are.
@@ -322,11 +322,23 @@ class Transformer(nn.Module):
             else:
                 gen = torch.Generator(device=local.device)
                 gen.manual_seed(_param_seed(seed, name))
-                nn.init.trunc_normal_(full, mean=0.0, std=std, a=-3 * std, b=3 * std, generator=gen)
+                _trunc_normal_(full, std, gen)
             if is_dt:
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.copy_(full)
         self.rope.reset_parameters()
+
+
+def _trunc_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:
+    """Normal(0, std) truncated to +-3 std, by redrawing the ~0.3% of values outside (exact, and
+    several times faster on CPU than the inverse-CDF method of nn.init.trunc_normal_)."""
+    t.normal_(0.0, std, generator=gen)
+    flat = t.view(-1)
+    while True:
+        out = (flat.abs() > 3 * std).nonzero().squeeze(1)
+        if out.numel() == 0:
+            return
+        flat[out] = torch.empty(out.numel(), dtype=t.dtype, device=t.device).normal_(0.0, std, generator=gen)
 
 
 def _param_seed(seed: int, name: str) -> int:

@@ -1,0 +1,328 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP): save, atomic publish, resume, export.
+
+Layout under the checkpoint folder (``<dump_folder>/<checkpoint.folder>``):
+  step-<N>/            a complete checkpoint (DCP files + ``.metadata``), resumable
+  .step-<N>.partial/   a checkpoint being written; renamed to step-<N> only once complete
+  weights-step-<N>/    a model-weights-only export (``checkpoint.model_weights_only``), not resumed from
+
+What a full checkpoint holds (keys of the DCP state dict):
+  model         sharded parameters (DTensors under FSDP2), via ``get_model_state_dict``
+  optimizer     AdamW state, keyed by parameter names, via ``get_optimizer_state_dict``
+  lr_scheduler  the scheduler's position (JSON)
+  dataloader    ``dp_rank_<r>``: each data-parallel rank's loader state (JSON)
+  train_state   step and tokens seen (JSON)
+A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) holds the model only.
+
+Atomicity. Every rank writes into ``.step-<N>.partial``; DCP's coordinator writes ``.metadata``
+after all ranks' data is written (and fsynced), and only then does rank 0 rename the folder to
+``step-<N>`` (a rename is atomic on POSIX file systems). A crash at any point leaves at most a
+``.partial`` folder, which is ignored and removed by the next save. All ranks must see one shared
+file system (one node, or a shared mount).
+
+Async mode writes in a background thread (``dcp.async_save``) after copying the state (CPU tensors
+are cloned here; GPU tensors are staged to CPU by DCP), and publishes the checkpoint when the write
+has finished; ``close()`` waits for the last one.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+logger = logging.getLogger("trainer")
+
+_STEP_RE = re.compile(r"^step-(\d+)$")
+_EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+# DCP warns on every call without a process group (also from its async writer thread) that it
+# assumes a single process; that is what a one-process run intends.
+warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be loaded as asked (missing step, incompatible layout, weights-only export)."""
+
+
+def complete_steps(folder: str | os.PathLike) -> list[int]:
+    """Steps with a complete checkpoint (``step-<N>`` holding DCP's ``.metadata``), ascending."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for p in folder.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / ".metadata").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _clone_cpu_tensors(obj: Any) -> Any:
+    """A copy of ``obj`` in which every CPU tensor is cloned (so training may change the originals)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone() if obj.device.type == "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _clone_cpu_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_clone_cpu_tensors(v) for v in obj]
+    return obj
+
+
+class Checkpointer:
+    """Saves and restores a training run (see the module docstring for the format).
+
+    Args:
+        folder: the checkpoint folder.
+        model, optimizer, lr_scheduler: what to save/restore (optimizer and scheduler may be None
+            for a model-only use, e.g. the seed checkpoint).
+        dataloader: object with ``state_dict()``/``load_state_dict()`` (plain dicts), or None.
+        dp_rank: this process's data-parallel rank (the dataloader key).
+        enable: save at all (loading a seed or an existing run also needs it).
+        interval: save every ``interval`` steps, and at the last step.
+        keep_latest_k: keep only the newest k complete checkpoints (0 = all).
+        async_mode: "disabled" or "async".
+        load_step: -1 = the newest complete checkpoint; else that step.
+        model_weights_only / export_dtype: the final save is a weights-only export in this dtype.
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        dataloader: Any = None,
+        dp_rank: int = 0,
+        *,
+        enable: bool = True,
+        interval: int = 500,
+        keep_latest_k: int = 0,
+        async_mode: str = "disabled",
+        load_step: int = -1,
+        model_weights_only: bool = False,
+        export_dtype: str = "float32",
+    ) -> None:
+        if async_mode not in ("disabled", "async"):
+            raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
+        if export_dtype not in _EXPORT_DTYPES:
+            raise ValueError(f"checkpoint.export_dtype: expected one of {tuple(_EXPORT_DTYPES)}, got {export_dtype!r}")
+        if interval < 1:
+            raise ValueError(f"checkpoint.interval: expected an integer >= 1, got {interval}")
+        if keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k: expected an integer >= 0, got {keep_latest_k}")
+        self.folder = Path(folder)
+        self.model, self.optimizer, self.lr_scheduler, self.dataloader = model, optimizer, lr_scheduler, dataloader
+        self.dp_rank = dp_rank
+        self.enable, self.interval, self.keep_latest_k = enable, interval, keep_latest_k
+        self.async_mode, self.load_step = async_mode, load_step
+        self.model_weights_only, self.export_dtype = model_weights_only, _EXPORT_DTYPES[export_dtype]
+        self.rank = _rank()
+        self._pending: tuple[Future, Path, Path, bool] | None = None
+        self._pg = None
+        if async_mode == "async" and dist.is_available() and dist.is_initialized():
+            # Background writes run collectives; keep them off the training process group.
+            self._pg = dist.new_group(backend="gloo")
+
+    # -- state ---------------------------------------------------------------------------------
+
+    def _model_sd(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def _full_state(self, step: int, tokens_seen: int) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self._model_sd()}
+        if self.optimizer is not None:
+            state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
+        if self.lr_scheduler is not None:
+            state["lr_scheduler"] = json.dumps(self.lr_scheduler.state_dict())
+        if self.dataloader is not None:
+            state["dataloader"] = {f"dp_rank_{self.dp_rank}": json.dumps(self.dataloader.state_dict())}
+        state["train_state"] = json.dumps({"step": step, "tokens_seen": tokens_seen})
+        return state
+
+    # -- saving --------------------------------------------------------------------------------
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        return self.enable and (step % self.interval == 0 or step == last_step)
+
+    def save(self, step: int, tokens_seen: int = 0, last: bool = False) -> Path | None:
+        """Save a checkpoint of ``step`` (a weights-only export instead if ``last`` and model_weights_only).
+
+        Returns the final path (in async mode it appears once the background write completes).
+        """
+        self.wait()  # one write in flight at a time
+        if last and self.model_weights_only:
+            return self.export_weights(step)
+        state = self._full_state(step, tokens_seen)
+        return self._write(state, f"step-{step}")
+
+    def save_seed(self) -> Path:
+        """Write the model (initial weights) as the step-0 seed checkpoint, synchronously."""
+        path = self._write({"model": self._model_sd()}, "step-0", force_sync=True)
+        return path
+
+    def export_weights(self, step: int) -> Path:
+        """Write the model weights only, in ``export_dtype``, as ``weights-step-<step>`` (synchronously)."""
+        sd = {k: v.to(self.export_dtype) for k, v in self._model_sd().items()}
+        return self._write({"model": sd}, f"weights-step-{step}", force_sync=True, purge=False)
+
+    def _write(self, state: dict[str, Any], name: str, force_sync: bool = False, purge: bool = True) -> Path:
+        final = self.folder / name
+        partial = self.folder / f".{name}.partial"
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if partial.exists():  # left by a crash
+                shutil.rmtree(partial)
+        _barrier()
+        if self.async_mode == "async" and not force_sync:
+            future = dcp.async_save(_clone_cpu_tensors(state), checkpoint_id=str(partial), process_group=self._pg)
+            self._pending = (future, partial, final, purge)
+            return final
+        dcp.save(state, checkpoint_id=str(partial))
+        self._publish(partial, final, purge)
+        _barrier()
+        return final
+
+    def _publish(self, partial: Path, final: Path, purge: bool) -> None:
+        """Rank 0: rename the finished ``partial`` folder to ``final``, then drop old checkpoints."""
+        if self.rank != 0:
+            return
+        if final.exists():  # re-saving a step (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(partial, final)
+        _fsync_dir(self.folder)
+        logger.info("saved checkpoint %s", final)
+        if purge and self.keep_latest_k > 0:
+            for step in complete_steps(self.folder)[: -self.keep_latest_k]:
+                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+
+    def wait(self) -> None:
+        """Wait for an async write in flight, then publish it."""
+        if self._pending is None:
+            return
+        future, partial, final, purge = self._pending
+        self._pending = None
+        future.result()
+        self._publish(partial, final, purge)
+
+    def poll(self) -> None:
+        """Publish an async write if it has finished (cheap; call once per step)."""
+        if self._pending is not None and self._pending[0].done():
+            self.wait()
+
+    def close(self) -> None:
+        self.wait()
+        if self._pg is not None:
+            dist.destroy_process_group(self._pg)
+            self._pg = None
+
+    # -- loading -------------------------------------------------------------------------------
+
+    def resolve_load_step(self) -> int | None:
+        """The step to resume from: ``load_step`` if given (it must exist), else the newest; None if none."""
+        steps = complete_steps(self.folder)
+        if self.load_step >= 0:
+            if self.load_step not in steps:
+                raise CheckpointError(
+                    f"checkpoint.load_step: no complete checkpoint for step {self.load_step} in {self.folder} "
+                    f"(found: {steps or 'none'})"
+                )
+            return self.load_step
+        return steps[-1] if steps else None
+
+    def load(self) -> tuple[int, int]:
+        """Restore the newest (or ``load_step``) checkpoint into the model, optimizer, scheduler and loader.
+
+        Returns ``(step, tokens_seen)``; ``(0, 0)`` when there is nothing to resume. A seed
+        checkpoint (model only) restores the model and returns step 0.
+
+        Raises CheckpointError when the checkpoint was written with another data-parallel layout (no
+        loader state for this rank), lacks the optimizer state (not a seed), or the loader refuses it.
+        """
+        step = self.resolve_load_step()
+        if step is None:
+            return 0, 0
+        path = self.folder / f"step-{step}"
+        keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        has = lambda prefix: any(k == prefix or k.startswith(prefix + ".") for k in keys)  # noqa: E731
+        if not has("optimizer"):
+            if step != 0:
+                raise CheckpointError(
+                    f"checkpoint {path} holds model weights only; only step-0 (a seed) may; "
+                    f"choose another --checkpoint.load_step or folder"
+                )
+            state = {"model": self._model_sd()}
+            dcp.load(state, checkpoint_id=str(path))
+            set_model_state_dict(self.model, state["model"])
+            logger.info("loaded seed checkpoint %s (model weights)", path)
+            return 0, 0
+        state = self._full_state(0, 0)
+        if self.optimizer is None:
+            state.pop("optimizer", None)
+        loader_key = f"dataloader.dp_rank_{self.dp_rank}"
+        if self.dataloader is not None and loader_key not in keys:
+            saved = sorted(k.split(".", 1)[1] for k in keys if k.startswith("dataloader."))
+            raise CheckpointError(
+                f"checkpoint {path} has data loader states for {saved} but not for this run's "
+                f"dp_rank_{self.dp_rank}: it was written with another data-parallel layout; resume with the "
+                f"same layout or start a fresh run (another checkpoint.folder)"
+            )
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+        if self.optimizer is not None:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(json.loads(state["lr_scheduler"]))
+        if self.dataloader is not None:
+            try:
+                self.dataloader.load_state_dict(json.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+            except ValueError as exc:
+                raise CheckpointError(f"checkpoint {path}: {exc}") from None
+        train_state = json.loads(state["train_state"])
+        logger.info("resumed from checkpoint %s", path)
+        return int(train_state["step"]), int(train_state["tokens_seen"])
+
+
+def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
+    """Load the ``model`` entries of a DCP checkpoint or export at ``path`` into ``model`` (cast to its dtypes)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))
