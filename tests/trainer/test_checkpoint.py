@@ -25,6 +25,7 @@ from trainer.data.tokenizer import build_tokenizer
 from trainer.models.llama import LLAMA31_ROPE_SCALING, ModelArgs, build_model
 from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REPO = Path(__file__).resolve().parents[2]
 TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=16,
                  rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=16)

@@ -1,0 +1,176 @@
+"""The training loop: accumulation equivalence, loss reporting, clipping, determinism, errors, metrics."""
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer import train
+from trainer.config import ConfigError, parse_args
+from trainer.metrics import MetricsLogger, peak_flops
+from trainer.models.llama import LLAMA31_ROPE_SCALING, ModelArgs, build_model, cross_entropy_loss
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+TINY = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16,
+                 rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=32)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # The CPU is shared; one intra-op thread keeps these small runs fast under contention.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _model(seed=0):
+    m = build_model(TINY, device="cpu")
+    m.init_weights(seed)
+    return m
+
+
+def _batch(n, seq=11, ignore_rows=()):
+    ids = torch.randint(0, TINY.vocab_size, (n, seq + 1))
+    labels = ids[:, 1:].clone()
+    for r, upto in ignore_rows:  # rows with some ignored labels: micro-batches get unequal token counts
+        labels[r, :upto] = train.IGNORE_INDEX
+    return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": torch.arange(seq).expand(n, seq)}
+
+
+def _split(b, parts):
+    return [{k: v.chunk(parts)[i] for k, v in b.items()} for i in range(parts)]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def test_accumulation_1x8_equals_4x2_and_the_big_batch_gradient():
+    big = _batch(8, ignore_rows=[(1, 9), (6, 4)])
+    one = _model()
+    loss1 = train.forward_backward(one, cross_entropy_loss, [big], torch.device("cpu"))
+    four = _model()
+    loss4 = train.forward_backward(four, cross_entropy_loss, _split(big, 4), torch.device("cpu"))
+    ref = _model()
+    keep = big["labels"].flatten() != train.IGNORE_INDEX
+    logits = ref(big["input_ids"]).flatten(0, 1)
+    ref_loss = F.cross_entropy(logits[keep].double(), big["labels"].flatten()[keep])  # mean over the big batch
+    ref_loss.backward()
+    assert abs(loss1.item() - ref_loss.item()) < 1e-6 * ref_loss.item()
+    assert abs(loss4.item() - ref_loss.item()) < 1e-6 * ref_loss.item()  # mean token loss, not /4
+    g1, g4, gr = _grads(one), _grads(four), _grads(ref)
+    for name in g1:
+        assert _rel(g4[name], g1[name]) < 1e-5, name
+        assert _rel(g1[name], gr[name]) < 1e-5, name
+
+
+def test_forward_backward_rejects_a_batch_without_tokens():
+    b = _batch(2)
+    b["labels"][:] = train.IGNORE_INDEX
+    with pytest.raises(ValueError, match="no token"):
+        train.forward_backward(_model(), cross_entropy_loss, [b], torch.device("cpu"))
+
+
+def test_clip_grad_norm_matches_torch():
+    a, b = _model(), _model()
+    x = _batch(3)
+    for m in (a, b):
+        train.forward_backward(m, cross_entropy_loss, [x], torch.device("cpu"))
+        for p in m.parameters():
+            p.grad.mul_(50)  # make clipping bite
+    norm = train.clip_grad_norm_(list(a.parameters()), 1.0)
+    ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 1.0)
+    assert norm.item() == pytest.approx(ref.item(), rel=1e-6) and norm.item() > 1.0
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-6, atol=0), n
+    total = math.sqrt(sum(p.grad.double().square().sum().item() for p in a.parameters()))
+    assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def _run(folder, *overrides):
+    argv = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "6",
+            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
+            "--metrics.enable_color", "false", *overrides]
+    rc = train.main(parse_args(argv))
+    path = Path(folder) / "metrics.jsonl"
+    recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return rc, recs
+
+
+def test_run_is_deterministic_and_writes_metrics(tmp_path, capsys):
+    rc1, a = _run(tmp_path / "a")
+    rc2, b = _run(tmp_path / "b")
+    assert rc1 == rc2 == 0
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    assert [r["step"] for r in a] == [1, 2, 3, 4, 5, 6]
+    for r in a:
+        assert {"step", "loss", "grad_norm", "lr", "tps", "mfu", "memory_gib"} <= r.keys()
+        assert r["mfu"] is None and r["tps"] > 0 and r["memory_gib"] > 0 and 0 <= r["data_wait"] <= 1
+    assert a[0]["loss"] == pytest.approx(math.log(258), rel=0.03)  # starts at ln(vocab)
+    out = capsys.readouterr().out
+    assert "mfu n/a" in out and "summary: 6 steps" in out and "\033[" not in out
+
+
+def test_gradient_accumulation_in_the_loop_matches_one_big_batch(tmp_path):
+    _, big = _run(tmp_path / "big", "--training.local_batch_size", "4")
+    _, acc = _run(tmp_path / "acc", "--training.local_batch_size", "1", "--training.global_batch_size", "4")
+    for x, y in zip(big, acc):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], x["step"]
+
+
+def test_activation_checkpointing_gives_the_same_losses(tmp_path):
+    _, plain = _run(tmp_path / "plain", "--training.steps", "3")
+    for mode, opt in (("full", "2"), ("selective", "op"), ("selective", "2")):
+        _, ac = _run(tmp_path / f"{mode}{opt}", "--training.steps", "3", "--activation_checkpoint.mode", mode,
+                     "--activation_checkpoint.selective_ac_option", opt)
+        for x, y in zip(plain, ac):
+            assert abs(x["loss"] - y["loss"]) <= 1e-6 * x["loss"], (mode, opt, x["step"])
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+    rc, recs = _run(tmp_path, "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0",
+                    "--checkpoint.enable", "--checkpoint.interval", "1")
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "non-finite" in err and "step-1" in err and "Traceback" not in err
+    assert [r["step"] for r in recs] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-1"]
+
+
+def test_batch_that_does_not_divide_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        train.main(parse_args(["--training.global_batch_size", "6", "--training.local_batch_size", "4",
+                               "--job.dump_folder", str(tmp_path)]))
+
+
+def test_metrics_logger_intervals_and_summary(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, log_freq=3, device=torch.device("cpu"), flops_per_token=100, total_steps=7,
+                        enable_color=False, enable_tensorboard=True)
+    out = [log.step(s, tokens=10, data_wait_s=0.0, loss=torch.tensor(10.0 - s), grad_norm=1.0, lr=0.1)
+           for s in range(1, 8)]
+    assert [r is not None for r in out] == [False, False, True, False, False, True, True]
+    assert out[2]["loss"] == 7.0 and out[2]["mfu"] is None
+    summary = log.print_summary()
+    log.close()
+    assert summary["first_loss"] == 7.0 and summary["last_loss"] == 3.0 and summary["tokens_per_device"] == 70
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [3, 6, 7]
+    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert "summary: 7 steps" in capsys.readouterr().out
+
+
+def test_peak_flops_unknown_on_cpu():
+    assert peak_flops(torch.device("cpu")) is None
+
+
+def test_log_freq_error(tmp_path):
+    with pytest.raises(ValueError, match="metrics.log_freq"):
+        MetricsLogger(tmp_path, 0, torch.device("cpu"), 1, 1)

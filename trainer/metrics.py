@@ -1,0 +1,251 @@
+"""Training metrics: console lines, ``<dump_folder>/metrics.jsonl``, TensorBoard, and an end summary.
+
+Every ``log_freq`` steps (and at the last step) one record is written with:
+  step, loss (mean token loss of that step over all ranks), grad_norm (global, before clipping),
+  lr, tps (tokens/s per device over the interval), mfu (percent, or null where the peak is unknown),
+  memory_gib (peak: GPU reserved memory, or the process's peak RSS on CPU), data_wait (share of the
+  interval spent waiting for the data loader), elapsed_s.
+
+MFU = tps x FLOPs/token / peak FLOP/s (torchtitan's definition; FLOPs/token from
+``ModelArgs.flops_per_token``). Peaks are dense bf16 tensor-core figures from the vendors' data
+sheets (``PEAK_BF16_FLOPS``); on a CPU or an unknown GPU the MFU is reported as "n/a" rather than
+against a made-up peak.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# Dense BF16 peak FLOP/s (NVIDIA data sheets; SXM parts unless named).
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,
+    "A100": 312e12,
+}
+
+JSONL_NAME = "metrics.jsonl"
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """Peak dense bf16 FLOP/s of ``device``, or None (CPU, or a GPU not in ``PEAK_BF16_FLOPS``)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    if "H100" in name and ("PCIe" in name or "PCIE" in name):
+        return PEAK_BF16_FLOPS["H100 PCIe"]
+    for key in ("H200", "H100", "A100"):
+        if key in name:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    """Peak memory so far in GiB: reserved by the CUDA caching allocator, or the peak RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**30
+    # ru_maxrss is in KiB on Linux, bytes on macOS.
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class _Color:
+    def __init__(self, enabled: bool) -> None:
+        codes = dict(grey="90", red="31", green="32", yellow="33", blue="34", magenta="35", cyan="36", bold="1")
+        for name, code in codes.items():
+            setattr(self, name, f"\033[{code}m" if enabled else "")
+        self.reset = "\033[0m" if enabled else ""
+
+
+@dataclass
+class Summary:
+    """What the end-of-run summary reports."""
+
+    steps: int = 0
+    first_loss: float = math.nan
+    last_loss: float = math.nan
+    min_loss: float = math.inf
+    tokens: int = 0
+    train_time_s: float = 0.0
+    data_wait_s: float = 0.0
+    tps_history: list[float] = field(default_factory=list)
+    mfu_history: list[float] = field(default_factory=list)
+    peak_memory_gib: float = 0.0
+
+
+class MetricsLogger:
+    """Collects per-step numbers; every ``log_freq`` steps writes one record (rank 0 only).
+
+    Args:
+        dump_folder: where metrics.jsonl (and the TensorBoard folder) go.
+        log_freq: steps between records (>= 1).
+        device: the training device (for memory and the MFU peak).
+        flops_per_token: training FLOPs per token (``ModelArgs.flops_per_token(seq_len)``).
+        total_steps: the run's last step (always logged).
+        enabled: False on ranks other than 0 (they still time themselves, but write nothing).
+        enable_tensorboard / tb_folder: also write TensorBoard scalars under dump_folder/tb_folder.
+        enable_color: ANSI colors on the console (only when stdout is a terminal; NO_COLOR disables).
+    """
+
+    def __init__(
+        self,
+        dump_folder: str | os.PathLike,
+        log_freq: int,
+        device: torch.device,
+        flops_per_token: int,
+        total_steps: int,
+        enabled: bool = True,
+        enable_tensorboard: bool = False,
+        tb_folder: str = "tb",
+        enable_color: bool = True,
+    ) -> None:
+        if not isinstance(log_freq, int) or log_freq < 1:
+            raise ValueError(f"metrics.log_freq: expected an integer >= 1, got {log_freq!r}")
+        self.log_freq = log_freq
+        self.device = device
+        self.flops_per_token = flops_per_token
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.peak = peak_flops(device)
+        use_color = enable_color and sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+        self.c = _Color(use_color)
+        self.summary = Summary()
+        self._interval_tokens = 0
+        self._interval_data_wait = 0.0
+        self._interval_start = time.perf_counter()
+        self._jsonl = None
+        self._tb = None
+        if enabled:
+            folder = pathlib.Path(dump_folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(folder / JSONL_NAME, "a", encoding="utf-8")
+            if enable_tensorboard:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(folder / tb_folder))
+
+    def reset_timer(self) -> None:
+        """Start a new timing interval now (e.g. after setup or a resume)."""
+        self._interval_start = time.perf_counter()
+        self._interval_tokens = 0
+        self._interval_data_wait = 0.0
+
+    def should_log(self, step: int) -> bool:
+        return step % self.log_freq == 0 or step == self.total_steps
+
+    def step(
+        self,
+        step: int,
+        tokens: int,
+        data_wait_s: float,
+        loss: torch.Tensor | float | None = None,
+        grad_norm: torch.Tensor | float | None = None,
+        lr: float | None = None,
+    ) -> dict | None:
+        """Account one finished step; at logging steps, write and return the record (else None).
+
+        ``tokens``: tokens this device processed in the step. ``loss``/``grad_norm`` may stay tensors
+        (only read, forcing a device sync, at logging steps).
+        """
+        self._interval_tokens += tokens
+        self._interval_data_wait += data_wait_s
+        self.summary.tokens += tokens
+        self.summary.data_wait_s += data_wait_s
+        self.summary.steps = step
+        if not self.should_log(step):
+            return None
+        now = time.perf_counter()
+        dt = max(now - self._interval_start, 1e-9)
+        loss_v = float(loss) if loss is not None else math.nan
+        record = {
+            "step": step,
+            "loss": loss_v,
+            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "lr": float(lr) if lr is not None else math.nan,
+            "tps": self._interval_tokens / dt,
+            "mfu": None,
+            "memory_gib": peak_memory_gib(self.device),
+            "data_wait": self._interval_data_wait / dt,
+            "elapsed_s": dt,
+        }
+        if self.peak is not None:
+            record["mfu"] = 100.0 * record["tps"] * self.flops_per_token / self.peak
+        s = self.summary
+        s.train_time_s += dt
+        if math.isnan(s.first_loss):
+            s.first_loss = loss_v
+        s.last_loss = loss_v
+        s.min_loss = min(s.min_loss, loss_v)
+        s.tps_history.append(record["tps"])
+        if record["mfu"] is not None:
+            s.mfu_history.append(record["mfu"])
+        s.peak_memory_gib = max(s.peak_memory_gib, record["memory_gib"])
+        self._write(record)
+        self.reset_timer()
+        return record
+
+    def _write(self, r: dict) -> None:
+        if not self.enabled:
+            return
+        c = self.c
+        mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.2f}%"
+        width = len(str(self.total_steps))
+        print(
+            f"{c.red}step {r['step']:>{width}}  {c.green}loss {r['loss']:8.4f}  {c.yellow}grad_norm {r['grad_norm']:7.4f}  "
+            f"{c.cyan}lr {r['lr']:.3e}  {c.blue}tps {r['tps']:,.0f}  {c.magenta}mfu {mfu}  "
+            f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%{c.reset}",
+            flush=True,
+        )
+        self._jsonl.write(json.dumps(r) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "data_wait"):
+                if r[key] is not None:
+                    self._tb.add_scalar(f"train/{key}", r[key], r["step"])
+            self._tb.flush()
+
+    def print_summary(self) -> dict:
+        """Print (rank 0) and return the end-of-run summary."""
+        s = self.summary
+        # The first interval includes warm-up (allocations, compilation); leave it out when there is more.
+        tps = s.tps_history[1:] if len(s.tps_history) > 1 else s.tps_history
+        mfu = s.mfu_history[1:] if len(s.mfu_history) > 1 else s.mfu_history
+        out = {
+            "steps": s.steps,
+            "first_loss": s.first_loss,
+            "last_loss": s.last_loss,
+            "min_loss": s.min_loss,
+            "tokens_per_device": s.tokens,
+            "train_time_s": s.train_time_s,
+            "tps_mean": sum(tps) / len(tps) if tps else math.nan,
+            "mfu_mean": sum(mfu) / len(mfu) if mfu else None,
+            "peak_memory_gib": s.peak_memory_gib,
+            "data_wait": s.data_wait_s / s.train_time_s if s.train_time_s > 0 else math.nan,
+        }
+        if self.enabled:
+            c = self.c
+            mfu_txt = "n/a" if out["mfu_mean"] is None else f"{out['mfu_mean']:.2f}%"
+            print(
+                f"{c.bold}summary{c.reset}: {out['steps']} steps in {out['train_time_s']:.1f}s, "
+                f"loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} (min {out['min_loss']:.4f}), "
+                f"{out['tps_mean']:,.0f} tokens/s per device, MFU {mfu_txt}, "
+                f"peak memory {out['peak_memory_gib']:.2f}GiB, data wait {100 * out['data_wait']:.1f}%",
+                flush=True,
+            )
+        return out
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -1,0 +1,384 @@
+"""The training loop: ``main(config) -> exit code``.
+
+Order of work (DESIGN.md section 4): process group and device from the torchrun environment (gloo on
+CPU, NCCL on GPUs) -> tokenizer -> memory check of the flavor for this machine -> model on the meta
+device -> activation checkpointing -> compile per block -> FSDP2 (data parallel, HSDP; also on one
+GPU for bf16 mixed precision) -> materialize and initialize (or the seed checkpoint) -> AdamW and the
+LR schedule -> data loader -> resume from the newest complete checkpoint -> loop -> final checkpoint
+and summary.
+
+One optimizer step takes ``grad_accum = global_batch_size / (local_batch_size * dp)`` micro-batches
+per rank. Each micro-batch's summed token loss is scaled by ``dp / global_tokens`` (all tokens of the
+step over all ranks); FSDP2 averages gradients over the ``dp`` ranks, so the gradient is exactly that
+of the mean token loss over the whole global batch, for any split into ranks and micro-batches. The
+reported loss is that mean token loss.
+
+Exit codes: 0 done; 1 the run cannot proceed (model too large for the machine, non-finite loss,
+unusable checkpoint, data errors), with a one-line (or, for memory, a short) message and no traceback.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from trainer.config import ConfigError, JobConfig
+
+logger = logging.getLogger("trainer")
+
+IGNORE_INDEX = -100
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class TrainingError(RuntimeError):
+    """The run cannot proceed; the message says why and what to do. Reported without a traceback."""
+
+
+class NonFiniteLossError(TrainingError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment
+
+
+def _setup_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("[trainer] %(asctime)s %(message)s", datefmt="%H:%M:%S"))
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.propagate = False
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise TrainingError(f"environment variable {name}: expected an integer, got {raw!r}") from None
+
+
+def _compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
+    dtype = config.training.dtype
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else _DTYPES[config.training.mixed_precision_param]
+    return _DTYPES[dtype]
+
+
+def _init_distributed(world_size: int, rank: int, device: torch.device, single_process_group: bool) -> None:
+    if world_size == 1 and not single_process_group:
+        return
+    if dist.is_initialized():
+        return
+    # NCCL for GPU tensors, gloo for CPU ones (async checkpointing needs a CPU backend too).
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(minutes=30)
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pieces
+
+
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before clipping (a plain tensor).
+
+    With FSDP2 the gradients are DTensor shards: the per-shard norms combine into the norm of the
+    full gradient (``full_tensor`` of the Partial norm), which then scales every shard alike.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    return total
+
+
+def forward_backward(
+    model: torch.nn.Module,
+    loss_fn,
+    batches: list[dict[str, torch.Tensor]],
+    device: torch.device,
+    *,
+    dp_size: int = 1,
+    dp_group=False,
+    document_masking: bool = False,
+) -> torch.Tensor:
+    """Accumulate into ``.grad`` the gradient of the mean token loss over ``batches`` on all dp ranks.
+
+    ``batches``: this rank's micro-batches (``input_ids``, ``labels`` (batch, seq) int64, labels
+    ``IGNORE_INDEX`` skipped; ``position_ids`` used when ``document_masking``). ``loss_fn(logits,
+    labels, ignore_index)`` returns the summed token loss. ``dp_group``: False for a single process,
+    else the data-parallel process group (None = default group); the gradients are expected to be
+    averaged over the ``dp_size`` ranks afterwards (FSDP2 does). Returns the mean token loss over all
+    ranks and micro-batches (float32 scalar, detached). Raises ValueError if there is no token to learn.
+    """
+    distributed = dp_group is not False
+    n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    n_tokens = torch.tensor(float(n_local), device=device)
+    if distributed:
+        dist.all_reduce(n_tokens, group=dp_group)
+    if n_tokens.item() == 0:
+        raise ValueError("batches: every label is ignore_index; there is no token to compute a loss on")
+    scale = dp_size / n_tokens
+    loss_sum = torch.zeros((), device=device)
+    for b in batches:
+        inputs = b["input_ids"].to(device, non_blocking=True)
+        labels = b["labels"].to(device, non_blocking=True)
+        pos = b["position_ids"].to(device, non_blocking=True) if document_masking else None
+        token_loss_sum = loss_fn(model(inputs, pos), labels, IGNORE_INDEX)
+        (token_loss_sum * scale).backward()
+        loss_sum += token_loss_sum.detach()
+    if distributed:
+        dist.all_reduce(loss_sum, group=dp_group)
+    return loss_sum / n_tokens
+
+
+def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
+    from trainer.estimate import Layout, detect_devices, fit_report
+
+    return fit_report(
+        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard), config.training.local_batch_size,
+        config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
+        ac_mode=config.activation_checkpoint.mode,
+        selective_ac_option=config.activation_checkpoint.selective_ac_option,
+        devices=detect_devices(),
+    )
+
+
+def _build_tokenizer(config: JobConfig):
+    from trainer.data import build_tokenizer
+
+    path = config.model.tokenizer_path or None
+    try:
+        return build_tokenizer(path)
+    except (ValueError, OSError) as exc:
+        raise TrainingError(f"--model.tokenizer_path: {exc}") from None
+
+
+def _schedule(config: JobConfig):
+    from trainer.optim import LRSchedule
+
+    s, steps = config.lr_scheduler, config.training.steps
+    warmup = s.warmup_steps
+    if warmup > steps:
+        logger.warning("lr_scheduler.warmup_steps=%d > training.steps=%d: warming up over all %d steps",
+                       warmup, steps, steps)
+        warmup = steps
+    return LRSchedule(steps=steps, warmup_steps=warmup, decay_type=s.decay_type, decay_ratio=s.decay_ratio,
+                      min_lr_factor=s.min_lr_factor)
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+
+
+def main(config: JobConfig) -> int:
+    """Run the training job described by ``config``; returns the process exit code.
+
+    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by torchrun); without them, one process.
+    Raises ConfigError for a layout or batch size that does not fit the world size (``__main__``
+    reports it); every other expected failure is reported here and gives exit code 1.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    _setup_logging(rank)
+    gc_was_enabled = gc.isenabled()
+    try:
+        return _run(config, world_size, rank, local_rank)
+    except TrainingError as exc:
+        where = f"[rank {rank}] " if world_size > 1 else ""
+        print(f"python -m trainer: error: {where}{exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
+    from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
+    from trainer.metrics import MetricsLogger
+    from trainer.models.llama import build_model, cross_entropy_loss, model_args
+    from trainer.optim import build_lr_scheduler, build_optimizer
+    from trainer.parallel.activation_checkpoint import apply_ac
+    from trainer.parallel.compile import apply_compile, compile_loss
+    from trainer.parallel.fsdp import apply_fsdp
+    from trainer.parallel.parallel_dims import ParallelDims
+
+    import titan_kernels
+
+    t_start = time.perf_counter()
+    cfg_t, cfg_ckpt = config.training, config.checkpoint
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    try:
+        dims = ParallelDims(config.parallelism.data_parallel_replicate_degree,
+                            config.parallelism.data_parallel_shard_degree, world_size)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    grad_accum = config.grad_accum_steps(dims.dp_size)
+    compute_dtype = _compute_dtype(config, device)
+    if cfg_ckpt.create_seed_checkpoint and world_size != 1:
+        raise ConfigError(f"--checkpoint.create_seed_checkpoint: run it on one process, got a world size of {world_size}")
+
+    torch.manual_seed(cfg_t.seed)
+    if cfg_t.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+    tokenizer = _build_tokenizer(config)
+    args = model_args(config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len)
+
+    # Before anything large is allocated: can this machine hold the run at all?
+    if not cfg_ckpt.create_seed_checkpoint:
+        message = _fit_message(config, args, dims, compute_dtype)
+        if message is not None:
+            if rank == 0:
+                print(f"python -m trainer: error: {message}", file=sys.stderr, flush=True)
+            return 1
+
+    mixed_precision = compute_dtype != torch.float32
+    use_fsdp = dims.fsdp_enabled or mixed_precision
+    _init_distributed(world_size, rank, device, single_process_group=use_fsdp)
+    mesh = dims.build_mesh(device.type, single_process=use_fsdp)
+    dp_rank = dims.dp_rank(mesh)
+
+    stack = contextlib.ExitStack()
+    if config.kernels.backend != "auto":
+        stack.enter_context(titan_kernels.use_backend(config.kernels.backend))
+    with stack:
+        model = build_model(args, device="meta")
+        n_params = args.num_params()
+        logger.info(
+            "model llama3 %s: %s parameters (dim %d, %d layers, %d heads, %d kv heads, ffn %d, vocab %d); "
+            "%.3g FLOPs/token", config.model.flavor, f"{n_params:,}", args.dim, args.n_layers, args.n_heads,
+            args.kv_heads, args.ffn_hidden_dim, args.vocab_size, args.flops_per_token(cfg_t.seq_len))
+        logger.info(
+            "device %s, %s, compute %s, %d micro-batch(es) of %d x %d tokens per step and rank",
+            device, dims.describe(), str(compute_dtype).replace("torch.", ""), grad_accum, cfg_t.local_batch_size,
+            cfg_t.seq_len)
+
+        if cfg_ckpt.create_seed_checkpoint:
+            model.to_empty(device="cpu")
+            model.init_weights(cfg_t.seed)
+            folder = Path(config.job.dump_folder) / cfg_ckpt.folder
+            path = Checkpointer(folder, model).save_seed()
+            logger.info("seed checkpoint written to %s", path)
+            return 0
+
+        apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+        if config.compile.enable and "model" in config.compile.components:
+            apply_compile(model)
+        if use_fsdp:
+            apply_fsdp(model, dims.dp_mesh(mesh), param_dtype=compute_dtype if mixed_precision else None,
+                       reduce_dtype=_DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None)
+        model.to_empty(device=device)
+        model.init_weights(cfg_t.seed)
+        model.train()
+
+        optimizer = build_optimizer(model, config.optimizer)
+        scheduler = build_lr_scheduler(optimizer, _schedule(config))
+        loss_fn = cross_entropy_loss
+        if config.compile.enable and "loss" in config.compile.components:
+            loss_fn = compile_loss(cross_entropy_loss)
+
+        from trainer.data import build_dataloader
+
+        try:
+            loader = build_dataloader(config, tokenizer, dp_rank, dims.dp_size)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise TrainingError(f"--training.dataset: {exc}") from None
+
+        ckpt_folder = Path(config.job.dump_folder) / cfg_ckpt.folder
+        checkpointer = Checkpointer(
+            ckpt_folder, model, optimizer, scheduler, loader, dp_rank, enable=cfg_ckpt.enable,
+            interval=cfg_ckpt.interval, keep_latest_k=cfg_ckpt.keep_latest_k, async_mode=cfg_ckpt.async_mode,
+            load_step=cfg_ckpt.load_step, model_weights_only=cfg_ckpt.model_weights_only,
+            export_dtype=cfg_ckpt.export_dtype,
+        )
+        start_step, tokens_seen = 0, 0
+        if cfg_ckpt.enable:
+            try:
+                start_step, tokens_seen = checkpointer.load()
+            except CheckpointError as exc:
+                raise TrainingError(str(exc)) from None
+        if start_step >= cfg_t.steps:
+            logger.info("checkpoint step %d >= training.steps %d: nothing to train", start_step, cfg_t.steps)
+            checkpointer.close()
+            return 0
+
+        metrics = MetricsLogger(
+            config.job.dump_folder, config.metrics.log_freq, device, args.flops_per_token(cfg_t.seq_len),
+            cfg_t.steps, enabled=rank == 0, enable_tensorboard=config.metrics.enable_tensorboard,
+            tb_folder=config.metrics.save_tb_folder, enable_color=config.metrics.enable_color,
+        )
+        logger.info(
+            "data: %s, tokenizer %s (vocab %d); training steps %d..%d; setup took %.1fs",
+            loader.source.name, tokenizer.name, tokenizer.vocab_size, start_step + 1, cfg_t.steps,
+            time.perf_counter() - t_start)
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        dp_group = dims.dp_group(mesh)
+        distributed = dist.is_initialized() and world_size > 1
+        data_iter = iter(loader)
+        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
+        gc.collect()
+        metrics.reset_timer()
+        try:
+            for step in range(start_step + 1, cfg_t.steps + 1):
+                data_wait = 0.0
+                batches = []
+                for _ in range(grad_accum):
+                    t0 = time.perf_counter()
+                    batches.append(next(data_iter))
+                    data_wait += time.perf_counter() - t0
+                loss = forward_backward(model, loss_fn, batches, device, dp_size=dims.dp_size,
+                                        dp_group=dp_group if distributed else False,
+                                        document_masking=cfg_t.document_masking)
+                grad_norm = clip_grad_norm_(params, cfg_t.max_norm)
+                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
+                    done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
+                    kept = f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
+                    raise NonFiniteLossError(
+                        f"step {step}: non-finite loss or gradient (loss {loss.item()}, gradient norm "
+                        f"{grad_norm.item()}); "
+                        f"stopping before the optimizer step; {kept}. Try a lower --optimizer.lr or a longer "
+                        f"--lr_scheduler.warmup_steps"
+                    )
+                lr = scheduler.get_last_lr()[0]
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                n_step_tokens = grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
+                tokens_seen += n_step_tokens * dims.dp_size
+                metrics.step(step, n_step_tokens, data_wait, loss=loss, grad_norm=grad_norm, lr=lr)
+                checkpointer.poll()
+                if checkpointer.should_save(step, cfg_t.steps):
+                    checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
+                if step % cfg_t.gc_freq == 0:
+                    gc.collect(1)
+        finally:
+            checkpointer.close()
+            metrics.close()
+        metrics.print_summary()
+        logger.info("done in %.1fs", time.perf_counter() - t_start)
+    return 0
