@@ -339,7 +339,8 @@ def linear_bwd(
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, t.shape[-1])
+    # Explicit row count: reshape(-1, 0) is ambiguous for an empty last dim.
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
 
 
 def _unflatten(t: torch.Tensor, lead: torch.Size, cols: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ Same math and contracts as ``titan_kernels.reference.fp8`` (the scales agree bit
               program, computes the scale (program 0 stores it) and casts.
 
 Inputs are read through arbitrary 2-D strides with int64 offsets. amax reductions propagate NaN, as
-``torch.amax`` does. The cast rounds to the fp8 grid explicitly in float32 (round to nearest even
+``torch.amax`` does (a NaN element makes its group's scale NaN, never a silent finite one). The cast rounds to the fp8 grid explicitly in float32 (round to nearest even
 on the mantissa bits) before converting: the result is exactly representable, so the conversion
 itself cannot round. This is needed under the Triton interpreter, whose float32 -> fp8 conversion
 mis-rounds values that round up into the next binade (e.g. 126.9 -> 64 instead of 128 in e4m3,
@@ -34,6 +34,14 @@ _FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 @triton.jit
 def _nanmax(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _reduce_nanmax(v, axis):
+    # tl.max drops NaN on GPUs; a custom-combine tl.reduce would keep it but crawls in the
+    # interpreter. So: the plain max, then NaN wherever the reduced group holds one.
+    has_nan = tl.max((v != v).to(tl.int32), axis)
+    return tl.where(has_nan > 0, float("nan"), tl.max(v, axis))
 
 
 @triton.jit
@@ -79,7 +87,7 @@ def _amax_partial_kernel(
         mask = (rows < R)[:, None] & (cols < C)[None, :]
         x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
         acc = _nanmax(acc, tl.abs(x.to(tl.float32)))
-    tl.store(PARTIAL + pid, tl.reduce(acc, None, _nanmax))
+    tl.store(PARTIAL + pid, _reduce_nanmax(acc, None))
 
 
 @triton.jit
@@ -89,7 +97,7 @@ def _tensorwise_cast_kernel(
     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     p = tl.arange(0, BLOCK_P)
-    amax = tl.reduce(tl.load(PARTIAL + p, mask=p < n_partials, other=0.0), 0, _nanmax)
+    amax = _reduce_nanmax(tl.load(PARTIAL + p, mask=p < n_partials, other=0.0), 0)
     mult, scale = _scale_from_amax(amax, FP8_MAX, POW2)
     pid = tl.program_id(0)
     if pid == 0:
@@ -115,7 +123,7 @@ def _rowwise_kernel(
         cols = tl.arange(0, BLOCK_C).to(tl.int64)
         mask = rmask[:, None] & (cols < C)[None, :]
         x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0).to(tl.float32)
-        mult, scale = _scale_from_amax(tl.reduce(tl.abs(x), 1, _nanmax), FP8_MAX, POW2)
+        mult, scale = _scale_from_amax(_reduce_nanmax(tl.abs(x), 1), FP8_MAX, POW2)
         y = _to_fp8_grid(x * mult[:, None], FP8_MAX, MANT, EMIN)
         tl.store(Y + rows[:, None] * C + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
@@ -125,7 +133,7 @@ def _rowwise_kernel(
             mask = rmask[:, None] & (cols < C)[None, :]
             x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
             acc = _nanmax(acc, tl.abs(x.to(tl.float32)))
-        mult, scale = _scale_from_amax(tl.reduce(acc, 1, _nanmax), FP8_MAX, POW2)
+        mult, scale = _scale_from_amax(_reduce_nanmax(acc, 1), FP8_MAX, POW2)
         for start in range(0, C, BLOCK_C):
             cols = start + tl.arange(0, BLOCK_C).to(tl.int64)
             mask = rmask[:, None] & (cols < C)[None, :]
@@ -149,7 +157,7 @@ def _colwise_kernel(
         mask = (rows < R)[:, None] & cmask[None, :]
         x = tl.load(X + rows[:, None] * stride_r + cols[None, :] * stride_c, mask=mask, other=0.0)
         acc = _nanmax(acc, tl.abs(x.to(tl.float32)))
-    mult, scale = _scale_from_amax(tl.reduce(acc, 0, _nanmax), FP8_MAX, POW2)
+    mult, scale = _scale_from_amax(_reduce_nanmax(acc, 0), FP8_MAX, POW2)
     for start in range(0, R, BLOCK_R):
         rows = start + tl.arange(0, BLOCK_R).to(tl.int64)
         mask = (rows < R)[:, None] & cmask[None, :]
