@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules below refer to)
 import titan_kernels.ops.rotary  # noqa: F401
+import titan_kernels.ops.fp8  # noqa: F401
 
 import torch
 
@@ -81,4 +82,42 @@ if torch.distributed.is_available():
         if position_ids is not None:
             pos_seq = Shard(position_ids.ndim - 1)
             rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, pos_seq, None]))
+        return rules
+
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- fp8 (Float8Linear)
+    # fp8_linear is y = x W^T with x (..., K) and W (N, K); it shards as a matmul: tokens (any dim
+    # of x but the last) with W replicated, colwise (W split on N -> y split on its last dim) and
+    # rowwise (x and W split on K -> y Partial). Each rank quantizes its own shards with their own
+    # scales: exact dequantized math per shard, equal to the unsharded result to fp8 accuracy.
+    # The backward: tokens -> dW Partial; colwise -> dx Partial, dW Shard(0); rowwise -> dx split
+    # on K, dW Shard(1). A gradient that is not asked for is an empty (..., 0) / (N, 0) tensor,
+    # for which the same placements are valid (the rules must not depend on the bool flags, which
+    # DTensor leaves out of its sharding cache key). The rules hold for every recipe (the string
+    # argument is not in the cache key either). fp8_quantize and fp8_gemm have no rules: their
+    # tensorwise scale would need a collective, so DTensor refuses them instead.
+
+    @register_sharding(torch.ops.titan.fp8_linear.default)
+    def _fp8_linear_sharding(x, weight, recipe):
+        rep, k = Replicate(), len(x.shape) - 1
+        rules = [
+            ([rep], [rep, rep, None]),
+            ([Shard(k)], [rep, Shard(0), None]),
+            ([Partial()], [Shard(k), Shard(1), None]),
+        ]
+        for d in range(k):
+            rules.append(([Shard(d)], [Shard(d), rep, None]))
+        return rules
+
+    @register_sharding(torch.ops.titan.fp8_linear_backward.default)
+    def _fp8_linear_backward_sharding(dy, x, weight, recipe, compute_dx, compute_dweight):
+        rep, k, flags = Replicate(), len(x.shape) - 1, [None, None, None]
+        rules = [
+            ([rep, rep], [rep, rep, rep, *flags]),
+            ([Partial(), Shard(0)], [Shard(k), rep, Shard(0), *flags]),
+            ([Shard(k), Shard(1)], [rep, Shard(k), Shard(1), *flags]),
+        ]
+        for d in range(k):
+            rules.append(([Shard(d), Partial()], [Shard(d), Shard(d), rep, *flags]))
         return rules

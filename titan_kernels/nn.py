@@ -12,6 +12,7 @@ from torch import nn
 
 from titan_kernels.ops.rms_norm import rms_norm
 from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin
+from titan_kernels.float8_linear import Float8Linear, convert_to_float8  # noqa: F401  (nn.Linear in float8)
 
 
 class RMSNorm(nn.Module):

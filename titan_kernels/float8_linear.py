@@ -1,0 +1,303 @@
+"""Float8Linear: ``nn.Linear`` with its forward, grad_input and grad_weight GEMMs in float8, the
+in-place model converter ``convert_to_float8``, and the FSDP2 float8 all-gather of weights.
+
+Recipes (torchao's names and meanings; the table is in ``titan_kernels.ops.fp8``): "tensorwise"
+(dynamic tensorwise scales, e5m2 gradients; the fastest), "rowwise" (e4m3 everywhere, per-row
+scales rounded to powers of two), "rowwise_with_gw_hp" (rowwise, with grad_weight in high
+precision; the most accurate).
+
+FSDP2 float8 all-gather (tensorwise only). ``convert_to_float8(...,
+enable_fsdp_float8_all_gather=True)`` wraps each weight in ``WeightWithFloat8AllGather``, a tensor
+subclass that behaves as the plain high-precision weight for every op (optimizer, init, state
+dict) and implements FSDP2's all-gather extension:
+  * ``fsdp_pre_all_gather``: the amax of the local shard, all-reduced (MAX) over the FSDP mesh, is
+    the amax of the whole weight; the shard is cast to e4m3 with it, so every rank holds codes of
+    the one tensorwise scaling of the full weight, and FSDP all-gathers 1 byte per element
+    instead of 2 (bf16) or 4;
+  * ``fsdp_post_all_gather``: wraps the gathered codes and the scale in a
+    ``Float8AllGatheredWeight``, which ``Float8Linear.forward`` uses directly (no second cast).
+The codes and scale are exactly those of ``fp8_quantize`` on the unsharded weight (same kernels).
+Not supported together with tensor parallelism (a weight that is already a DTensor).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from titan_kernels.ops import fp8 as _fp8
+
+aten = torch.ops.aten
+
+
+def _check_recipe(recipe: object) -> str:
+    if recipe not in _fp8.RECIPES:
+        raise ValueError(f"recipe: expected one of {_fp8.RECIPES}, got {recipe!r}")
+    return recipe
+
+
+# ----------------------------------------------------------------------------- FSDP2 float8 all-gather
+
+# Ops whose result is (a view or a copy of) the weight and must stay a WeightWithFloat8AllGather:
+# what FSDP2 does to build and pad the shards, and what detach / nn.Parameter / .to() do.
+_PRESERVE = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.zeros_like.default,
+    aten._to_copy.default, aten.clone.default, aten._pin_memory.default,
+}
+
+
+def _writes_first_arg(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+class WeightWithFloat8AllGather(torch.Tensor):
+    """A high-precision weight (wrapping ``_tensor``) that FSDP2 all-gathers as e4m3 codes.
+
+    Every op sees the plain ``_tensor`` (results of view/copy ops stay wrapped, in-place ops return
+    the wrapper), so optimizers, initialisation and checkpoints work unchanged.
+    """
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        u_args, u_kwargs = tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*u_args, **u_kwargs)
+        if _writes_first_arg(func) and isinstance(args[0], cls):
+            return args[0]
+        if func in _PRESERVE:
+            return tree_map_only(torch.Tensor, cls, out)
+        return out
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return WeightWithFloat8AllGather(inner["_tensor"])
+
+    def __repr__(self) -> str:
+        return f"WeightWithFloat8AllGather({self._tensor!r})"
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        amax = _fp8.tensorwise_amax(self._tensor)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        codes, scale = _fp8.fp8_quantize_from_amax(self._tensor, amax, _fp8.E4M3, False)
+        # FSDP wants every rank's input at the padded shard size (ceil(rows / world) rows).
+        rows = -(-outer_size[0] // mesh.size())
+        if codes.shape[0] != rows:
+            padded = torch.zeros((rows, *codes.shape[1:]), dtype=torch.uint8, device=codes.device)
+            padded[: codes.shape[0]] = codes.view(torch.uint8)
+            codes = padded.view(_fp8.E4M3)
+        # Sent as bytes: every collective backend moves uint8, not all of them float8.
+        return (codes.view(torch.uint8),), (scale,)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        (data,) = all_gather_outputs
+        (scale,) = metadata
+        if out is not None:
+            # Later all-gathers refill the same buffer, which out's codes already view.
+            if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                raise RuntimeError("fsdp_post_all_gather: out does not view this all-gather buffer")
+            out._scale = scale
+            return
+        return Float8AllGatheredWeight(data.view(_fp8.E4M3), scale, param_dtype), (data,)
+
+
+class Float8AllGatheredWeight(torch.Tensor):
+    """The unsharded weight FSDP2 hands to ``Float8Linear``: e4m3 codes ``_data`` (N, K) and a
+    float32 tensorwise ``_scale``, presented as a ``dtype`` tensor of the weight's shape.
+
+    ``Float8Linear`` uses the codes directly. Any other op sees the dequantized weight
+    (``_data * _scale`` in ``dtype``): correct, though it loses the fp8 savings.
+    """
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, data.size(), strides=data.stride(), storage_offset=data.storage_offset(),
+            dtype=dtype, layout=data.layout, device=data.device, requires_grad=False,
+        )
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        self._data = data
+        self._scale = scale
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    _VIEWS = {aten.detach.default, aten.alias.default, aten.view.default, aten.as_strided.default,
+              aten._unsafe_view.default}
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in cls._VIEWS and isinstance(args[0], cls):
+            w = args[0]
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w.dtype)
+        u_args, u_kwargs = tree_map_only(cls, lambda w: w.dequantize(), (args, kwargs))
+        return func(*u_args, **u_kwargs)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as a plain tensor: ``_data.float() * _scale`` in ``self.dtype``."""
+        return (self._data.float() * self._scale).to(self.dtype)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner, dtype, outer_size, outer_stride):
+        return Float8AllGatheredWeight(inner["_data"], inner["_scale"], dtype)
+
+    def __repr__(self) -> str:
+        return f"Float8AllGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale.item():.3e})"
+
+
+class _PrequantizedLinearFn(torch.autograd.Function):
+    """y = x W^T with W already e4m3 tensorwise (the FSDP2 float8 all-gather); the tensorwise recipe."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        x2 = _fp8._rows(x)
+        xq, xs = _fp8.fp8_quantize(x2, dtype=_fp8.E4M3, granularity="tensorwise")
+        y = _fp8.fp8_gemm(xq, weight._data, xs, weight._scale, out_dtype=x.dtype, use_fast_accum=True)
+        # The codes, not x: the backward needs nothing else (and they are half of a bf16 x).
+        ctx.save_for_backward(xq, xs, weight)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        return _fp8._unflatten(y, x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xq, xs, weight = ctx.saved_tensors
+        dx, dw = _fp8.linear_bwd_prequantized(
+            _fp8._rows(dy), xq, xs, weight._data, weight._scale, ctx.x_dtype, weight.dtype,
+            ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+        )
+        return (_fp8._unflatten(dx, ctx.x_shape[:-1], ctx.x_shape[-1]) if dx is not None else None), dw
+
+
+# ----------------------------------------------------------------------------- module
+
+
+class Float8Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` (same constructor, parameters and state_dict) computing its three
+    GEMMs in float8 per ``recipe``.
+
+    Shapes: input (..., in_features) float32/bf16/fp16, the weight's dtype (or the autocast dtype)
+    -> output (..., out_features) in that dtype. The bias (if any) is added in high precision.
+
+    Raises ValueError for an unknown recipe; the forward raises as ``titan_kernels.fp8_linear``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        recipe: str = "tensorwise",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self.recipe = _check_recipe(recipe)
+
+    @classmethod
+    def from_float(
+        cls, linear: nn.Linear, recipe: str = "tensorwise", *, enable_fsdp_float8_all_gather: bool = False
+    ) -> "Float8Linear":
+        """A Float8Linear sharing ``linear``'s parameter objects (no copy; works on the meta device).
+
+        enable_fsdp_float8_all_gather: wrap the weight in ``WeightWithFloat8AllGather`` so FSDP2
+        all-gathers it in e4m3 (recipe "tensorwise" only; not with a tensor-parallel DTensor weight).
+
+        Raises TypeError when ``linear`` is not an nn.Linear, ValueError for an unknown recipe or
+        an unsupported float8 all-gather.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
+        _check_recipe(recipe)
+        with torch.device("meta"):
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
+        new.weight = linear.weight
+        new.bias = linear.bias
+        if enable_fsdp_float8_all_gather:
+            if recipe != "tensorwise":
+                raise ValueError(
+                    f"enable_fsdp_float8_all_gather: needs recipe 'tensorwise' (one scale per weight), got {recipe!r}"
+                )
+            w = linear.weight
+            if isinstance(w, torch.distributed.tensor.DTensor if dist.is_available() else ()):
+                raise ValueError(
+                    "enable_fsdp_float8_all_gather: the weight is already a DTensor (tensor parallel); "
+                    "float8 all-gather is supported with FSDP2 alone"
+                )
+            if not isinstance(w, WeightWithFloat8AllGather):
+                new.weight = nn.Parameter(WeightWithFloat8AllGather(w.data), requires_grad=w.requires_grad)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if isinstance(weight, Float8AllGatheredWeight):
+            y = _PrequantizedLinearFn.apply(x, weight)
+        else:
+            # A WeightWithFloat8AllGather outside FSDP2 takes the op path and unwraps itself.
+            if torch.is_autocast_enabled(x.device.type):
+                dtype = torch.get_autocast_dtype(x.device.type)
+                x, weight = x.to(dtype), weight.to(dtype)
+            y = _fp8.fp8_linear(x, weight, self.recipe)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def convert_to_float8(
+    model: nn.Module,
+    recipe: str = "tensorwise",
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    enable_fsdp_float8_all_gather: bool = False,
+) -> nn.Module:
+    """Replace, in place, every ``nn.Linear`` of ``model`` for which
+    ``module_filter_fn(module, fqn)`` is True (all when None) by ``Float8Linear.from_float``.
+
+    Parameters are shared, not copied, so it works on the meta device and before FSDP2 /
+    ``torch.compile`` are applied (convert first, then shard and compile, as torchtitan does).
+    Returns the model, or a new Float8Linear when ``model`` itself is an ``nn.Linear``.
+
+    Raises TypeError for a model that is not an nn.Module, ValueError for an unknown recipe.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
+    _check_recipe(recipe)
+
+    def convert(mod: nn.Module, fqn: str) -> nn.Module:
+        if isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear):
+            if module_filter_fn is None or module_filter_fn(mod, fqn):
+                return Float8Linear.from_float(mod, recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
+            return mod
+        for name, child in list(mod.named_children()):
+            new = convert(child, f"{fqn}.{name}" if fqn else name)
+            if new is not child:
+                setattr(mod, name, new)
+        return mod
+
+    return convert(model, "")
