@@ -121,3 +121,57 @@ if torch.distributed.is_available():
         for d in range(k):
             rules.append(([Shard(d), Partial()], [Shard(d), Shard(d), rep, *flags]))
         return rules
+
+
+import titan_kernels.ops.attention  # noqa: E402,F401  (defines the flash_attn ops)
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- flash_attn
+    # Attention mixes tokens of one sequence and is independent across batch entries and heads.
+    # Dense q/k/v (batch, seq, heads, d) run locally split on batch (dim 0) or heads (dim 2; lse
+    # (batch, heads, seq) on dim 1); varlen (total, heads, d) only on heads (dim 1; lse on dim 0),
+    # with cu_seqlens replicated. Splitting heads keeps GQA groups whole when n_kv_heads divides
+    # evenly (the local ratio is unchanged); with one KV head (MQA) k/v may stay replicated while q
+    # is split, and then dk/dv come out Partial (each rank sums over its own query heads). A split
+    # sequence is not local (every query needs every key): DTensor gathers it; context parallelism
+    # (ring attention, which uses the LSE) is the layer that handles it without a gather.
+    # The rules depend only on tensor arguments (DTensor leaves the scalars out of its cache key).
+
+    @register_sharding(torch.ops.titan.flash_attn.default)
+    def _flash_attn_sharding(q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars):
+        rep, flags = Replicate(), [None] * len(scalars)
+        if cu_seqlens_q is None:
+            rules = [
+                ([rep, rep], [rep, rep, rep, None, None, *flags]),
+                ([Shard(0), Shard(0)], [Shard(0), Shard(0), Shard(0), None, None, *flags]),
+                ([Shard(2), Shard(1)], [Shard(2), Shard(2), Shard(2), None, None, *flags]),
+            ]
+            if k.shape[2] == 1:
+                rules.append(([Shard(2), Shard(1)], [Shard(2), rep, rep, None, None, *flags]))
+            return rules
+        return [
+            ([rep, rep], [rep, rep, rep, rep, rep, *flags]),
+            ([Shard(1), Shard(0)], [Shard(1), Shard(1), Shard(1), rep, rep, *flags]),
+        ]
+
+    @register_sharding(torch.ops.titan.flash_attn_backward.default)
+    def _flash_attn_backward_sharding(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *scalars):
+        rep, flags = Replicate(), [None] * len(scalars)
+
+        def dl(p):
+            return p if dlse is not None else None
+
+        if cu_seqlens_q is None:
+            rules = [
+                ([rep] * 3, [rep] * 6 + [dl(rep), None, None, *flags]),
+                ([Shard(0)] * 3, [Shard(0)] * 6 + [dl(Shard(0)), None, None, *flags]),
+                ([Shard(2)] * 3, [Shard(2)] * 5 + [Shard(1), dl(Shard(1)), None, None, *flags]),
+            ]
+            if k.shape[2] == 1:
+                rules.append(([Shard(2), Partial(), Partial()],
+                              [Shard(2), Shard(2), rep, rep, Shard(2), Shard(1), dl(Shard(1)), None, None, *flags]))
+            return rules
+        return [
+            ([rep] * 3, [rep] * 6 + [dl(rep), rep, rep, *flags]),
+            ([Shard(1)] * 3, [Shard(1)] * 5 + [Shard(0), dl(Shard(0)), rep, rep, *flags]),
+        ]

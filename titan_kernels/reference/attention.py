@@ -6,6 +6,7 @@ Math (Vaswani et al. 2017, eq. 1; the softmax statistics and backward of Dao et 
     lse_i = log sum_j exp(S_ij),   P = exp(S - lse),   O = P V
 Backward, with delta_i = sum_d dO_id * O_id:
     dV = P^T dO,   dP = dO V^T,   dS = P * (dP - delta),   dQ = c * dS K,   dK = c * dS^T Q
+A gradient dlse for the LSE adds P_ij * dlse_i to dS_ij (d lse_i / d S_ij = P_ij): delta -= dlse.
 
 Masking, as FlashAttention >= 2.1: with ``causal``, query i sees key j when ``j <= i + seq_k - seq_q``
 (aligned bottom-right). A query row that sees no key has O = 0 and lse = -inf.
@@ -59,7 +60,7 @@ def _dense_fwd(q, k, v, causal, scale):
     return out, lse.reshape(b, h, sq)
 
 
-def _dense_bwd(dout, q, k, v, out, lse, causal, scale):
+def _dense_bwd(dout, q, k, v, out, lse, causal, scale, dlse=None):
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
@@ -67,6 +68,8 @@ def _dense_bwd(dout, q, k, v, out, lse, causal, scale):
     p = _probs(s, lse.float().reshape(b, hkv, g, sq))
     do = dout.float().reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
     delta = (dout.float() * out.float()).sum(-1).reshape(b, sq, hkv, g).permute(0, 2, 3, 1)
+    if dlse is not None:
+        delta = delta - dlse.float().reshape(b, hkv, g, sq)
     vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
@@ -129,11 +132,13 @@ def attention_bwd(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward from the forward's ``out`` and ``lse``: (dq, dk, dv) shaped and typed like
-    (q, k, v); math in float32. Layouts as ``attention_fwd``; dout may have any strides."""
+    (q, k, v); math in float32. Layouts as ``attention_fwd``; dout may have any strides. ``dlse``
+    (the LSE's shape) is an optional gradient for the LSE output."""
     if cu_seqlens_q is None:
-        return _dense_bwd(dout, q, k, v, out, lse, causal, softmax_scale)
+        return _dense_bwd(dout, q, k, v, out, lse, causal, softmax_scale, dlse)
     dq = torch.zeros_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -142,7 +147,7 @@ def attention_bwd(
             continue  # no query or no key: every gradient of the document is 0
         g = _dense_bwd(
             dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-            lse[None, :, q0:q1], causal, softmax_scale,
+            lse[None, :, q0:q1], causal, softmax_scale, None if dlse is None else dlse[None, :, q0:q1],
         )
         dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
     return dq, dk, dv

@@ -769,6 +769,7 @@ def attention_bwd(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: float,
+    dlse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backward; same contract as ``titan_kernels.reference.attention.attention_bwd``.
 
@@ -799,6 +800,8 @@ def attention_bwd(
         out, dout, delta, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *sl,
         seq_q, h, d, IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_D=block_d,
     )
+    if dlse is not None:
+        delta.sub_(dlse)  # dS = P * (dP - delta + dlse): an LSE gradient only shifts delta
     meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, PRECISION=precision)
     qkv_strides = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen))
     dkdv_args = (
