@@ -1,0 +1,79 @@
+"""``python -m trainer`` as a user runs it: short runs where the loss falls, and the 70B message.
+
+The full default run (debugmodel, embedded corpus, 2 CPU cores, a few minutes) is marked slow:
+``pytest -m slow tests/e2e/test_main.py``.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _trainer(*args, timeout=600, threads=None):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NO_COLOR": "1"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "trainer", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    return proc, time.perf_counter() - t0
+
+
+def _losses(folder):
+    return [json.loads(line)["loss"] for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_on_the_embedded_corpus_learns(tmp_path):
+    proc, _ = _trainer("--training.steps", "40", "--training.seq_len", "64", "--training.local_batch_size", "4",
+                       "--lr_scheduler.warmup_steps", "5", "--optimizer.lr", "3e-3", "--metrics.log_freq", "1",
+                       "--job.dump_folder", str(tmp_path), threads=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    losses = _losses(tmp_path)
+    assert len(losses) == 40
+    assert abs(losses[0] - math.log(258)) < 0.3  # starts at ln(vocab)
+    assert sum(losses[-5:]) / 5 < losses[0] - 2.0
+    assert "summary: 40 steps" in proc.stdout and "Traceback" not in proc.stderr
+
+
+def test_tinyshakespeare_with_a_tokenizer_json(tmp_path, shared_data):
+    proc, _ = _trainer("--training.dataset_path", str(shared_data / "tinyshakespeare.txt"),
+                       "--model.tokenizer_path", str(shared_data / "tokenizer" / "tokenizer.json"),
+                       "--training.steps", "20", "--training.seq_len", "64", "--training.local_batch_size", "4",
+                       "--lr_scheduler.warmup_steps", "3", "--optimizer.lr", "3e-3", "--metrics.log_freq", "1",
+                       "--job.dump_folder", str(tmp_path), threads=1)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "vocab 2020" in proc.stdout and "tinyshakespeare" in proc.stdout
+    losses = _losses(tmp_path)
+    assert abs(losses[0] - math.log(2020)) < 0.3
+    assert sum(losses[-3:]) / 3 < losses[0] - 1.5
+
+
+def test_70b_on_this_machine_explains_and_exits(tmp_path):
+    proc, seconds = _trainer("--flavor", "70B", "--job.dump_folder", str(tmp_path), timeout=120)
+    assert proc.returncode != 0
+    assert seconds < 60
+    err = proc.stderr
+    assert "Traceback" not in err and "Traceback" not in proc.stdout
+    assert "70.55e9 parameters" in err
+    for part in ("estimated memory per device", "parameters", "gradients", "optimizer state", "activations",
+                 "devices found", "would fit:", "data_parallel_shard_degree"):
+        assert part in err, part
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_default_run_finishes_in_ten_minutes_and_learns(tmp_path):
+    proc, seconds = _trainer("--job.dump_folder", str(tmp_path), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert seconds < 600, seconds
+    losses = _losses(tmp_path)
+    assert abs(losses[0] - math.log(258)) < 1.0
+    assert losses[-1] < 2.5
+    print(proc.stdout)
