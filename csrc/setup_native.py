@@ -69,7 +69,7 @@ def _cuda_choice(torch, cuda_home: str | None) -> tuple[bool, bool, str]:
 
 
 def _extension(cpp_ext, with_cuda: bool):
-    cxx = ["-O3"]
+    cxx = ["-O3", "-Wno-unknown-pragmas"]  # ATen's vec headers carry CUDA-style `#pragma unroll`
     link = []
     if sys.platform.startswith("linux"):
         # at::parallel_for is OpenMP code inlined from ATen's headers: without -fopenmp it runs serially.
@@ -117,9 +117,23 @@ def native_build() -> dict:
     class BuildNative(cpp_extension.BuildExtension):
         """BuildExtension plus per-ISA objects, a CPU-only retry and a pure-Python fallback."""
 
+        def build_extensions(self):
+            # Failures before any extension is compiled (compiler checks, flag setup) are optional too.
+            try:
+                super().build_extensions()
+            except Exception as e:  # noqa: BLE001
+                if forced_cuda:
+                    raise
+                reason = f"{type(e).__name__}: {e}"
+                _warn(f"titan_kernels: the native extension failed to build; installing pure Python ({reason})")
+                for ext in self.extensions:
+                    self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
+
+        def _error_path(self, ext) -> str:
+            return os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ERROR_FILE)
+
         def build_extension(self, ext):
-            out_dir = os.path.dirname(self.get_ext_fullpath(ext.name))
-            err_path = os.path.join(out_dir, ERROR_FILE)
+            err_path = self._error_path(ext)
             try:
                 self._build(ext)
             except Exception as e:  # noqa: BLE001  (compiler, linker, ninja: any failure is optional)
@@ -137,7 +151,7 @@ def native_build() -> dict:
                     except Exception as e2:  # noqa: BLE001
                         reason = f"{type(e2).__name__}: {e2}"
                 _warn(f"titan_kernels: the native extension failed to build; installing pure Python ({reason})")
-                self._record(err_path, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
+                self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
                 return
             if os.path.exists(err_path):
                 os.remove(err_path)
@@ -165,6 +179,13 @@ def native_build() -> dict:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as f:
                 f.write(text)
+
+        def _fail(self, ext, text: str) -> None:
+            # Drop a library left by an earlier build, so what is installed matches the message.
+            lib = self.get_ext_fullpath(ext.name)
+            if os.path.exists(lib):
+                os.remove(lib)
+            self._record(self._error_path(ext), text)
 
     ext = _extension(cpp_extension, with_cuda=build_cuda)
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildNative.with_options(use_ninja=True)}}

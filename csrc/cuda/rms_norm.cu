@@ -28,6 +28,10 @@ template <int TPR>
 __host__ __device__ constexpr int block_threads() { return TPR == 32 ? 32 * kWarpRows : TPR; }
 template <int TPR>
 __host__ __device__ constexpr int rows_per_block() { return TPR == 32 ? kWarpRows : 1; }
+// Resident blocks asked of ptxas: at least 512 threads per SM, i.e. at most 128 registers a thread.
+// Without a minimum, ptxas may trade a few spilled bytes for occupancy.
+template <int TPR>
+__host__ __device__ constexpr int min_blocks() { return block_threads<TPR>() >= 512 ? 1 : 512 / block_threads<TPR>(); }
 
 // VEC weights at element offset off, as float32 (weight is float32 or the activation dtype T).
 template <typename T, int VEC>
@@ -77,7 +81,7 @@ __device__ __forceinline__ void store_normed(T* y, const Pack<T, VEC>& p, float 
 }
 
 template <typename T, int VEC, int TPR>
-__global__ void __launch_bounds__(block_threads<TPR>()) rms_norm_fwd_kernel(RmsNormFwdArgs a) {
+__global__ void __launch_bounds__(block_threads<TPR>(), min_blocks<TPR>()) rms_norm_fwd_kernel(RmsNormFwdArgs a) {
   using P = Pack<T, VEC>;
   __shared__ float smem[32];
   const int lane = TPR == 32 ? threadIdx.x % 32 : threadIdx.x;
@@ -162,7 +166,7 @@ __device__ __forceinline__ void grad_pack(const Pack<T, VEC>& dyp, const Pack<T,
 }
 
 template <typename T, int VEC, int TPR>
-__global__ void __launch_bounds__(block_threads<TPR>()) rms_norm_bwd_kernel(RmsNormBwdArgs a, float* dw_partial) {
+__global__ void __launch_bounds__(block_threads<TPR>(), min_blocks<TPR>()) rms_norm_bwd_kernel(RmsNormBwdArgs a, float* dw_partial) {
   constexpr int RPB = rows_per_block<TPR>();
   __shared__ float smem[32];
   extern __shared__ float dw_smem[];  // RPB x N floats, warp-per-row layout with dweight only

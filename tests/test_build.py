@@ -1,0 +1,165 @@
+"""The native build: pure-Python fallback, setup.py failure handling, the standalone CMake build.
+
+- With the extension absent, titan_kernels imports, reports why ``cpu`` is unavailable and runs
+  the ops on the reference backend.
+- A failing native build (a bad compiler flag) still completes ``build_ext`` with a warning and
+  records the reason, which ``available_backends()`` then reports.
+- CMakeLists.txt configures and compiles the standalone CUDA kernels and their ctest executable
+  with the machine's nvcc (compile only: sm_80 here, as tests/test_cuda_compile.py compiles sm_90a);
+  running ctest needs a GPU.
+
+Slow (``pytest -m slow tests/test_build.py``): the CMake build of the torch extension
+(find_package(Torch)), about 2 minutes on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _run(cmd, timeout=300, env=None, cwd=ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+PURE_PYTHON_CHECK = textwrap.dedent("""
+    import pathlib, sys
+    sys.modules["titan_kernels._C"] = None  # as if the extension were not built
+    import torch, torch.nn.functional as F
+    import titan_kernels as tk
+    from titan_kernels import _native
+    error_file = sys.argv[1]
+    if error_file:
+        _native.BUILD_ERROR_FILE = pathlib.Path(error_file)
+    st = tk.available_backends("cpu")["cpu"]
+    assert not st.available, st
+    print("REASON", st.reason)
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 5, 48), torch.randn(48)
+    assert torch.allclose(tk.rms_norm(x, w, 1e-6), F.rms_norm(x, (48,), w, 1e-6), rtol=1e-5, atol=1e-6)
+    cos, sin = tk.rope_cos_sin(16, 8)
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 1, 16)
+    qo, ko = tk.apply_rotary_emb(q, k, cos, sin)
+    half = torch.cat([-q[..., 8:], q[..., :8]], -1)
+    c, s = torch.cat([cos[:5], cos[:5]], -1)[:, None], torch.cat([sin[:5], sin[:5]], -1)[:, None]
+    assert torch.allclose(qo, q * c + half * s, rtol=1e-5, atol=1e-5)
+    print("OK")
+""")
+
+
+def test_pure_python_when_extension_is_absent():
+    r = _run([sys.executable, "-c", PURE_PYTHON_CHECK, ""], timeout=120, env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "OK" in r.stdout
+    assert "titan_kernels._C is not available" in r.stdout
+
+
+def test_failed_native_build_still_installs(tmp_path):
+    # A compiler flag that does not exist makes the first compile fail.
+    r = _run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+              "--build-temp", str(tmp_path / "tmp")], timeout=300,
+             env={"CFLAGS": "-fno-such-flag-for-titan", "TITAN_KERNELS_CUDA": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "failed to build; installing pure Python" in r.stderr
+    pkg = tmp_path / "lib" / "titan_kernels"
+    assert not list(pkg.glob("_C*.so")), "no library may be left behind"
+    error_file = pkg / "_C_build_error.txt"
+    assert error_file.read_text().startswith("the native extension failed to build")
+    # ... and available_backends() says why.
+    r = _run([sys.executable, "-c", PURE_PYTHON_CHECK, str(error_file)], timeout=120,
+             env={"PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "failed to build" in r.stdout
+
+
+def test_native_build_can_be_switched_off(tmp_path):
+    r = _run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+              "--build-temp", str(tmp_path / "tmp")], timeout=120, env={"TITAN_KERNELS_NATIVE": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "TITAN_KERNELS_NATIVE=0" in r.stderr
+    assert not list((tmp_path / "lib").rglob("_C*"))
+
+
+def test_forcing_cuda_without_cuda_torch_fails_clearly(tmp_path):
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip(f"torch {torch.__version__} has CUDA: forcing the CUDA build is legitimate here")
+    r = _run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib")], timeout=120,
+             env={"TITAN_KERNELS_CUDA": "1"})
+    assert r.returncode != 0
+    assert "TITAN_KERNELS_CUDA=1 but the CUDA kernels cannot be built" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------ CMake
+
+
+def _nvcc() -> str | None:
+    return shutil.which("nvcc") or next((p for p in ("/usr/local/cuda/bin/nvcc",) if os.path.exists(p)), None)
+
+
+@pytest.fixture(scope="module")
+def cmake_cuda_build(tmp_path_factory):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed: the standalone CUDA build cannot be checked")
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found: the standalone CUDA build needs the CUDA toolkit")
+    build = tmp_path_factory.mktemp("cmake-cuda")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    r = _run(["cmake", "-S", str(ROOT), "-B", str(build), *gen, f"-DCMAKE_CUDA_COMPILER={nvcc}",
+              "-DTITAN_CUDA_GENCODE=-gencode=arch=compute_80,code=sm_80"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run(["cmake", "--build", str(build), "-j", "2"], timeout=600)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    return build
+
+
+def test_cmake_builds_standalone_cuda_kernels_and_test(cmake_cuda_build):
+    assert (cmake_cuda_build / "libtitan_cuda_kernels.a").exists()
+    assert (cmake_cuda_build / "titan_cuda_test").exists()
+    # The test program itself runs on the host: without a usable device it reports a skip (77).
+    r = _run([str(cmake_cuda_build / "titan_cuda_test")], timeout=60)
+    assert r.returncode in (0, 77), r.stdout + r.stderr
+
+
+def test_ctest_on_gpu(cmake_cuda_build):
+    if shutil.which("nvidia-smi") is None or _run(["nvidia-smi", "-L"], timeout=60).returncode != 0:
+        pytest.skip("no CUDA device: the ctest run of the CUDA kernels needs a GPU (bench/run_gpu.sh runs it)")
+    r = _run(["ctest", "--test-dir", str(cmake_cuda_build), "--output-on-failure"], timeout=300)
+    print(r.stdout)
+    assert r.returncode == 0 and "tests passed" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.slow
+def test_cmake_builds_torch_extension(tmp_path):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed")
+    out = tmp_path / "out"
+    r = _run(["cmake", "-S", str(ROOT), "-B", str(tmp_path / "b"), "-DTITAN_BUILD_CUDA=OFF",
+              "-DTITAN_BUILD_TORCH_EXTENSION=ON", f"-DTITAN_EXTENSION_OUTPUT_DIR={out}",
+              f"-DPython3_EXECUTABLE={sys.executable}"], timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _run(["cmake", "--build", str(tmp_path / "b"), "-j", "2"], timeout=900)
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    (lib,) = out.glob("_C*.so")
+    check = textwrap.dedent(f"""
+        import importlib.util, torch
+        spec = importlib.util.spec_from_file_location("titan_kernels._C", {str(lib)!r})
+        mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+        assert mod.has_cpu()
+        x = torch.randn(4, 40)
+        y, h, rstd = torch.ops.titan.rms_norm_fwd_native(x, None, None, 1e-6)
+        assert torch.allclose(y, torch.nn.functional.rms_norm(x, (40,), eps=1e-6), atol=1e-6)
+        print("OK", mod.cpu_capability())
+    """)
+    r = _run([sys.executable, "-c", check], timeout=120)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
