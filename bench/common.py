@@ -158,11 +158,22 @@ def with_ratios(rows: list[Row]) -> list[Row]:
     return rows
 
 
+def _cpu_name() -> str:
+    """The CPU model and the vector ISA ATen uses on it (e.g. 'AMD EPYC (AVX512)')."""
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
+
+
 def environment() -> dict:
     """Device, date and versions recorded with every result file."""
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name() if on_cuda() else (platform.processor() or platform.machine()),
+        "device": torch.cuda.get_device_name() if on_cuda() else _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

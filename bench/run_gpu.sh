@@ -31,6 +31,13 @@ $PY -c "import titan_kernels as tk; [print(' ', s) for s in tk.available_backend
 stage "kernel tests on CUDA tensors"
 timeout 150 $PY -m pytest -q -p no:cacheprovider tests/kernels -x --timeout 120 2>&1 | tail -30 | tee -a "$log"
 
+stage "standalone CUDA kernels (CMake, no torch) and their ctest"
+if command -v cmake >/dev/null; then
+  { cmake -S . -B build/cmake-cuda $(command -v ninja >/dev/null && echo -G Ninja) -DTITAN_CUDA_GENCODE="-gencode=arch=compute_90a,code=sm_90a" >/dev/null \
+    && timeout 180 cmake --build build/cmake-cuda >/dev/null && timeout 120 ctest --test-dir build/cmake-cuda -V; } 2>&1 \
+    | grep -E "^[0-9]+: (ok|FAIL|SKIP|PASSED|FAILED)|tests passed|rror" | tail -80 | tee -a "$log"
+else echo "cmake not installed: skipped" | tee -a "$log"; fi
+
 stage "benchmarks"
 BENCH_OUT="$prefix" timeout 300 $PY -m pytest -q -p no:cacheprovider bench --benchmark-disable --timeout 280 2>&1 \
   | grep -v "^bench/" | tail -120 | tee -a "$log"
