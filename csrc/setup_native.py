@@ -129,11 +129,15 @@ def native_build() -> dict:
                 for ext in self.extensions:
                     self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
 
-        def _error_path(self, ext) -> str:
-            return os.path.join(os.path.dirname(self.get_ext_fullpath(ext.name)), ERROR_FILE)
+        def _package_dirs(self, ext) -> list[str]:
+            # Where the extension lands, plus the source package in an editable install (setuptools
+            # builds it elsewhere and copies it into the source tree).
+            dirs = [os.path.dirname(self.get_ext_fullpath(ext.name))]
+            if getattr(self, "editable_mode", False) or self.inplace:
+                dirs.append(os.path.join(ROOT, *ext.name.split(".")[:-1]))
+            return list(dict.fromkeys(os.path.abspath(d) for d in dirs))
 
         def build_extension(self, ext):
-            err_path = self._error_path(ext)
             try:
                 self._build(ext)
             except Exception as e:  # noqa: BLE001  (compiler, linker, ninja: any failure is optional)
@@ -146,15 +150,17 @@ def native_build() -> dict:
                     try:
                         self._prepare(cpu_ext)
                         self._build(cpu_ext)
-                        self._record(err_path, f"CUDA kernels not built: {reason}")
+                        for d in self._package_dirs(ext):
+                            self._record(os.path.join(d, ERROR_FILE), f"CUDA kernels not built: {reason}")
                         return
                     except Exception as e2:  # noqa: BLE001
                         reason = f"{type(e2).__name__}: {e2}"
                 _warn(f"titan_kernels: the native extension failed to build; installing pure Python ({reason})")
                 self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
                 return
-            if os.path.exists(err_path):
-                os.remove(err_path)
+            for d in self._package_dirs(ext):
+                if os.path.exists(os.path.join(d, ERROR_FILE)):
+                    os.remove(os.path.join(d, ERROR_FILE))
 
         def _build(self, ext):
             cxx = list(ext.extra_compile_args["cxx"] if isinstance(ext.extra_compile_args, dict)
@@ -182,10 +188,11 @@ def native_build() -> dict:
 
         def _fail(self, ext, text: str) -> None:
             # Drop a library left by an earlier build, so what is installed matches the message.
-            lib = self.get_ext_fullpath(ext.name)
-            if os.path.exists(lib):
-                os.remove(lib)
-            self._record(self._error_path(ext), text)
+            lib_name = os.path.basename(self.get_ext_fullpath(ext.name))
+            for d in self._package_dirs(ext):
+                if os.path.exists(os.path.join(d, lib_name)):
+                    os.remove(os.path.join(d, lib_name))
+                self._record(os.path.join(d, ERROR_FILE), text)
 
     ext = _extension(cpp_extension, with_cuda=build_cuda)
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildNative.with_options(use_ninja=True)}}
