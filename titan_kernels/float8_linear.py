@@ -46,9 +46,9 @@ def _check_recipe(recipe: object) -> str:
 _PRESERVE = {
     aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
     aten.as_strided.default, aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default,
-    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default, aten.zeros_like.default,
+    aten.empty_like.default, aten.new_zeros.default, aten.new_empty.default,
     aten._to_copy.default, aten.clone.default, aten._pin_memory.default,
-}
+}  # not zeros_like: optimizer states (torch.zeros_like(param)) are plain tensors
 
 
 def _writes_first_arg(func) -> bool:
@@ -168,6 +168,27 @@ class Float8AllGatheredWeight(torch.Tensor):
         return f"Float8AllGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale.item():.3e})"
 
 
+def _plain_weight(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without the WeightWithFloat8AllGather wrapper (a DTensor keeps its placements), sharing
+    its storage: what state_dict hands out, so checkpoints hold plain tensors (loadable without the
+    wrapper, and loading in place still fills the parameter)."""
+    if isinstance(t, WeightWithFloat8AllGather):
+        return t._tensor
+    if dist.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(t, DTensor) and isinstance(t._local_tensor, WeightWithFloat8AllGather):
+            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+                                      shape=t.shape, stride=t.stride())
+    return t
+
+
+def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    if state_dict.get(key) is not None:
+        state_dict[key] = _plain_weight(state_dict[key])
+
+
 class _PrequantizedLinearFn(torch.autograd.Function):
     """y = x W^T with W already e4m3 tensorwise (the FSDP2 float8 all-gather); the tensorwise recipe."""
 
@@ -216,6 +237,7 @@ class Float8Linear(nn.Linear):
     ) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         self.recipe = _check_recipe(recipe)
+        self.register_state_dict_post_hook(_state_dict_hook)
 
     @classmethod
     def from_float(

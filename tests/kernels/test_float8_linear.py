@@ -301,10 +301,16 @@ def test_all_gather_weight_outside_fsdp():
     y2.sum().backward()
     assert torch.equal(y1, y2)
     assert torch.equal(plain.weight.grad, wrapped.weight.grad)
-    for m in (plain, wrapped):
-        torch.optim.AdamW(m.parameters(), lr=0.1).step()
+    opts = [torch.optim.AdamW(m.parameters(), lr=0.1) for m in (plain, wrapped)]
+    for opt in opts:
+        opt.step()
+    assert type(opts[1].state[wrapped.weight]["exp_avg"]) is torch.Tensor  # optimizer state stays plain
     assert isinstance(wrapped.weight, WeightWithFloat8AllGather)
     assert torch.equal(plain.weight.detach(), wrapped.weight._tensor)
+    # state_dict hands out the plain tensor (checkpoints need no wrapper class), sharing storage.
+    sd = wrapped.state_dict()
+    assert type(sd["weight"]) is torch.Tensor
+    assert sd["weight"].data_ptr() == wrapped.weight._tensor.data_ptr()
     with torch.device("meta"):
         meta = Float8Linear.from_float(nn.Linear(40, 24), enable_fsdp_float8_all_gather=True)
     meta.to_empty(device="cpu")
