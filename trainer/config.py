@@ -209,6 +209,32 @@ class Kernels:
     )
 
 
+@dataclass
+class Float8:
+    """Float8 training of the Linear layers (float8 GEMMs run at twice the bf16 rate on H100/H200)."""
+
+    enable: bool = _opt(False, "Train the Linear layers with float8 GEMMs (forward, grad_input, grad_weight).")
+    recipe: str = _opt(
+        "tensorwise",
+        "Scaling recipe (torchao's meanings): tensorwise (fastest), rowwise, rowwise_with_gw_hp "
+        "(grad_weight in high precision).",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    impl: str = _opt(
+        "titan", "Float8Linear implementation: titan (ours) or torchao (needs torchao installed).",
+        choices=("titan", "torchao"),
+    )
+    filter_fqns: list[str] = _opt(
+        ["output"], "Keep Linear layers whose name contains one of these in high precision (comma-separated)."
+    )
+    auto_filter_small_kgemms: bool = _opt(
+        True, "Also keep in high precision the layers too small to gain from float8 (see trainer/float8.py)."
+    )
+    enable_fsdp_float8_all_gather: bool = _opt(
+        False, "FSDP2 all-gathers weights in float8 (1 byte per element); tensorwise recipe only."
+    )
+
+
 _COMPILE_COMPONENTS = ("model", "loss")
 
 
@@ -227,6 +253,7 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
+    float8: Float8 = field(default_factory=Float8)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The configuration as ``{section: {key: value}}`` of plain Python values."""
@@ -322,6 +349,10 @@ class JobConfig:
         for comp in self.compile.components:
             if comp not in _COMPILE_COMPONENTS:
                 raise ConfigError(_choice_message("compile.components", comp, _COMPILE_COMPONENTS))
+        f8 = self.float8
+        need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
+             "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
+             f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
 
 
 def available_flavors() -> tuple[str, ...]:

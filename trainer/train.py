@@ -285,6 +285,13 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             logger.info("seed checkpoint written to %s", path)
             return 0
 
+        if config.float8.enable:
+            from trainer.float8 import convert_model_to_float8
+
+            try:
+                convert_model_to_float8(model, config.float8)
+            except RuntimeError as exc:  # --float8.impl torchao without torchao
+                raise TrainingError(str(exc)) from None
         apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
         if config.compile.enable and "model" in config.compile.components:
             apply_compile(model)
