@@ -20,8 +20,10 @@ backend that cannot take the case raises ``RuntimeError`` with the reason instea
 Conventions every backend follows (so a backward may run on another backend than its forward):
 bottom-right causal alignment (query i sees key j when ``j <= i + seq_k - seq_q``); a row with no
 visible key has out = 0 and lse = -inf (FlashAttention's +inf is converted); out and lse are fresh
-contiguous tensors. SDPA does not return the LSE: its backends are skipped when the LSE is asked
-for, return an LSE of NaN otherwise, and backpropagate by recomputing through SDPA's own autograd.
+contiguous tensors. SDPA returns no LSE: its backends compute it in one more blocked Q K^T pass,
+and their backward is the reference math (SDPA's backward kernels are reachable only through
+autograd, which an op's implementation cannot use), so they are fallbacks, not fast paths, for
+training.
 SDPA's ``is_causal`` is top-left aligned, so for ``seq_q != seq_k`` an explicit bottom-right mask is
 passed instead and rows with no visible key are zeroed.
 
@@ -277,20 +279,17 @@ def _sdpa_call(name, q, k, v, causal, scale):
 def _sdpa_fwd(name):
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
         out = _sdpa_call(name, q, k, v, causal, scale).contiguous()
-        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("nan"), dtype=torch.float32, device=q.device)
-        return out, lse
+        # SDPA returns no LSE: one more Q K^T pass, over blocks of rows (the price of a fallback).
+        return out, _ref.attention_lse(q, k, causal, scale)
 
     return fwd
 
 
 def _sdpa_bwd(name):
-    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
-        # SDPA's forward keeps no LSE for us: recompute through its own autograd.
-        with torch.enable_grad():
-            qkv = [t.detach().requires_grad_(True) for t in (q, k, v)]
-            o = _sdpa_call(name, *qkv, causal, scale)
-            dq, dk, dv = torch.autograd.grad(o, qkv, dout)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=None):
+        # torch runs SDPA's backward kernels only through autograd, which an op's implementation
+        # cannot use (it runs below the autograd key): the gradients come from the reference math.
+        return _ref.attention_bwd(dout, q, k, v, out, lse, None, None, 0, 0, causal, scale, dlse=dlse)
 
     return bwd
 
@@ -337,8 +336,6 @@ def _why_not_flash(kind: str, case: AttentionCase) -> str | None:
 def _why_not_sdpa(name: str, case: AttentionCase) -> str | None:
     if case.varlen:
         return "SDPA has no varlen (packed documents) mode"
-    if case.need_lse or case.has_dlse:
-        return "SDPA does not return the LSE"
     if name == "sdpa_cudnn" and case.device.type != "cuda":
         return f"cuDNN attention runs on CUDA tensors, not {case.device.type}"
     if case.device.type not in ("cuda", "cpu"):
@@ -557,9 +554,11 @@ def _run_bwd(name, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, caus
     if _trivial(q, k, cu_q):
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     bwd = _impl(name)[1]
-    if dlse is not None:  # only the reference and Triton backward take it (see AttentionCase.has_dlse)
-        return bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=dlse)
-    return bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    if dlse is not None:  # FlashAttention's backward does not take it (see AttentionCase.has_dlse)
+        grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, dlse=dlse)
+    else:
+        grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale)
+    return tuple(g.contiguous() for g in grads)  # the fake implementation's strides
 
 
 # ----------------------------------------------------------------------------- ops
@@ -586,9 +585,9 @@ def flash_attn_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward -> (out, lse). Dense when cu_seqlens_q is None: q (b, s_q, h, d),
     k/v (b, s_k, h_kv, d), lse (b, h, s_q); varlen: q (total_q, h, d), lse (h, total_q) and
-    max_seqlen_* bound the document lengths (ignored when dense). ``backend`` "" chooses at run time;
-    ``return_lse`` only steers that choice (an SDPA backend returns no LSE). out is in q.dtype, lse
-    float32; both contiguous."""
+    max_seqlen_* bound the document lengths (ignored when dense). ``backend`` "" chooses at run time.
+    ``return_lse`` says whether the caller sees the LSE (only then is its gradient used). out is in
+    q.dtype, lse float32; both contiguous."""
     name = _resolve(backend, q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse)
     return _run_fwd(name, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale)
 
@@ -622,7 +621,7 @@ def flash_attn_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of flash_attn from its out and lse: (dq, dk, dv), fresh contiguous tensors shaped and
     typed like (q, k, v), accumulated in float32. dout is shaped like out (any strides); dlse, shaped
-    like lse or None, is a gradient for the LSE output (reference and Triton backends only)."""
+    like lse or None, is a gradient for the LSE output (not on the FlashAttention backends)."""
     name = _resolve(backend, q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse, True, dlse is not None)
     return _run_bwd(name, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     causal, softmax_scale)

@@ -1,5 +1,7 @@
 """Scaled dot-product attention in plain PyTorch, float32 math (FlashAttention's contract).
 
+(float64 inputs are computed in float64, which lets ``torch.autograd.gradcheck`` test the backward.)
+
 Math (Vaswani et al. 2017, eq. 1; the softmax statistics and backward of Dao et al. 2022,
 "FlashAttention", Alg. 2 and appendix B.2), for one (batch, head) and scale c:
     S = c * Q K^T,   S_ij = -inf where key j is hidden from query i
@@ -24,23 +26,42 @@ from __future__ import annotations
 import torch
 
 
-def causal_mask(seq_q: int, seq_k: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """(seq_q, seq_k) bool: True where query i sees key j under bottom-right causal alignment."""
+def _acc(t: torch.Tensor) -> torch.Tensor:
+    # float32 math for half inputs; float64 stays float64 (so gradcheck can test this module).
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
+def causal_mask(seq_q: int, seq_k: int, device: torch.device | str | None = None, diag: int | None = None) -> torch.Tensor:
+    """(seq_q, seq_k) bool: True where query i sees key j, i.e. ``j <= i + diag`` with the bottom-right
+    ``diag = seq_k - seq_q`` by default (pass another diag for a block of rows of a longer query)."""
     i = torch.arange(seq_q, device=device).unsqueeze(1)
     j = torch.arange(seq_k, device=device).unsqueeze(0)
-    return j <= i + (seq_k - seq_q)
+    return j <= i + (seq_k - seq_q if diag is None else diag)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float, diag: int | None = None) -> torch.Tensor:
     """(b, n_kv_heads, group, seq_q, seq_k) float32 masked scores of a dense batch."""
     b, sq, h, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    qg = q.float().reshape(b, sq, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)
-    kt = k.float().permute(0, 2, 3, 1).unsqueeze(2)  # (b, hkv, 1, d, sk): broadcast over the group
+    qg = _acc(q).reshape(b, sq, hkv, h // hkv, d).permute(0, 2, 3, 1, 4)
+    kt = _acc(k).permute(0, 2, 3, 1).unsqueeze(2)  # (b, hkv, 1, d, sk): broadcast over the group
     s = torch.matmul(qg, kt) * scale
     if causal:
-        s = s.masked_fill(~causal_mask(sq, sk, q.device), float("-inf"))
+        s = s.masked_fill(~causal_mask(sq, sk, q.device, diag), float("-inf"))
     return s
+
+
+def attention_lse(q: torch.Tensor, k: torch.Tensor, causal: bool, softmax_scale: float, chunk: int = 1024) -> torch.Tensor:
+    """The LSE alone of a dense batch, (b, n_heads, seq_q) float32, computed over blocks of ``chunk``
+    query rows so that memory is O(chunk * seq_k) per head (for backends that return no LSE)."""
+    b, sq, h, _ = q.shape
+    sk = k.shape[1]
+    parts = [
+        torch.logsumexp(_scores(q[:, r0:r0 + chunk], k, causal, softmax_scale, r0 + sk - sq), dim=-1)
+        for r0 in range(0, sq, chunk)
+    ]
+    lse = torch.cat(parts, dim=-1) if parts else q.new_empty((b, k.shape[2], h // max(k.shape[2], 1), 0))
+    return lse.reshape(b, h, sq).to(torch.promote_types(q.dtype, torch.float32))
 
 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -55,7 +76,7 @@ def _dense_fwd(q, k, v, causal, scale):
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key (and for seq_k == 0)
     p = _probs(s, lse)
-    o = torch.matmul(p, v.float().permute(0, 2, 1, 3).unsqueeze(2))  # (b, hkv, g, sq, d)
+    o = torch.matmul(p, _acc(v).permute(0, 2, 1, 3).unsqueeze(2))  # (b, hkv, g, sq, d)
     out = o.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
     return out, lse.reshape(b, h, sq)
 
@@ -65,16 +86,16 @@ def _dense_bwd(dout, q, k, v, out, lse, causal, scale, dlse=None):
     sk, hkv = k.shape[1], k.shape[2]
     g = h // hkv
     s = _scores(q, k, causal, scale)
-    p = _probs(s, lse.float().reshape(b, hkv, g, sq))
-    do = dout.float().reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
-    delta = (dout.float() * out.float()).sum(-1).reshape(b, sq, hkv, g).permute(0, 2, 3, 1)
+    p = _probs(s, _acc(lse).reshape(b, hkv, g, sq))
+    do = _acc(dout).reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
+    delta = (_acc(dout) * _acc(out)).sum(-1).reshape(b, sq, hkv, g).permute(0, 2, 3, 1)
     if dlse is not None:
-        delta = delta - dlse.float().reshape(b, hkv, g, sq)
-    vf = v.float().permute(0, 2, 1, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
+        delta = delta - _acc(dlse).reshape(b, hkv, g, sq)
+    vf = _acc(v).permute(0, 2, 1, 3).unsqueeze(2)  # (b, hkv, 1, sk, d)
     dp = torch.matmul(do, vf.transpose(-1, -2))
     ds = p * (dp - delta.unsqueeze(-1))
-    qg = q.float().reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)
-    dq = torch.matmul(ds, k.float().permute(0, 2, 1, 3).unsqueeze(2)) * scale
+    qg = _acc(q).reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)
+    dq = torch.matmul(ds, _acc(k).permute(0, 2, 1, 3).unsqueeze(2)) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qg).sum(2) * scale  # sum over the query heads of the group
     dv = torch.matmul(p.transpose(-1, -2), do).sum(2)
     dq = dq.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d)
@@ -109,7 +130,7 @@ def attention_fwd(
     if cu_seqlens_q is None:
         return _dense_fwd(q, k, v, causal, softmax_scale)
     out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_acc(q[:0]).dtype, device=q.device)
     for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:
             continue

@@ -95,6 +95,16 @@ def _softmax_update(s, m_i, l_i, acc, MASKED: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    # DOT_F32: the interpreter multiplies bfloat16 blocks as raw bits (numpy has no bfloat16), so it
+    # gets float32 copies; the products of bf16 values are exact in float32, as on tensor cores.
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
 def _score_mask(s, rows, cols, len_k, diag, IS_CAUSAL: tl.constexpr):
     valid = cols[None, :] < len_k
     if IS_CAUSAL:
@@ -124,7 +134,7 @@ def _fwd_epilogue(acc, l_i, m_i, O, o_base, stride_os, stride_od, LSE, l_base, s
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
                stride_ks, stride_vs,
                MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+               BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -138,7 +148,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, l
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-        s = tl.dot(q, k, input_precision=PRECISION) * qk_scale
+        s = _dot(q, k, None, PRECISION, DOT_F32) * qk_scale
         if MASKED:
             s = _score_mask(s, rows, cols, len_k, diag, IS_CAUSAL)
         p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
@@ -148,7 +158,7 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, l
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        acc = _dot(p.to(v.dtype), v, acc, PRECISION, DOT_F32)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
     return acc, l_i, m_i, k_ptrs, v_ptrs
@@ -165,7 +175,7 @@ def _fwd_kernel(
     seqlen_q, seqlen_k, n_heads, group, head_dim, qk_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -199,10 +209,10 @@ def _fwd_kernel(
     full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d, len_k, diag, qk_scale,
-        stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+        stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
-        stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION)
+        stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0_64 * stride_os, stride_os, stride_od,
                   LSE, l_off + h * stride_lh, stride_ls, m0, len_q, head_dim, BLOCK_M, BLOCK_D)
 
@@ -334,7 +344,7 @@ def _load_lse(ptrs, rmask):
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, offs_m, cols, mask_d,
                     len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls,
-                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr):
+                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         rmask = rows < len_q
@@ -346,14 +356,14 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi,
         do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
         lse2 = _load_lse(lse_ptrs, rmask)
         delta = tl.load(delta_ptrs, mask=rmask, other=0.0)
-        s_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        s_t = _dot(k, tl.trans(q), None, PRECISION, DOT_F32) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
             p_t = tl.where(cols[:, None] <= rows[None, :] + diag, p_t, 0.0)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, DOT_F32)
+        dp_t = _dot(v, tl.trans(do), None, PRECISION, DOT_F32)
         ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+        dk = _dot(ds_t.to(q.dtype), q, dk, PRECISION, DOT_F32)
         q_ptrs += BLOCK_M * stride_qs
         do_ptrs += BLOCK_M * stride_dos
         lse_ptrs += BLOCK_M * stride_ls
@@ -374,7 +384,7 @@ def _bwd_dkdv_kernel(
     seqlen_q, seqlen_k, n_kv_heads, group, head_dim, qk_scale, sm_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -426,10 +436,10 @@ def _bwd_dkdv_kernel(
         # the unmasked pass is empty), so the advanced pointers carry over.
         dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, mid_hi, offs_m, cols, mask_d,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, True, EVEN_D, BLOCK_M, PRECISION)
+            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
         dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
             dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mid, len_q, offs_m, cols, mask_d,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, False, EVEN_D, BLOCK_M, PRECISION)
+            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
     dk = dk * sm_scale
     tl.store(DK + dk_off + kvh * stride_dkh + n0_64 * stride_dks + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=kv_mask)
@@ -441,7 +451,7 @@ def _bwd_dkdv_kernel(
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
                   stride_ks, stride_vs,
                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
@@ -456,16 +466,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, 
         else:
             k_t = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
             v_t = tl.load(v_ptrs, mask=mask_d[:, None], other=0.0)
-        s = tl.dot(q, k_t, input_precision=PRECISION) * qk_scale
+        s = _dot(q, k_t, None, PRECISION, DOT_F32) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
             valid = cols[None, :] < len_k
             if IS_CAUSAL:
                 valid = valid & (cols[None, :] <= rows[:, None] + diag)
             p = tl.where(valid, p, 0.0)
-        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        dp = _dot(do, v_t, None, PRECISION, DOT_F32)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+        dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), dq, PRECISION, DOT_F32)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
     return dq, k_ptrs, v_ptrs
@@ -483,7 +493,7 @@ def _bwd_dq_kernel(
     seqlen_q, seqlen_k, n_heads, group, head_dim, qk_scale, sm_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -520,10 +530,10 @@ def _bwd_dq_kernel(
     full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d,
                                        len_k, diag, qk_scale, stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D,
-                                       BLOCK_N, PRECISION)
+                                       BLOCK_N, PRECISION, DOT_F32)
     dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d,
                                        len_k, diag, qk_scale, stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D,
-                                       BLOCK_N, PRECISION)
+                                       BLOCK_N, PRECISION, DOT_F32)
     dq = dq * sm_scale
     tl.store(DQ + dq_off + h * stride_dqh + m0_64 * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=ld_mask)
@@ -595,6 +605,10 @@ def _seq_bucket(n: int) -> int:
 def _precision(dtype: torch.dtype) -> str:
     # fp32 inputs: full-precision products (TF32 would cost ~1e-3 relative error on CUDA).
     return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and triton_interpret()
 
 
 def _strides4(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
@@ -701,7 +715,7 @@ def _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, ca
         seq_q, seq_k, h, h // hkv, d, qk_scale, _seq_bucket(seq_q),
     )
     meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d,
-                PRECISION=_precision(q.dtype))
+                PRECISION=_precision(q.dtype), DOT_F32=_dot_f32(q.dtype))
     if triton_interpret():
         bm, bn = INTERPRET_TILES["fwd"]
         _fwd_kernel[(triton.cdiv(seq_q, bm), batch * h)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta)
@@ -802,7 +816,8 @@ def attention_bwd(
     )
     if dlse is not None:
         delta.sub_(dlse)  # dS = P * (dP - delta + dlse): an LSE gradient only shifts delta
-    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, PRECISION=precision)
+    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, PRECISION=precision,
+                DOT_F32=_dot_f32(q.dtype))
     qkv_strides = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen))
     dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, *qkv_strides,

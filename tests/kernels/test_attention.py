@@ -1,0 +1,508 @@
+"""flash_attn / flash_attn_varlen: every backend that runs here against a float64 reference.
+
+The reference below is independent of ``titan_kernels.reference``: K/V repeated per head, an
+explicit boolean mask (bottom-right causal, block-diagonal for packed documents), float64 autograd
+for the gradients. Backends run here: reference, triton (under the interpreter), sdpa_flash and
+sdpa_math (aten's CPU kernels); FlashAttention 2/3 need CUDA (their adapters are tested with
+stand-in modules in test_attention_dispatch.py).
+
+Default run: about a minute on 2 CPU cores. ``pytest -m slow tests/kernels/test_attention.py`` adds
+a wider sweep of sequence lengths and head dims through the Triton kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import titan_kernels as tk
+from titan_kernels.ops import attention as A
+from titan_kernels.reference import attention as R
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
+KERNEL_BACKENDS = ("reference", "triton")
+
+
+# ----------------------------------------------------------------------------- float64 reference
+
+
+def doc_mask(lens_q, lens_k, causal: bool) -> torch.Tensor:
+    """(total_q, total_k) bool: query i sees key j when both are in the same document and, causal,
+    j <= i + len_k - len_q within it (bottom-right alignment)."""
+    tq, tk_ = sum(lens_q), sum(lens_k)
+    m = torch.zeros(tq, tk_, dtype=torch.bool)
+    q0 = k0 = 0
+    for lq, lk in zip(lens_q, lens_k):
+        i = torch.arange(lq)[:, None]
+        j = torch.arange(lk)[None, :]
+        m[q0:q0 + lq, k0:k0 + lk] = (j <= i + lk - lq) if causal else True
+        q0, k0 = q0 + lq, k0 + lk
+    return m
+
+
+def attention64(q, k, v, mask, scale):
+    """Packed layout q (Tq, h, d), k/v (Tk, h_kv, d), mask (Tq, Tk) -> out (Tq, h, d), lse (h, Tq)."""
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    seen = mask.any(-1)  # rows with at least one visible key
+    s = s.masked_fill(~mask, float("-inf")).masked_fill(~seen[:, None], 0.0)
+    lse_all = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse_all[..., None]) * mask
+    out = torch.einsum("hij,jhd->ihd", p, v)
+    return out, torch.where(seen, lse_all, torch.full_like(lse_all, float("-inf")))
+
+
+def dense64(q, k, v, causal, scale):
+    """Dense layout through ``attention64``, batch by batch: out (b, sq, h, d), lse (b, h, sq)."""
+    outs, lses = [], []
+    mask = doc_mask([q.shape[1]], [k.shape[1]], causal)
+    for i in range(q.shape[0]):
+        o, l = attention64(q[i], k[i], v[i], mask, scale)
+        outs.append(o)
+        lses.append(l)
+    if not outs:
+        return q.new_zeros(q.shape, dtype=torch.float64), q.new_zeros((0, q.shape[2], q.shape[1]), dtype=torch.float64)
+    return torch.stack(outs), torch.stack(lses)
+
+
+def rel(a, b) -> float:
+    """Relative norm error; a reference that is exactly 0 (e.g. dq with a single key) is compared
+    against an RMS of 0.1 instead (unit-scale inputs), so rounding noise around 0 is not an infinite error."""
+    a, b = a.double(), b.double()
+    floor = 0.1 * math.sqrt(max(b.numel(), 1))
+    return ((a - b).norm() / torch.clamp(b.norm(), min=floor)).item()
+
+
+def assert_lse(lse, lse64, atol):
+    fin = torch.isfinite(lse64)
+    assert torch.equal(torch.isneginf(lse), ~fin), "rows with no visible key must have lse = -inf"
+    if fin.any():
+        assert (lse.double()[fin] - lse64[fin]).abs().max().item() < atol
+
+
+def grads(fn, inputs, cotangents):
+    inputs = [t.detach().requires_grad_(True) for t in inputs]
+    outs = fn(*inputs)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    used = [(o, c) for o, c in zip(outs, cotangents) if c is not None]
+    return outs, torch.autograd.grad([o for o, _ in used], inputs, [c for _, c in used])
+
+
+def rand(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float32).to(dtype)
+
+
+# ----------------------------------------------------------------------------- dense, every backend
+
+# (batch, seq_q, seq_k, n_heads, n_kv_heads, head_dim, causal)
+DENSE_CASES = [
+    (2, 130, 130, 8, 2, 64, True),    # several blocks, GQA 4:1
+    (1, 1, 1, 4, 1, 128, True),       # one token, MQA
+    (2, 17, 17, 8, 1, 72, False),     # MQA 8:1, head_dim not a power of two
+    (1, 64, 64, 4, 1, 104, True),     # GQA 4:1, head_dim 104
+    (1, 37, 100, 4, 4, 64, True),     # seq_q < seq_k: bottom-right causal
+    (1, 100, 37, 8, 2, 128, True),    # seq_q > seq_k: the first 63 rows see no key
+    (2, 33, 130, 2, 2, 64, False),
+    (1, 65, 1, 2, 1, 8, True),        # one key, head_dim 8
+]
+
+
+def _run_dense(backend, case, dtype, dout_transposed=False):
+    b, sq, sk, h, hkv, d, causal = case
+    q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype)
+    scale = 0.5 / math.sqrt(d)
+    if dout_transposed:
+        dout = rand(b, h, sq, d, dtype=dtype).transpose(1, 2)  # non-contiguous
+    else:
+        dout = rand(b, sq, h, d, dtype=dtype)
+    dlse = rand(b, h, sq)
+    fn = lambda q, k, v: tk.flash_attn(q, k, v, causal=causal, softmax_scale=scale, return_lse=True, backend=backend)  # noqa: E731
+    (out, lse), g = grads(fn, (q, k, v), (dout, None))
+    (out64, lse64), g64 = grads(lambda q, k, v: dense64(q, k, v, causal, scale), (q, k, v), (dout.double(), None))
+    assert out.dtype == dtype and lse.dtype == torch.float32 and out.shape == q.shape and lse.shape == (b, h, sq)
+    assert out.is_contiguous() and lse.is_contiguous()
+    assert rel(out, out64) < TOL[dtype], (backend, case, rel(out, out64))
+    assert_lse(lse, lse64, 1e-4 if dtype == torch.float32 else 2e-2)
+    for name, a, e in zip("qkv", g, g64):
+        assert a.dtype == dtype and a.shape == e.shape
+        assert rel(a, e) < GRAD_TOL[dtype], (backend, case, "d" + name, rel(a, e))
+    return q, k, v, dlse, scale
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("case", DENSE_CASES, ids=lambda c: "b{}_q{}_k{}_h{}_{}_d{}_{}".format(*c[:6], "causal" if c[6] else "full"))
+def test_dense_vs_float64(backend, case):
+    _run_dense(backend, case, torch.float32)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dense_half_vs_float64(backend, dtype):
+    _run_dense(backend, (2, 77, 77, 4, 2, 64, True), dtype)
+    _run_dense(backend, (1, 40, 90, 8, 1, 128, False), dtype)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_noncontiguous_dout_under_mqa(backend):
+    _run_dense(backend, (2, 50, 50, 8, 1, 64, True), torch.float32, dout_transposed=True)
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_noncontiguous_inputs(backend):
+    # q, k, v sliced from one packed (b, s, 3, h, d) projection, and head_dim strided.
+    b, s, h, d = 2, 45, 4, 64
+    qkv = rand(b, s, 3, h, d)
+    q, k, v = qkv.unbind(2)
+    assert not q.is_contiguous()
+    out = tk.flash_attn(q, k, v, backend=backend)
+    out64, _ = dense64(q, k, v, True, d ** -0.5)
+    assert rel(out, out64) < 1e-5
+    wide = rand(b, s, h, 2 * d)[..., ::2]  # stride 2 on head_dim
+    out = tk.flash_attn(wide, wide, wide, causal=False, backend=backend)
+    assert rel(out, dense64(wide, wide, wide, False, d ** -0.5)[0]) < 1e-5
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_lse_gradient(backend):
+    # A loss through the LSE too (as ring attention merges use it): d lse / d S = P.
+    b, sq, sk, h, hkv, d = 1, 70, 50, 4, 2, 64
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
+    w = rand(b, h, sq)
+
+    def loss(q, k, v, impl):
+        out, lse = impl(q, k, v)
+        return (out * out).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * w.to(lse.dtype)).sum()
+
+    ours = lambda q, k, v: tk.flash_attn(q, k, v, causal=True, return_lse=True, backend=backend)  # noqa: E731
+    _, g = grads(lambda *t: loss(*t, ours), (q, k, v), (torch.tensor(1.0),))
+    _, g64 = grads(lambda *t: loss(*t, lambda q, k, v: dense64(q, k, v, True, d ** -0.5)), (q, k, v),
+                   (torch.tensor(1.0, dtype=torch.float64),))
+    for a, e in zip(g, g64):
+        assert rel(a, e) < 1e-5
+
+
+def test_scale_default_and_bool_flags():
+    q = rand(1, 20, 2, 32)
+    out = tk.flash_attn(q, q, q)
+    assert rel(out, dense64(q, q, q, True, 32 ** -0.5)[0]) < 1e-5
+    out = tk.flash_attn(q, q, q, causal=False, softmax_scale=2)
+    assert rel(out, dense64(q, q, q, False, 2.0)[0]) < 1e-5
+
+
+# ----------------------------------------------------------------------------- varlen
+
+# Documents (len_q, len_k), with empty ones at the start, in the middle and at the end.
+DOCS = [(0, 0), (5, 9), (70, 70), (0, 4), (33, 20), (1, 0), (3, 3), (0, 0)]
+
+
+def _packed(docs, h, hkv, d, dtype=torch.float32):
+    lq, lk = [a for a, _ in docs], [b for _, b in docs]
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    q = rand(sum(lq), h, d, dtype=dtype)
+    k, v = rand(sum(lk), hkv, d, dtype=dtype), rand(sum(lk), hkv, d, dtype=dtype)
+    return q, k, v, cu_q, cu_k, max(lq), max(lk), lq, lk
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_vs_float64(backend, causal):
+    q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed(DOCS, 8, 2, 64)
+    scale = 0.3
+    dout = rand(*q.shape)
+    dlse = rand(q.shape[1], q.shape[0])
+    fn = lambda q, k, v: tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, causal=causal, softmax_scale=scale,  # noqa: E731
+                                              return_lse=True, backend=backend)
+    mask = doc_mask(lq, lk, causal)
+    (out, lse), g = grads(fn, (q, k, v), (dout, dlse))
+    (out64, lse64), g64 = grads(lambda q, k, v: attention64(q, k, v, mask, scale), (q, k, v), (dout.double(), None))
+    assert lse.shape == (8, q.shape[0])
+    assert rel(out, out64) < 1e-5
+    assert_lse(lse, lse64, 1e-4)
+    # The LSE gradient of rows with no visible key is dropped (their lse is -inf, a constant).
+    _, g64 = grads(lambda q, k, v: attention64(q, k, v, mask, scale), (q, k, v),
+                   (dout.double(), dlse.double().masked_fill(torch.isinf(lse64), 0.0)))
+    for a, e in zip(g, g64):
+        assert rel(a, e) < 1e-5
+
+
+def test_varlen_equals_separate_documents():
+    q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed([(40, 40), (0, 0), (25, 25), (7, 7)], 4, 1, 64)
+    packed = tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, backend="triton")
+    for i in range(len(lq)):
+        a, b = int(cu_q[i]), int(cu_q[i + 1])
+        if a == b:
+            continue
+        alone = tk.flash_attn(q[None, a:b], k[None, a:b], v[None, a:b], backend="triton")[0]
+        assert rel(packed[a:b], alone) < 1e-6
+
+
+# ----------------------------------------------------------------------------- SDPA backends (CPU aten kernels)
+
+
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_math", "cpu"])
+@pytest.mark.parametrize("case", [(2, 40, 40, 4, 2, 64, True), (1, 30, 50, 4, 1, 64, True),
+                                  (1, 50, 30, 8, 2, 32, True), (2, 20, 33, 2, 2, 64, False)])
+def test_sdpa_backends(backend, case):
+    # SDPA's is_causal is top-left aligned: seq_q != seq_k goes through our bottom-right mask.
+    b, sq, sk, h, hkv, d, causal = case
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
+    dout = rand(b, sq, h, d)
+    out, g = grads(lambda q, k, v: tk.flash_attn(q, k, v, causal=causal, backend=backend), (q, k, v), (dout,))
+    out64, g64 = grads(lambda q, k, v: dense64(q, k, v, causal, d ** -0.5)[0], (q, k, v), (dout.double(),))
+    assert rel(out[0], out64[0]) < 1e-5
+    for a, e in zip(g, g64):
+        assert rel(a, e) < 1e-5
+
+
+def test_sdpa_lse_and_varlen():
+    # SDPA returns no LSE: ours comes from a blocked Q K^T pass (blocks smaller than the sequence here).
+    q, k = rand(2, 50, 4, 16), rand(2, 30, 2, 16)
+    out, lse = tk.flash_attn(q, k, k, return_lse=True, backend="sdpa_math")
+    out64, lse64 = dense64(q, k, k, True, 0.25)
+    assert rel(out, out64) < 1e-5
+    assert_lse(lse, lse64, 1e-4)
+    assert_lse(R.attention_lse(q, k, True, 0.25, chunk=7), lse64, 1e-4)
+    qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(3, 3), (5, 5)], 2, 2, 16)
+    with pytest.raises(RuntimeError, match="varlen"):
+        tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, backend="sdpa_flash")
+
+
+# ----------------------------------------------------------------------------- the Hopper kernel, interpreted
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("causal", [True, False])
+def test_sm90_forward_kernel_interpreted(varlen, causal):
+    # Selected only on sm_90 in production; the interpreter runs its TMA-descriptor code here.
+    from titan_kernels.triton import flash_attn as T
+
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed(DOCS, 4, 2, 64)
+        dims = T._dims(q, k, cu_q, mq, mk)
+        out, lse = torch.zeros_like(q), torch.full((4, q.shape[0]), float("-inf"))
+        out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, causal), 0.2)
+    else:
+        q, k, v, cu_q, cu_k = rand(2, 77, 4, 64), rand(2, 50, 1, 64), rand(2, 50, 1, 64), None, None
+        dims = T._dims(q, k, None, 77, 50)
+        out, lse = torch.empty_like(q), torch.empty(2, 4, 77)
+        out64, lse64 = dense64(q, k, v, causal, 0.2)
+    T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, dims, causal, 0.2 * T.LOG2E, tiles=(64, 32))
+    assert rel(out, out64) < 1e-5
+    assert_lse(lse, lse64, 1e-4)
+
+
+# ----------------------------------------------------------------------------- the reference's own backward
+
+
+def test_reference_gradcheck_float64():
+    # The reference backward (from out and lse, with an LSE gradient) against finite differences.
+    class Ref(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, cu_q, cu_k, causal):
+            out, lse = R.attention_fwd(q, k, v, cu_q, cu_k, 0, 0, causal, 0.7)
+            ctx.save_for_backward(q, k, v, out, lse)
+            ctx.meta = (cu_q, cu_k, causal)
+            return out, lse
+
+        @staticmethod
+        def backward(ctx, dout, dlse):
+            q, k, v, out, lse = ctx.saved_tensors
+            cu_q, cu_k, causal = ctx.meta
+            g = R.attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, causal, 0.7, dlse=dlse)
+            return (*g, None, None, None)
+
+    def finite(fn):
+        def f(*a):
+            out, lse = fn(*a)
+            return out, lse.masked_fill(torch.isinf(lse), 0.0)
+        return f
+
+    q, k, v = (torch.randn(1, 5, 4, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    k2, v2 = (torch.randn(1, 3, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    assert torch.autograd.gradcheck(finite(lambda q, k, v: Ref.apply(q, k, v, None, None, True)), (q, k2, v2))
+    assert torch.autograd.gradcheck(finite(lambda q, k, v: Ref.apply(q, k, v, None, None, False)), (q, k, v))
+    cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    cuk = torch.tensor([0, 1, 3, 3], dtype=torch.int32)
+    qv, kv, vv = (torch.randn(5, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(finite(lambda q, k, v: Ref.apply(q, k[:3], v[:3], cu, cuk, True)), (qv, kv, vv))
+
+
+# ----------------------------------------------------------------------------- the dispatcher path
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_op_path_autograd(backend):
+    # torch.ops.titan.flash_attn with register_autograd (the path torch.compile and DTensor take).
+    b, sq, sk, h, hkv, d = 1, 40, 60, 4, 2, 64
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
+    dout, dlse = rand(b, sq, h, d), rand(b, h, sq)
+    op = lambda q, k, v: torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.1, True, backend)  # noqa: E731
+    (out, lse), g = grads(op, (q, k, v), (dout, dlse))
+    (out64, lse64), g64 = grads(lambda q, k, v: dense64(q, k, v, True, 0.1), (q, k, v), (dout.double(), dlse.double()))
+    assert rel(out, out64) < 1e-5
+    for a, e in zip(g, g64):
+        assert rel(a, e) < 1e-5
+
+
+def _opcheck_args(backend, varlen):
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk, _, _ = _packed([(5, 7), (0, 2), (9, 9)], 4, 2, 16)
+    else:
+        q, k, v, cu_q, cu_k, mq, mk = rand(2, 9, 4, 16), rand(2, 7, 2, 16), rand(2, 7, 2, 16), None, None, 0, 0
+    out, lse = torch.ops.titan.flash_attn(q, k, v, cu_q, cu_k, mq, mk, True, 0.25, True, backend)
+    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu_q, cu_k, mq, mk, True, 0.25, True, backend)
+    bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), cu_q, cu_k,
+           mq, mk, True, 0.25, True, backend)
+    return fwd, bwd
+
+
+# SDPA has no varlen mode (the op refuses it: test_sdpa_lse_and_varlen).
+@pytest.mark.parametrize("backend,varlen", [("reference", False), ("reference", True), ("triton", False),
+                                            ("triton", True), ("sdpa_math", False), ("sdpa_flash", False)])
+def test_opcheck(backend, varlen):
+    fwd, bwd = _opcheck_args(backend, varlen)
+    torch.library.opcheck(torch.ops.titan.flash_attn.default, fwd)
+    torch.library.opcheck(torch.ops.titan.flash_attn_backward.default, bwd)
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = rand(2, 24, 4, 32), rand(2, 24, 2, 32), rand(2, 24, 2, 32)
+    qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(9, 9), (0, 0), (15, 15)], 4, 2, 32)
+
+    def f(q, k, v, qv, kv, vv):
+        a, lse = tk.flash_attn(q, k, v, causal=True, return_lse=True)
+        b = tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, causal=False)
+        return (a * a).sum() + lse.sum() + (b * b).sum()
+
+    inputs = [t.requires_grad_() for t in (q, k, v, qv, kv, vv)]
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(*inputs)
+    g_c = torch.autograd.grad(loss_c, inputs)
+    loss_e = f(*inputs)
+    g_e = torch.autograd.grad(loss_e, inputs)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, e in zip(g_c, g_e):
+        torch.testing.assert_close(a, e)
+
+
+@pytest.mark.slow
+def test_compile_inductor_fullgraph():
+    torch._dynamo.reset()
+    q, k, v = rand(1, 16, 2, 32), rand(1, 16, 2, 32), rand(1, 16, 2, 32)
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    f = lambda q, k, v: (tk.flash_attn(q, k, v) ** 2).sum()  # noqa: E731
+    loss_c = torch.compile(f, fullgraph=True)(*inputs)
+    g_c = torch.autograd.grad(loss_c, inputs)
+    g_e = torch.autograd.grad(f(*inputs), inputs)
+    for a, e in zip(g_c, g_e):
+        torch.testing.assert_close(a, e)
+
+
+# ----------------------------------------------------------------------------- zero-size
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ("sdpa_math",))
+@pytest.mark.parametrize("shape", [(0, 10, 10), (2, 0, 10), (2, 10, 0)], ids=["batch0", "seq_q0", "seq_k0"])
+def test_zero_size(backend, shape):
+    b, sq, sk = shape
+    q, k, v = rand(b, sq, 4, 16), rand(b, sk, 2, 16), rand(b, sk, 2, 16)
+    lse_wanted = True
+    (res, g) = grads(lambda q, k, v: tk.flash_attn(q, k, v, return_lse=lse_wanted, backend=backend), (q, k, v),
+                     (torch.ones(b, sq, 4, 16),) + ((None,) if lse_wanted else ()))
+    out = res[0]
+    assert out.shape == q.shape and torch.count_nonzero(out) == 0
+    if lse_wanted:
+        assert res[1].shape == (b, 4, sq) and bool(torch.isneginf(res[1]).all())
+    for a, t in zip(g, (q, k, v)):
+        assert a.shape == t.shape and torch.count_nonzero(a) == 0
+
+
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_zero_size_varlen(backend):
+    for docs in ([], [(0, 0), (0, 0)], [(0, 3)], [(4, 0)]):
+        q, k, v, cu_q, cu_k, mq, mk, _, _ = _packed(docs, 2, 1, 16) if docs else (
+            rand(0, 2, 16), rand(0, 1, 16), rand(0, 1, 16), torch.zeros(1, dtype=torch.int32),
+            torch.zeros(1, dtype=torch.int32), 0, 0, [], [])
+        out, lse = tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, backend=backend)
+        assert out.shape == q.shape and torch.count_nonzero(out) == 0 and lse.shape == (2, q.shape[0])
+        assert bool(torch.isneginf(lse).all())
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs():
+    q, k = rand(2, 8, 4, 16), rand(2, 8, 2, 16)
+    with pytest.raises(TypeError, match="q: expected a torch.Tensor"):
+        tk.flash_attn([1.0], k, k)
+    with pytest.raises(TypeError, match="k: expected dtype"):
+        tk.flash_attn(q, k.double(), k.double())
+    with pytest.raises(TypeError, match="v: expected dtype torch.float32"):
+        tk.flash_attn(q, k, k.bfloat16())
+    with pytest.raises(TypeError, match="q: expected dtype in"):
+        tk.flash_attn(q.int(), k.int(), k.int())
+    with pytest.raises(ValueError, match="q: expected 4 dims"):
+        tk.flash_attn(q[0], k, k)
+    with pytest.raises(ValueError, match="k: expected batch 2"):
+        tk.flash_attn(q, k[:1], k[:1])
+    with pytest.raises(ValueError, match="k: expected head_dim 16"):
+        tk.flash_attn(q, rand(2, 8, 2, 24), rand(2, 8, 2, 24))
+    with pytest.raises(ValueError, match="v: expected shape"):
+        tk.flash_attn(q, k, rand(2, 9, 2, 16))
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        tk.flash_attn(q, rand(2, 8, 3, 16), rand(2, 8, 3, 16))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8"):
+        tk.flash_attn(rand(1, 4, 2, 12), rand(1, 4, 2, 12), rand(1, 4, 2, 12))
+    with pytest.raises(ValueError, match="head_dim must be a multiple of 8 in \\[8, 256\\]"):
+        tk.flash_attn(rand(1, 2, 1, 264), rand(1, 2, 1, 264), rand(1, 2, 1, 264))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        tk.flash_attn(q, k, k, softmax_scale=float("nan"))
+    with pytest.raises(TypeError, match="softmax_scale"):
+        tk.flash_attn(q, k, k, softmax_scale="0.1")
+    with pytest.raises(ValueError, match="backend: expected"):
+        tk.flash_attn(q, k, k, backend="fa4")
+    with pytest.raises(ValueError, match="k: expected device"):
+        tk.flash_attn(q, k.to("meta"), k.to("meta"))
+
+
+def test_bad_cu_seqlens():
+    q, k, v, cu_q, cu_k, mq, mk, _, _ = _packed([(5, 5), (7, 7)], 2, 2, 16)
+    call = lambda **kw: tk.flash_attn_varlen(**{**dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,  # noqa: E731
+                                                        max_seqlen_q=mq, max_seqlen_k=mk), **kw})
+    with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype int32, got int64"):
+        call(cu_seqlens_q=cu_q.long())
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing"):
+        call(cu_seqlens_k=torch.tensor([0, 9, 7], dtype=torch.int32), max_seqlen_k=9)
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected to start at 0 and end at the total length 12"):
+        call(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected to start at 0"):
+        call(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_k: expected 3 entries"):
+        call(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens_q: expected a 1-D"):
+        call(cu_seqlens_q=cu_q[None])
+    with pytest.raises(ValueError, match="max_seqlen_q: expected >= the longest document \\(7\\)"):
+        call(max_seqlen_q=6)
+    with pytest.raises(TypeError, match="max_seqlen_k: expected an int"):
+        call(max_seqlen_k=7.0)
+    with pytest.raises(ValueError, match="q: expected 3 dims"):
+        call(q=q[None])
+
+
+# ----------------------------------------------------------------------------- wider sweep (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seq", [1, 2, 31, 63, 64, 65, 127, 128, 129, 130])
+@pytest.mark.parametrize("d", [64, 128, 72, 104])
+@pytest.mark.parametrize("gqa", [(4, 4), (8, 2), (8, 1)])
+def test_triton_sweep(seq, d, gqa):
+    h, hkv = gqa
+    for causal in (True, False):
+        _run_dense("triton", (1, seq, seq, h, hkv, d, causal), torch.float32)
