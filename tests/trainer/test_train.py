@@ -174,3 +174,37 @@ def test_peak_flops_unknown_on_cpu():
 def test_log_freq_error(tmp_path):
     with pytest.raises(ValueError, match="metrics.log_freq"):
         MetricsLogger(tmp_path, 0, torch.device("cpu"), 1, 1)
+
+
+def test_parallel_dims_resolve_and_errors():
+    from trainer.parallel.parallel_dims import ParallelDims
+
+    d = ParallelDims(dp_replicate=1, dp_shard=-1, world_size=4)
+    assert (d.dp_shard, d.dp_size, d.hsdp_enabled, d.fsdp_enabled) == (4, 4, False, True)
+    d = ParallelDims(dp_replicate=2, dp_shard=-1, world_size=4)
+    assert (d.dp_shard, d.dp_size, d.hsdp_enabled) == (2, 4, True)
+    assert ParallelDims(1, -1, 1).build_mesh("cpu") is None and ParallelDims(1, -1, 1).dp_rank(None) == 0
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree: 3 does not divide"):
+        ParallelDims(3, -1, 4)
+    with pytest.raises(ValueError, match="1 x 3 = 3, expected the world size 4"):
+        ParallelDims(1, 3, 4)
+    with pytest.raises(ValueError, match="data_parallel_replicate_degree"):
+        ParallelDims(0, -1, 4)
+
+
+def test_layout_that_does_not_match_the_world_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="data_parallel_shard_degree"):
+        train.main(parse_args(["--parallelism.data_parallel_shard_degree", "2", "--job.dump_folder", str(tmp_path)]))
+
+
+def test_apply_ac_errors():
+    from trainer.parallel.activation_checkpoint import apply_ac
+
+    m = _model()
+    with pytest.raises(ValueError, match="activation_checkpoint.mode"):
+        apply_ac(m, "partial")
+    with pytest.raises(ValueError, match="selective_ac_option"):
+        apply_ac(m, "selective", "every")
+    assert apply_ac(m, "selective", "2") == 1  # layers 0 of 0..1
+    with pytest.raises(ValueError, match="already applied"):
+        apply_ac(m, "full")

@@ -75,10 +75,11 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> int
                 "activation_checkpoint.selective_ac_option: expected 'op' or an integer >= 1, "
                 f"got {selective_ac_option!r}"
             )
-    wrapped = 0
     for layer_id, block in enumerate(model.layers.values()):
         if getattr(block, "_titan_ac", False):
             raise ValueError(f"model.layers[{layer_id}]: activation checkpointing is already applied")
+    wrapped = 0
+    for layer_id, block in enumerate(model.layers.values()):
         if layer_id % every == 0:
             _checkpoint_forward(block, context_fn)
             wrapped += 1
