@@ -404,3 +404,33 @@ def test_backend_reports_cpu_available():
 
     st = tk.available_backends("cpu")["cpu"]
     assert st.available, st.reason
+
+
+# ------------------------------------------------------------------------------ CUDA (GPU machines)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3001, 512), (37, 4096), (5, 1000), (6, 7), (3, 40000)], ids=str)
+def test_cuda_native_ops_match_float64(dtype, shape):
+    """The csrc/cuda kernels through their torch binding: warp- and block-per-row layouts, unaligned
+    rows, rows wider than the register cache, a persistent backward over many rows."""
+    ok, why = _native.status("cuda")
+    if not ok:
+        pytest.skip(f"native cuda backend unavailable: {why}")
+    dev = "cuda"
+    x, r, dy, dres = (randn(*shape, dtype=dtype, scale=2.0).to(dev) for _ in range(4))
+    w = randn(shape[-1], dtype=dtype).to(dev)
+    y, h, rstd = ops.rms_norm_fwd_native(x, r, w, 1e-6)
+    y64, h_ref, _ = f64_rms_norm_fwd(x.cpu(), r.cpu(), w.cpu(), 1e-6)
+    assert rel_err(y.cpu(), y64) < TOL[dtype] and torch.equal(h.cpu(), h_ref)
+    dx, dw = ops.rms_norm_bwd_native(dy, h, w, rstd, dres, True)
+    dx64, dw64 = f64_rms_norm_bwd(dy.cpu(), h.cpu(), w.cpu(), dres.cpu())
+    assert rel_err(dx.cpu(), dx64) < TOL[dtype] and rel_err(dw.cpu(), dw64) < TOL[dtype]
+    q, k = randn(2, 9, 4, 128, dtype=dtype).to(dev), randn(2, 9, 1, 128, dtype=dtype).to(dev)
+    cos, sin = tables(12, 64)
+    pos = torch.randint(0, 12, (2, 9))
+    for inter in (False, True):
+        qo, ko = ops.rotary_fwd_native(q, k, cos.to(dev), sin.to(dev), pos.to(dev), inter)
+        assert rel_err(qo.cpu(), f64_rotary(q.cpu(), cos, sin, pos, inter)) < TOL[dtype]
+        assert rel_err(ko.cpu(), f64_rotary(k.cpu(), cos, sin, pos, inter)) < TOL[dtype]
