@@ -204,8 +204,9 @@ def test_unsupported_releases(monkeypatch):
 # ----------------------------------------------------------------------------- the CUDA order, on synthetic cases
 
 
-def cuda_case(dtype=torch.bfloat16, varlen=False, backward=False, has_dlse=False, causal=True, seq_q=64, seq_k=64):
-    return A.AttentionCase(torch.device("cuda", 0), dtype, 2, seq_q, seq_k, 8, 2, 128, causal, varlen,
+def cuda_case(dtype=torch.bfloat16, varlen=False, backward=False, has_dlse=False, causal=True, seq_q=64, seq_k=64,
+              head_dim=128):
+    return A.AttentionCase(torch.device("cuda", 0), dtype, 2, seq_q, seq_k, 8, 2, head_dim, causal, varlen,
                            backward=backward, has_dlse=has_dlse)
 
 
@@ -232,6 +233,8 @@ def test_cuda_order(libs, fake_cuda):
     fake_cuda["cap"] = (9, 0)
     choice = A.choose_backend(cuda_case(dtype=torch.float32))  # FlashAttention: half types only
     assert names(choice) == ("triton", ["fa3", "fa2"]) and "float16/bfloat16" in choice.skipped[0][1]
+    choice = A.choose_backend(cuda_case(head_dim=12))  # FlashAttention: multiples of 8 only
+    assert names(choice) == ("triton", ["fa3", "fa2"]) and "not a multiple of 8" in choice.skipped[0][1]
     choice = A.choose_backend(cuda_case(backward=True, has_dlse=True))  # an LSE gradient
     assert names(choice) == ("triton", ["fa3", "fa2"]) and "LSE" in choice.skipped[1][1]
     fake_cuda["triton"] = "the triton package is not installed"

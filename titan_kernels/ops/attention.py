@@ -5,7 +5,7 @@ One attention call that runs the fastest correct kernel on the machine. Math: so
 float32 log-sum-exp (LSE) of each query row; see ``titan_kernels.reference.attention``.
 
 Backends (``ATTENTION_BACKENDS``), tried in this order, each skipped (never called) when it cannot
-take the case (device, dtype, varlen, LSE output, LSE gradient, what torch reports SDPA can run):
+take the case (device, dtype, head_dim, varlen, LSE gradient, what torch reports SDPA can run):
   CUDA: fa3 (``flash_attn_interface``, sm_90) > fa2 (``flash_attn`` >= 2.6) > triton (ours) >
         sdpa_cudnn > sdpa_flash > sdpa_math > reference
   CPU:  reference. ``triton`` runs on CPU tensors in the interpreter (``TRITON_INTERPRET=1``) and
@@ -328,6 +328,8 @@ def _why_not_flash(kind: str, case: AttentionCase) -> str | None:
         return f"FlashAttention-2 needs sm_80 or newer, this device is sm_{cap[0]}{cap[1]}"
     if case.dtype not in (torch.float16, torch.bfloat16):
         return f"takes float16/bfloat16, not {str(case.dtype).replace('torch.', '')}"
+    if case.head_dim % 8 != 0:
+        return f"head_dim {case.head_dim} is not a multiple of 8"
     if case.has_dlse:
         return "its backward takes no gradient for the LSE"
     return None
@@ -465,8 +467,8 @@ def _check_qkv(q, k, v, rank: int, layout: str) -> None:
     d = q.shape[-1]
     if k.shape[-1] != d:
         raise ValueError(f"k: expected head_dim {d} (the head_dim of q), got {k.shape[-1]}")
-    if d % 8 != 0 or not 8 <= d <= MAX_HEAD_DIM:
-        raise ValueError(f"q: head_dim must be a multiple of 8 in [8, {MAX_HEAD_DIM}] (no backend takes others), got {d}")
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}] (no backend takes others), got {d}")
     h, hkv = q.shape[-2], k.shape[-2]
     if hkv < 1 or h % hkv != 0:
         raise ValueError(f"k: n_heads ({h}) must be a multiple of n_kv_heads, got n_kv_heads={hkv}")
@@ -713,9 +715,10 @@ def flash_attn(
     Args:
         q: (batch, seq_q, n_heads, head_dim); k, v: (batch, seq_k, n_kv_heads, head_dim). Same dtype
             (float16 / bfloat16; float32 too, on backends that take it: reference, Triton, SDPA) and
-            device; any strides. head_dim is a multiple of 8 up to 256; n_heads a multiple of
-            n_kv_heads (GQA/MQA: query head h reads K/V head h // (n_heads // n_kv_heads); K/V are
-            never repeated in memory).
+            device; any strides. head_dim up to 256: any multiple of 8 runs everywhere (fast
+            paths at 64, 128, 256), other sizes only on the backends that take them (reference,
+            Triton, SDPA; not FlashAttention). n_heads is a multiple of n_kv_heads (GQA/MQA: query
+            head h reads K/V head h // (n_heads // n_kv_heads); K/V are never repeated in memory).
         causal: mask aligned bottom-right as FlashAttention >= 2.1: query i sees key j when
             ``j <= i + seq_k - seq_q``. A row with no visible key outputs 0.
         softmax_scale: the scale of Q K^T (finite, > 0); None means 1 / sqrt(head_dim).
@@ -729,8 +732,9 @@ def flash_attn(
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or k/v dtype != q dtype.
         ValueError: wrong rank, mismatched batch / head_dim / shapes / devices, n_heads not a multiple
-            of n_kv_heads, head_dim not a multiple of 8 in [8, 256], a bad softmax_scale or backend name.
-        RuntimeError: a requested backend cannot run the case (the message says why).
+            of n_kv_heads, head_dim over 256 (no backend takes it), a bad softmax_scale or backend name.
+        RuntimeError: a requested backend cannot run the case, e.g. FlashAttention with a head_dim
+            that is not a multiple of 8 (the message says why).
 
     Source: Vaswani et al. 2017 eq. 1; Dao et al. 2022 (FlashAttention) and Dao 2023
     (FlashAttention-2) for the blocked online softmax, the LSE and the backward.
