@@ -180,7 +180,9 @@ class Attention(nn.Module):
 
     Shapes: x (batch, seq, dim); rope: the model's RotaryEmbedding (interleaved layout); position_ids
     (batch, seq) int64 or None. With position_ids, tokens attend only inside their document (a
-    document starts where position_ids is 0), and rotary uses those positions.
+    document starts where position_ids is 0), and rotary uses those positions. The attention is
+    ``titan_kernels.flash_attn`` (causal), or ``flash_attn_varlen`` over the documents with
+    ``cu_seqlens`` from ``document_cu_seqlens(position_ids)`` (computed here when not given).
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -192,28 +194,38 @@ class Attention(nn.Module):
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
         k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
         q, k = rope(q, k, position_ids)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, heads, seq, head_dim) for SDPA
-        gqa = self.n_kv_heads != self.n_heads
         if position_ids is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            out = titan_kernels.flash_attn(q, k, v, causal=True)
         else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_causal_mask(position_ids), enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+            if cu_seqlens is None:
+                cu_seqlens = document_cu_seqlens(position_ids)
+            # No document is longer than a row, so seq bounds max_seqlen without reading cu_seqlens.
+            out = titan_kernels.flash_attn_varlen(
+                q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens, seq, seq, causal=True
+            )
+        return self.wo(out.reshape(bsz, seq, -1))
 
 
-def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """(batch, 1, seq, seq) bool mask: causal and within the same document (a document starts at position 0)."""
-    doc = torch.cumsum(position_ids == 0, dim=1)
-    seq = position_ids.shape[1]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=position_ids.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries of a packed batch for ``flash_attn_varlen``: int32 (n_docs + 1,) offsets
+    into the batch flattened row by row. A document starts where position_ids is 0 (the loader's
+    packing restarts positions there) and at every row start (rows never share a document)."""
+    starts = position_ids == 0
+    starts[:, 0] = True
+    first = starts.flatten().nonzero().flatten()
+    total = first.new_full((1,), position_ids.numel())
+    return torch.cat([first, total]).to(torch.int32)
 
 
 class FeedForward(nn.Module):
@@ -241,9 +253,13 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
-        self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        rope: RotaryEmbedding,
+        position_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        attn = self.attention(self.attention_norm(x), rope, position_ids)
+        attn = self.attention(self.attention_norm(x), rope, position_ids, cu_seqlens)
         ffn_in, h = titan_kernels.add_rms_norm(attn, x, self.ffn_norm.weight, self.ffn_norm.eps)
         return h + self.feed_forward(ffn_in)
 
@@ -278,8 +294,10 @@ class Transformer(nn.Module):
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(tokens)
+        # Document boundaries once per batch, outside the (compiled) blocks: their count is data-dependent.
+        cu_seqlens = document_cu_seqlens(position_ids) if position_ids is not None else None
         for layer in self.layers.values():
-            h = layer(h, self.rope, position_ids)
+            h = layer(h, self.rope, position_ids, cu_seqlens)
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
