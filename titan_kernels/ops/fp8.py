@@ -300,11 +300,14 @@ def linear_bwd_prequantized(
     x_dtype: torch.dtype, w_dtype: torch.dtype, compute_dx: bool, compute_dweight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Backward of the tensorwise recipe from tensorwise-quantized x (M, K) and W (N, K): dy is
-    cast to e5m2 once and used by both GEMMs (its transpose needs no new scale)."""
-    quant, gemm = _quant_impl(dy2.device)[0], _gemm_impl(dy2.device)
-    dyq, dys = quant(dy2, E5M2, "tensorwise", False)
-    dx = gemm(dyq, wq.t(), dys, ws, x_dtype, None, False) if compute_dx else None
-    dw = gemm(dyq.t(), xq.t(), dys, xs, w_dtype, None, False) if compute_dweight else None
+    cast to e5m2 once and used by both GEMMs (its transpose needs no new scale).
+
+    Goes through the public ops (eager fast path, or the custom ops when traced), so that it also
+    runs inside a compiled autograd.Function (the FSDP2 float8 all-gather path of Float8Linear).
+    """
+    dyq, dys = fp8_quantize(dy2, dtype=E5M2)
+    dx = fp8_gemm(dyq, wq.t(), dys, ws, out_dtype=x_dtype) if compute_dx else None
+    dw = fp8_gemm(dyq.t(), xq.t(), dys, xs, out_dtype=w_dtype) if compute_dweight else None
     return dx, dw
 
 
