@@ -246,7 +246,10 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         torch.backends.cudnn.benchmark = False
 
     tokenizer = _build_tokenizer(config)
-    args = model_args(config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len)
+    try:
+        args = model_args(config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len)
+    except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
+        raise TrainingError(f"--model.tokenizer_path: {exc}") from None
 
     # Before anything large is allocated: can this machine hold the run at all?
     if not cfg_ckpt.create_seed_checkpoint:
