@@ -168,18 +168,23 @@ class Float8AllGatheredWeight(torch.Tensor):
         return f"Float8AllGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale.item():.3e})"
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def _plain_weight(t: torch.Tensor) -> torch.Tensor:
     """``t`` without the WeightWithFloat8AllGather wrapper (a DTensor keeps its placements), sharing
     its storage: what state_dict hands out, so checkpoints hold plain tensors (loadable without the
     wrapper, and loading in place still fills the parameter)."""
     if isinstance(t, WeightWithFloat8AllGather):
         return t._tensor
-    if dist.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(t, DTensor) and isinstance(t._local_tensor, WeightWithFloat8AllGather):
-            return DTensor.from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
-                                      shape=t.shape, stride=t.stride())
+    if _is_dtensor(t) and isinstance(t._local_tensor, WeightWithFloat8AllGather):
+        return type(t).from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
+                                  shape=t.shape, stride=t.stride())
     return t
 
 
@@ -264,7 +269,7 @@ class Float8Linear(nn.Linear):
                     f"enable_fsdp_float8_all_gather: needs recipe 'tensorwise' (one scale per weight), got {recipe!r}"
                 )
             w = linear.weight
-            if isinstance(w, torch.distributed.tensor.DTensor if dist.is_available() else ()):
+            if _is_dtensor(w):
                 raise ValueError(
                     "enable_fsdp_float8_all_gather: the weight is already a DTensor (tensor parallel); "
                     "float8 all-gather is supported with FSDP2 alone"

@@ -89,9 +89,17 @@ def _check_tp_module(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from titan_kernels.nn import convert_to_float8
+    from titan_kernels.nn import Float8Linear, convert_to_float8
 
     mesh = init_device_mesh("cpu", (world,))
+    # The FSDP2 float8 all-gather is for plain (FSDP-only) weights: a TP DTensor weight is refused.
+    tp_lin = parallelize_module(nn.Linear(32, 64), mesh, ColwiseParallel())
+    try:
+        Float8Linear.from_float(tp_lin, enable_fsdp_float8_all_gather=True)
+    except ValueError as e:
+        assert "already a DTensor" in str(e), e
+    else:
+        raise AssertionError("enable_fsdp_float8_all_gather on a DTensor weight should be refused")
     for recipe in RECIPES:
         torch.manual_seed(0)
         full = nn.Sequential(nn.Linear(32, 64), nn.SiLU(), nn.Linear(64, 16))

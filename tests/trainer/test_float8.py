@@ -3,13 +3,16 @@ config errors, and training runs whose loss tracks the float32 run.
 
 Default run: a short debugmodel run (seq 64, batch 4, 15 steps) per float8 recipe against float32,
 and a few steps with ``--float8.impl torchao`` when torchao is installed.
-Slow (``pytest -m slow tests/trainer/test_float8.py``, about 15 minutes on 2 CPU cores): the
+Slow (``pytest -m slow tests/trainer/test_float8.py``, about 25 minutes on 2 busy CPU cores): the
 debugmodel at its own shapes (seq 256, batch 8) for 100 steps, float32 against float8 tensorwise and
-rowwise: the loss stays within 3% of the float32 run at every step.
+rowwise: the loss stays within 3% of the float32 run at every step; and 2 processes (torchrun,
+FSDP2 with the float8 all-gather) that checkpoint, resume, and resume again without it.
 """
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -182,3 +185,26 @@ def test_debugmodel_100_steps_float8_within_3_percent_of_float32(tmp_path):
         gap = _max_rel_gap(f8, base)
         print(f"{recipe}: max loss gap {100 * gap:.2f}%, final loss {f8[-1]['loss']:.4f} vs {base[-1]['loss']:.4f}")
         assert gap < 0.03, recipe
+
+
+def _torchrun(folder: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "trainer",
+           *SHORT, "--metrics.log_freq", "1", "--job.dump_folder", str(folder), "--checkpoint.enable",
+           "--checkpoint.interval", "2", *F8, *overrides]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env,
+                          cwd=Path(__file__).resolve().parents[2])
+
+
+@pytest.mark.slow
+def test_fsdp2_float8_all_gather_checkpoint_resume(tmp_path):
+    ag = "--float8.enable_fsdp_float8_all_gather"
+    r = _torchrun(tmp_path, ag, "--training.steps", "4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "float8 FSDP2 all-gather" in r.stdout
+    r = _torchrun(tmp_path, ag, "--training.steps", "6")
+    assert r.returncode == 0 and "resumed from checkpoint" in r.stdout and "step-4" in r.stdout, r.stderr[-3000:]
+    # The checkpoint holds plain tensors: a run without the float8 all-gather resumes from it too.
+    r = _torchrun(tmp_path, "--training.steps", "7")
+    assert r.returncode == 0 and "step-6" in r.stdout, r.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir())[-1] == "step-7"
