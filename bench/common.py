@@ -26,7 +26,8 @@ from typing import Callable
 import torch
 
 ROWS: list["Row"] = []
-BASELINES = ("eager", "compile", "liger", "torchao", "sdpa", "_scaled_mm", "torch.mm")
+BASELINES = ("eager", "compile", "liger", "torchao", "sdpa", "_scaled_mm", "torch.mm",
+             "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "fa3", "fa2")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine: environment, native build, CUDA tests, benchmarks, result files.
 #
-#   bash bench/run_gpu.sh [RESULTS_DIR]      (default bench/results; about 8 minutes on an H100/H200, plus up to 7 for float8)
+#   bash bench/run_gpu.sh [RESULTS_DIR]      (default bench/results; about 8 minutes on an H100/H200, plus up to 7 for float8, up to 9 for attention)
 #
 # Writes RESULTS_DIR/<date>-<gpu>.{json,md} (benchmark table with the measured copy bandwidth and
 # bf16 matmul rate, device, date and versions) and RESULTS_DIR/<date>-<gpu>.log (everything printed).
@@ -39,11 +39,15 @@ if command -v cmake >/dev/null; then
 else echo "cmake not installed: skipped" | tee -a "$log"; fi
 
 stage "benchmarks"
-BENCH_OUT="$prefix" timeout 300 $PY -m pytest -q -p no:cacheprovider bench --ignore=bench/bench_fp8.py --benchmark-disable --timeout 280 2>&1 \
+BENCH_OUT="$prefix" timeout 300 $PY -m pytest -q -p no:cacheprovider bench --ignore=bench/bench_fp8.py --ignore=bench/bench_attention.py --benchmark-disable --timeout 280 2>&1 \
   | grep -v "^bench/" | tail -120 | tee -a "$log"
 
 stage "float8 benchmarks: GEMM at Llama shapes, Float8Linear fwd+bwd (own stage: autotuning and compiles)"
 BENCH_OUT="$prefix-fp8" timeout 420 $PY -m pytest -q -p no:cacheprovider bench/bench_fp8.py --benchmark-disable --timeout 400 2>&1 \
   | grep -v "^bench/" | tail -80 | tee -a "$log"
 
-stage "done: $prefix.{json,md,log} and $prefix-fp8.{json,md}"
+stage "attention benchmarks: titan flash_attn vs SDPA backends and FA3/FA2, seq 1k-16k (own stage: autotuning)"
+BENCH_OUT="$prefix-attention" timeout 540 $PY -m pytest -q -s -p no:cacheprovider bench/bench_attention.py --benchmark-disable --timeout 520 2>&1 \
+  | grep -v "^bench/" | tail -120 | tee -a "$log"
+
+stage "done: $prefix.{json,md,log}, $prefix-fp8.{json,md} and $prefix-attention.{json,md}"

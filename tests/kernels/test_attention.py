@@ -6,6 +6,10 @@ for the gradients. Backends run here: reference, triton (under the interpreter),
 sdpa_math (aten's CPU kernels); FlashAttention 2/3 need CUDA (their adapters are tested with
 stand-in modules in test_attention_dispatch.py).
 
+Tensors live on ``TITAN_TEST_DEVICE`` (tests/conftest.py): the CPU by default, where Triton runs in
+the interpreter; with ``TITAN_TEST_DEVICE=cuda`` the same tests run the kernels on a GPU, and a
+backend that cannot run there is skipped with the reason.
+
 Default run: about a minute on 2 CPU cores. ``pytest -m slow tests/kernels/test_attention.py`` adds
 a wider sweep of sequence lengths and head dims through the Triton kernel.
 """
@@ -17,12 +21,30 @@ import pytest
 import torch
 
 import titan_kernels as tk
-from titan_kernels.ops import attention as A
+from titan_kernels import backend as _backend
 from titan_kernels.reference import attention as R
+from tests.conftest import TEST_DEVICE
 
+DEV = torch.device(TEST_DEVICE)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 GRAD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
-KERNEL_BACKENDS = ("reference", "triton")
+
+
+def _param(name: str):
+    st = _backend.backend_status(name, DEV) if name in _backend.BACKENDS else None
+    why = None if st is None or st.available else f"{name} cannot run on {DEV.type}: {st.reason}"
+    return pytest.param(name, id=name, marks=[pytest.mark.skip(reason=why)] if why else [])
+
+
+KERNEL_BACKENDS = [_param("reference"), _param("triton")]
+
+
+@pytest.fixture(autouse=True)
+def _default_tiles(monkeypatch):
+    # On a GPU, autotuning each small test shape would cost minutes: use the default tiles.
+    monkeypatch.setenv("TITAN_KERNELS_AUTOTUNE", "0")
+# aten's SDPA kernels on this device ("cpu" / "cuda": the generic native backend, see titan_kernels.ops.attention)
+SDPA_BACKENDS = ["sdpa_flash", "sdpa_math", "cpu"] if DEV.type == "cpu" else ["sdpa_math", "cuda"]
 
 
 # ----------------------------------------------------------------------------- float64 reference
@@ -32,11 +54,11 @@ def doc_mask(lens_q, lens_k, causal: bool) -> torch.Tensor:
     """(total_q, total_k) bool: query i sees key j when both are in the same document and, causal,
     j <= i + len_k - len_q within it (bottom-right alignment)."""
     tq, tk_ = sum(lens_q), sum(lens_k)
-    m = torch.zeros(tq, tk_, dtype=torch.bool)
+    m = torch.zeros(tq, tk_, dtype=torch.bool, device=DEV)
     q0 = k0 = 0
     for lq, lk in zip(lens_q, lens_k):
-        i = torch.arange(lq)[:, None]
-        j = torch.arange(lk)[None, :]
+        i = torch.arange(lq, device=DEV)[:, None]
+        j = torch.arange(lk, device=DEV)[None, :]
         m[q0:q0 + lq, k0:k0 + lk] = (j <= i + lk - lq) if causal else True
         q0, k0 = q0 + lq, k0 + lk
     return m
@@ -93,7 +115,7 @@ def grads(fn, inputs, cotangents):
 
 
 def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=torch.float32).to(dtype)
+    return torch.randn(*shape, dtype=torch.float32).to(dtype).to(DEV)
 
 
 # ----------------------------------------------------------------------------- dense, every backend
@@ -179,9 +201,9 @@ def test_lse_gradient(backend):
         return (out * out).sum() + (lse.masked_fill(torch.isinf(lse), 0.0) * w.to(lse.dtype)).sum()
 
     ours = lambda q, k, v: tk.flash_attn(q, k, v, causal=True, return_lse=True, backend=backend)  # noqa: E731
-    _, g = grads(lambda *t: loss(*t, ours), (q, k, v), (torch.tensor(1.0),))
+    _, g = grads(lambda *t: loss(*t, ours), (q, k, v), (torch.tensor(1.0, device=DEV),))
     _, g64 = grads(lambda *t: loss(*t, lambda q, k, v: dense64(q, k, v, True, d ** -0.5)), (q, k, v),
-                   (torch.tensor(1.0, dtype=torch.float64),))
+                   (torch.tensor(1.0, dtype=torch.float64, device=DEV),))
     for a, e in zip(g, g64):
         assert rel(a, e) < 1e-5
 
@@ -202,8 +224,8 @@ DOCS = [(0, 0), (5, 9), (70, 70), (0, 4), (33, 20), (1, 0), (3, 3), (0, 0)]
 
 def _packed(docs, h, hkv, d, dtype=torch.float32):
     lq, lk = [a for a, _ in docs], [b for _, b in docs]
-    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32)
-    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32)
+    cu_q = torch.tensor([0] + torch.tensor(lq).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    cu_k = torch.tensor([0] + torch.tensor(lk).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
     q = rand(sum(lq), h, d, dtype=dtype)
     k, v = rand(sum(lk), hkv, d, dtype=dtype), rand(sum(lk), hkv, d, dtype=dtype)
     return q, k, v, cu_q, cu_k, max(lq), max(lk), lq, lk
@@ -231,21 +253,22 @@ def test_varlen_vs_float64(backend, causal):
         assert rel(a, e) < 1e-5
 
 
-def test_varlen_equals_separate_documents():
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+def test_varlen_equals_separate_documents(backend):
     q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed([(40, 40), (0, 0), (25, 25), (7, 7)], 4, 1, 64)
-    packed = tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, backend="triton")
+    packed = tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, backend=backend)
     for i in range(len(lq)):
         a, b = int(cu_q[i]), int(cu_q[i + 1])
         if a == b:
             continue
-        alone = tk.flash_attn(q[None, a:b], k[None, a:b], v[None, a:b], backend="triton")[0]
+        alone = tk.flash_attn(q[None, a:b], k[None, a:b], v[None, a:b], backend=backend)[0]
         assert rel(packed[a:b], alone) < 1e-6
 
 
 # ----------------------------------------------------------------------------- SDPA backends (CPU aten kernels)
 
 
-@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_math", "cpu"])
+@pytest.mark.parametrize("backend", SDPA_BACKENDS)
 @pytest.mark.parametrize("case", [(2, 40, 40, 4, 2, 64, True), (1, 30, 50, 4, 1, 64, True),
                                   (1, 50, 30, 8, 2, 32, True), (2, 20, 33, 2, 2, 64, False)])
 def test_sdpa_backends(backend, case):
@@ -270,7 +293,7 @@ def test_sdpa_lse_and_varlen():
     assert_lse(R.attention_lse(q, k, True, 0.25, chunk=7), lse64, 1e-4)
     qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(3, 3), (5, 5)], 2, 2, 16)
     with pytest.raises(RuntimeError, match="varlen"):
-        tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, backend="sdpa_flash")
+        tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, backend="sdpa_math")
 
 
 # ----------------------------------------------------------------------------- the Hopper kernel, interpreted
@@ -278,23 +301,59 @@ def test_sdpa_lse_and_varlen():
 
 @pytest.mark.parametrize("varlen", [False, True])
 @pytest.mark.parametrize("causal", [True, False])
-def test_sm90_forward_kernel_interpreted(varlen, causal):
-    # Selected only on sm_90 in production; the interpreter runs its TMA-descriptor code here.
+def test_sm90_forward_kernel(varlen, causal):
+    # Selected only on sm_90 in production; on the CPU the interpreter runs its TMA-descriptor code
+    # (float32: the interpreter's bfloat16 dot is not usable, see titan_kernels.triton.flash_attn._dot).
     from titan_kernels.triton import flash_attn as T
 
+    if DEV.type == "cuda":
+        if torch.cuda.get_device_capability(DEV) != (9, 0):
+            pytest.skip("the sm_90 kernel needs an sm_90 device")
+        dtype, tol = torch.bfloat16, 1e-2
+    elif not _backend.backend_status("triton", DEV).available:
+        pytest.skip("Triton cannot run on CPU tensors without TRITON_INTERPRET=1")
+    else:
+        dtype, tol = torch.float32, 1e-5
     if varlen:
-        q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed(DOCS, 4, 2, 64)
+        q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed(DOCS, 4, 2, 64, dtype)
         dims = T._dims(q, k, cu_q, mq, mk)
-        out, lse = torch.zeros_like(q), torch.full((4, q.shape[0]), float("-inf"))
+        out, lse = torch.zeros_like(q), torch.full((4, q.shape[0]), float("-inf"), device=DEV)
         out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, causal), 0.2)
     else:
-        q, k, v, cu_q, cu_k = rand(2, 77, 4, 64), rand(2, 50, 1, 64), rand(2, 50, 1, 64), None, None
+        q, k, v, cu_q, cu_k = rand(2, 77, 4, 64, dtype=dtype), rand(2, 50, 1, 64, dtype=dtype), rand(2, 50, 1, 64, dtype=dtype), None, None
         dims = T._dims(q, k, None, 77, 50)
-        out, lse = torch.empty_like(q), torch.empty(2, 4, 77)
+        out, lse = torch.empty_like(q), torch.empty(2, 4, 77, device=DEV)
         out64, lse64 = dense64(q, k, v, causal, 0.2)
     T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, dims, causal, 0.2 * T.LOG2E, tiles=(64, 32))
+    assert rel(out, out64) < tol
+    assert_lse(lse, lse64, 1e-4 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cuda_default_tiles_interpreted(monkeypatch, varlen):
+    # The launch path CUDA takes with TITAN_KERNELS_AUTOTUNE=0: each kernel's default (production)
+    # tiles, here run by the interpreter.
+    from titan_kernels.triton import flash_attn as T
+
+    if DEV.type != "cpu" or not _backend.backend_status("triton", DEV).available:
+        pytest.skip("runs the CUDA launch path in the interpreter (CPU with TRITON_INTERPRET=1)")
+    monkeypatch.setattr(T, "triton_interpret", lambda: False)
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed([(150, 150), (0, 3), (70, 40)], 4, 2, 64)
+        out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, True), 0.125)
+        args = (cu_q, cu_k, mq, mk)
+    else:
+        q, k, v = rand(1, 150, 4, 64), rand(1, 150, 2, 64), rand(1, 150, 2, 64)
+        out64, lse64 = dense64(q, k, v, True, 0.125)
+        args = (None, None, 0, 0)
+    out, lse = T.attention_fwd(q, k, v, *args, True, 0.125)
     assert rel(out, out64) < 1e-5
     assert_lse(lse, lse64, 1e-4)
+    dout = rand(*q.shape)
+    got = T.attention_bwd(dout, q, k, v, out, lse, *args, True, 0.125)
+    want = R.attention_bwd(dout, q, k, v, out, lse, *args, True, 0.125)
+    for a, e in zip(got, want):
+        assert rel(a, e) < 1e-5
 
 
 # ----------------------------------------------------------------------------- the reference's own backward
@@ -336,7 +395,7 @@ def test_reference_gradcheck_float64():
 # ----------------------------------------------------------------------------- the dispatcher path
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_op_path_autograd(backend):
     # torch.ops.titan.flash_attn with register_autograd (the path torch.compile and DTensor take).
     b, sq, sk, h, hkv, d = 1, 40, 60, 4, 2, 64
@@ -363,9 +422,11 @@ def _opcheck_args(backend, varlen):
 
 
 # SDPA has no varlen mode (the op refuses it: test_sdpa_lse_and_varlen).
-@pytest.mark.parametrize("backend,varlen", [("reference", False), ("reference", True), ("triton", False),
-                                            ("triton", True), ("sdpa_math", False), ("sdpa_flash", False)])
+@pytest.mark.parametrize("varlen", [False, True])
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ["sdpa_math"])
 def test_opcheck(backend, varlen):
+    if backend == "sdpa_math" and varlen:
+        return  # SDPA has no varlen mode: the op refuses it (test_sdpa_lse_and_varlen)
     fwd, bwd = _opcheck_args(backend, varlen)
     torch.library.opcheck(torch.ops.titan.flash_attn.default, fwd)
     torch.library.opcheck(torch.ops.titan.flash_attn_backward.default, bwd)
@@ -408,14 +469,14 @@ def test_compile_inductor_fullgraph():
 # ----------------------------------------------------------------------------- zero-size
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ("sdpa_math",))
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS + ["sdpa_math"])
 @pytest.mark.parametrize("shape", [(0, 10, 10), (2, 0, 10), (2, 10, 0)], ids=["batch0", "seq_q0", "seq_k0"])
 def test_zero_size(backend, shape):
     b, sq, sk = shape
     q, k, v = rand(b, sq, 4, 16), rand(b, sk, 2, 16), rand(b, sk, 2, 16)
     lse_wanted = True
     (res, g) = grads(lambda q, k, v: tk.flash_attn(q, k, v, return_lse=lse_wanted, backend=backend), (q, k, v),
-                     (torch.ones(b, sq, 4, 16),) + ((None,) if lse_wanted else ()))
+                     (torch.ones(b, sq, 4, 16, device=DEV),) + ((None,) if lse_wanted else ()))
     out = res[0]
     assert out.shape == q.shape and torch.count_nonzero(out) == 0
     if lse_wanted:
@@ -428,8 +489,8 @@ def test_zero_size(backend, shape):
 def test_zero_size_varlen(backend):
     for docs in ([], [(0, 0), (0, 0)], [(0, 3)], [(4, 0)]):
         q, k, v, cu_q, cu_k, mq, mk, _, _ = _packed(docs, 2, 1, 16) if docs else (
-            rand(0, 2, 16), rand(0, 1, 16), rand(0, 1, 16), torch.zeros(1, dtype=torch.int32),
-            torch.zeros(1, dtype=torch.int32), 0, 0, [], [])
+            rand(0, 2, 16), rand(0, 1, 16), rand(0, 1, 16), torch.zeros(1, dtype=torch.int32, device=DEV),
+            torch.zeros(1, dtype=torch.int32, device=DEV), 0, 0, [], [])
         out, lse = tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, return_lse=True, backend=backend)
         assert out.shape == q.shape and torch.count_nonzero(out) == 0 and lse.shape == (2, q.shape[0])
         assert bool(torch.isneginf(lse).all())
@@ -477,13 +538,13 @@ def test_bad_cu_seqlens():
     with pytest.raises(TypeError, match="cu_seqlens_q: expected dtype int32, got int64"):
         call(cu_seqlens_q=cu_q.long())
     with pytest.raises(ValueError, match="cu_seqlens_k: expected non-decreasing"):
-        call(cu_seqlens_k=torch.tensor([0, 9, 7], dtype=torch.int32), max_seqlen_k=9)
+        call(cu_seqlens_k=torch.tensor([0, 9, 7], dtype=torch.int32, device=DEV), max_seqlen_k=9)
     with pytest.raises(ValueError, match="cu_seqlens_q: expected to start at 0 and end at the total length 12"):
-        call(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32))
+        call(cu_seqlens_q=torch.tensor([0, 5, 11], dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="cu_seqlens_q: expected to start at 0"):
-        call(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=torch.int32))
+        call(cu_seqlens_q=torch.tensor([1, 5, 12], dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="cu_seqlens_k: expected 3 entries"):
-        call(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32))
+        call(cu_seqlens_k=torch.tensor([0, 12], dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="cu_seqlens_q: expected a 1-D"):
         call(cu_seqlens_q=cu_q[None])
     with pytest.raises(ValueError, match="max_seqlen_q: expected >= the longest document \\(7\\)"):

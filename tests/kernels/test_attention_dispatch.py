@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import titan_kernels as tk
+from titan_kernels import backend as _backend
 from titan_kernels.ops import attention as A
 from titan_kernels.reference import attention as R
 from tests.kernels.test_attention import attention64, dense64, doc_mask, rel
@@ -274,16 +275,25 @@ def test_overrides(libs, fake_cuda):
         A.choose_backend(cuda_case(dtype=torch.float32), "fa2")
 
 
+def _triton_on_cpu():
+    st = _backend.backend_status("triton", "cpu")
+    return pytest.mark.skipif(not st.available, reason=f"Triton cannot run on CPU tensors here: {st.reason}")
+
+
 def test_cpu_choices(monkeypatch):
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 8, 2, 16)
     choice = tk.attention_backend(q, k, k)
     assert choice.backend == "reference" and str(choice).startswith("reference:")
-    with tk.use_backend("triton"):
+    if _backend.backend_status("triton", "cpu").available:  # the interpreter
+        with tk.use_backend("triton"):
+            assert tk.attention_backend(q, k, k).backend == "triton"
+        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "triton")
         assert tk.attention_backend(q, k, k).backend == "triton"
-    monkeypatch.setenv("TITAN_KERNELS_BACKEND", "triton")
-    assert tk.attention_backend(q, k, k).backend == "triton"
-    monkeypatch.setenv("TITAN_KERNELS_BACKEND", "auto")
+        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "auto")
+    else:
+        with tk.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+            tk.attention_backend(q, k, k)
     assert tk.attention_backend(q, k, k, backend="cpu").backend == "sdpa_flash"
     with pytest.raises(RuntimeError, match="backend 'cuda' runs on cuda tensors"):
         tk.attention_backend(q, k, k, backend="cuda")
@@ -299,6 +309,7 @@ def test_cpu_varlen_refuses_sdpa():
     assert tk.attention_backend(q, k, k, cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_k=5).backend == "reference"
 
 
+@_triton_on_cpu()
 def test_backward_on_another_backend_is_correct():
     # Every backend shares the out/lse conventions, so a backward that runs elsewhere (use_backend
     # around the forward only) is still right: Triton forward, reference backward, via the op path.

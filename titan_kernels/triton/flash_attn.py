@@ -24,12 +24,15 @@ Masked-out scores are -inf; a row with no visible key gets O = 0 and lse = -inf;
 its lse as +inf so that P = 0 there.
 
 On CUDA the block sizes are autotuned per (head_dim, causal, varlen, dtype, GQA group, sequence
-length bucket); under the interpreter (``TRITON_INTERPRET=1``) fixed small blocks are used.
+length bucket); ``TITAN_KERNELS_AUTOTUNE=0`` uses each kernel's first (default) config instead (tests
+on a GPU, where autotuning every small shape costs more than it saves). Under the interpreter
+(``TRITON_INTERPRET=1``) fixed small blocks are used.
 """
 from __future__ import annotations
 
 import functools
 import inspect
+import os
 import warnings
 
 import torch
@@ -581,8 +584,8 @@ def _sm90_pre_hook(nargs):
 # Checked by compiling for sm_90a with Triton 3.9 (no GPU run): warp specialization partitions the
 # key loop only with 4 warps and 64x64 tiles (128-row tiles fail in its pass); the other tiles fit
 # the 227 KiB of shared memory without spills.
-_SM90_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize)
-    (64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 128, 8, 2, False), (128, 64, 8, 3, False), (64, 64, 4, 3, False),
+_SM90_TILES = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize); the first is the default
+    (128, 128, 8, 2, False), (64, 64, 4, 2, True), (64, 64, 4, 3, True), (128, 64, 8, 3, False), (64, 64, 4, 3, False),
 ]
 
 
@@ -596,6 +599,21 @@ def _sm90_configs():
             out.append(triton.Config({"BLOCK_M": m, "BLOCK_N": n, "WARP_SPECIALIZE": key[-1]}, num_warps=w,
                                      num_stages=s, pre_hook=_sm90_pre_hook))
     return out
+
+
+AUTOTUNE_ENV = "TITAN_KERNELS_AUTOTUNE"
+
+
+def _launch(tuned, grid, args, meta) -> None:
+    """Launch an autotuned kernel, or with its first config when ``TITAN_KERNELS_AUTOTUNE=0``."""
+    if os.environ.get(AUTOTUNE_ENV, "1") != "0":
+        tuned[grid](*args, **meta)
+        return
+    cfg = tuned.configs[0]
+    kw = {**meta, **cfg.kwargs}
+    if cfg.pre_hook is not None:
+        cfg.pre_hook({**dict(zip(tuned.fn.arg_names, args)), **kw})
+    tuned.fn[grid(kw)](*args, **kw, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def _seq_bucket(n: int) -> int:
@@ -699,7 +717,7 @@ def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal
         return
     descs = (_descriptor(q, varlen, 64, d), _descriptor(k, varlen, 64, d), _descriptor(v, varlen, 64, d))
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * h)  # noqa: E731
-    _fwd_sm90_tuned()[grid](*descs, *args, IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d)
+    _launch(_fwd_sm90_tuned(), grid, (*descs, *args), dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -721,7 +739,7 @@ def _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, ca
         _fwd_kernel[(triton.cdiv(seq_q, bm), batch * h)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta)
     else:
         grid = lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * h)  # noqa: E731
-        _fwd_tuned[grid](*args, **meta)
+        _launch(_fwd_tuned, grid, args, meta)
 
 
 def attention_fwd(
@@ -834,6 +852,6 @@ def attention_bwd(
         bm, bn = INTERPRET_TILES["dq"]
         _bwd_dq_kernel[(triton.cdiv(seq_q, bm), batch * h)](*dq_args, BLOCK_M=bm, BLOCK_N=bn, **meta)
     else:
-        _dkdv_tuned[lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * hkv)](*dkdv_args, **meta)
-        _dq_tuned[lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * h)](*dq_args, **meta)
+        _launch(_dkdv_tuned, lambda m: (triton.cdiv(seq_k, m["BLOCK_N"]), batch * hkv), dkdv_args, meta)
+        _launch(_dq_tuned, lambda m: (triton.cdiv(seq_q, m["BLOCK_M"]), batch * h), dq_args, meta)
     return dq, dk, dv
