@@ -3,9 +3,9 @@ config errors, and training runs whose loss tracks the float32 run.
 
 Default run: a short debugmodel run (seq 64, batch 4, 15 steps) per float8 recipe against float32,
 and a few steps with ``--float8.impl torchao`` when torchao is installed.
-Slow (``pytest -m slow tests/trainer/test_float8.py``, about 25 minutes on 2 busy CPU cores): the
-debugmodel at its own shapes (seq 256, batch 8) for 100 steps, float32 against float8 tensorwise and
-rowwise: the loss stays within 3% of the float32 run at every step; and 2 processes (torchrun,
+Slow (``pytest -m slow tests/trainer/test_float8.py``, about 40 minutes on 2 busy CPU cores): the
+debugmodel at its own shapes (seq 256, batch 8) for 100 steps, float32 against float8 tensorwise:
+the loss stays within 3% of the float32 run at every step; and 2 processes (torchrun,
 FSDP2 with the float8 all-gather) that checkpoint, resume, and resume again without it.
 """
 from __future__ import annotations
@@ -173,18 +173,21 @@ def test_torchao_impl_side_by_side(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(4800)
 @pytest.mark.usefixtures("_one_thread")
 def test_debugmodel_100_steps_float8_within_3_percent_of_float32(tmp_path):
+    # Float8 is emulated on the CPU (fp8 casts and _scaled_mm without fp8 units), about 2.5x
+    # slower than float32 here: the float8 run alone takes about 25 minutes.
     steps = ["--training.steps", "100"]
     torch.set_num_threads(2)
     rc, base = _run(tmp_path / "fp32", *steps)
     assert rc == 0
-    for recipe in ("tensorwise", "rowwise"):
-        rc, f8 = _run(tmp_path / recipe, *steps, *F8, "--float8.recipe", recipe)
-        assert rc == 0
-        gap = _max_rel_gap(f8, base)
-        print(f"{recipe}: max loss gap {100 * gap:.2f}%, final loss {f8[-1]['loss']:.4f} vs {base[-1]['loss']:.4f}")
-        assert gap < 0.03, recipe
+    rc, f8 = _run(tmp_path / "tensorwise", *steps, *F8)
+    assert rc == 0
+    gap = _max_rel_gap(f8, base)
+    print(f"tensorwise: max loss gap {100 * gap:.2f}% over 100 steps, final loss {f8[-1]['loss']:.4f} "
+          f"vs {base[-1]['loss']:.4f} (float32)")
+    assert gap < 0.03
 
 
 def _torchrun(folder: Path, *overrides: str) -> subprocess.CompletedProcess:

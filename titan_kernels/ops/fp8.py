@@ -104,10 +104,11 @@ def scaled_mm_available(device: torch.device | str) -> bool:
 _ALIGN = 16  # _scaled_mm wants K and N multiples of 16 on CUDA; we pad everywhere so the CPU tests it
 
 
-def _pad_to(t: torch.Tensor, rows: int, cols: int, value: float = 0.0) -> torch.Tensor:
+def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` (row-major) zero-padded to (rows, cols)."""
     if t.shape == (rows, cols):
         return t.contiguous()
-    out = torch.full((rows, cols), value, dtype=torch.float32, device=t.device).to(t.dtype)
+    out = t.new_zeros((rows, cols))
     out[: t.shape[0], : t.shape[1]] = t
     return out
 
