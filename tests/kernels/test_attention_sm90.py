@@ -79,7 +79,6 @@ def _compile(kernel, args, constexprs, num_warps, num_stages):
 def _cases(all_configs: bool):
     """Yield (kernel name, config kwargs, summary) for the attention kernels on sm_90a."""
     import torch
-    import triton
 
     from titan_kernels.triton import flash_attn as T
 

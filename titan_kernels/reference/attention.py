@@ -72,7 +72,6 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 def _dense_fwd(q, k, v, causal, scale):
     b, sq, h, d = q.shape
-    hkv = k.shape[2]
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key (and for seq_k == 0)
     p = _probs(s, lse)
@@ -83,7 +82,7 @@ def _dense_fwd(q, k, v, causal, scale):
 
 def _dense_bwd(dout, q, k, v, out, lse, causal, scale, dlse=None):
     b, sq, h, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     g = h // hkv
     s = _scores(q, k, causal, scale)
     p = _probs(s, _acc(lse).reshape(b, hkv, g, sq))
