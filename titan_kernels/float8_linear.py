@@ -17,7 +17,10 @@ dict) and implements FSDP2's all-gather extension:
   * ``fsdp_post_all_gather``: wraps the gathered codes and the scale in a
     ``Float8AllGatheredWeight``, which ``Float8Linear.forward`` uses directly (no second cast).
 The codes and scale are exactly those of ``fp8_quantize`` on the unsharded weight (same kernels).
-Not supported together with tensor parallelism (a weight that is already a DTensor).
+Each all-gather costs one extra 4-byte all-reduce per weight (torchao can batch these for all
+weights after the optimizer step; we do not yet). ``state_dict`` hands out the plain weight, so
+checkpoints load with or without the wrapper. Not supported together with tensor parallelism (a
+weight that is already a DTensor).
 """
 from __future__ import annotations
 
