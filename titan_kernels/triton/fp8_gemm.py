@@ -13,7 +13,8 @@ order, so neighbouring programs share A rows and B columns in L2):
     (N * out bytes % 16 == 0).
   * ``_fp8_gemm_kernel``: plain pointer loads with masks, any strides and sizes: the fallback for
     unaligned shapes and pre-Hopper GPUs, and what the interpreter runs by default.
-On CUDA the block sizes are autotuned per (M, N, K).
+On CUDA the block sizes are autotuned per (M, N, K) for GEMMs of at least ~4 GFLOP; smaller ones
+use one fixed config (tuning would cost more than it saves).
 
 Accumulation: Hopper's fp8 tensor cores accumulate with reduced precision; with
 ``use_fast_accum=False`` the partial sums are promoted to the float32 accumulator once per K block
@@ -175,11 +176,18 @@ def tma_supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> b
     return k % 16 == 0 and (n * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0
 
 
-def _interpreter_blocks(m: int, n: int, k: int) -> dict:
-    def fit(size: int, lo: int, hi: int) -> int:
-        return max(lo, min(hi, triton.next_power_of_2(max(size, 1))))
+_AUTOTUNE_MIN_FLOPS = 1 << 32  # ~4 GFLOP, e.g. 1024 x 2048 x 2048
 
-    return dict(BLOCK_M=fit(m, 16, 64), BLOCK_N=fit(n, 16, 64), BLOCK_K=fit(k, 32, 128), GROUP_M=4)
+
+def _fixed_config(m: int, n: int, k: int) -> dict:
+    """Block sizes (and launch options) when not autotuning: under the interpreter (few, big
+    blocks; no launch options) and for small GEMMs on GPUs."""
+    if triton_interpret():
+        def fit(size: int, lo: int, hi: int) -> int:
+            return max(lo, min(hi, triton.next_power_of_2(max(size, 1))))
+
+        return dict(BLOCK_M=fit(m, 16, 64), BLOCK_N=fit(n, 16, 64), BLOCK_K=fit(k, 32, 128), GROUP_M=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
 def fp8_gemm(
@@ -215,6 +223,13 @@ def fp8_gemm(
 
     if use_tma is None:
         use_tma = not interpret and tma_supported(a, b, out_dtype)
+    # Autotune only GEMMs big enough to repay it; small ones (and the interpreter) use one config.
+    tuned = not interpret and 2 * m * n * k >= _AUTOTUNE_MIN_FLOPS
+    config = {} if tuned else _fixed_config(m, n, k)
+
+    def grid(meta):
+        return (_num_programs(a.device, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+
     if use_tma:
         if TensorDescriptor is None:
             raise RuntimeError("use_tma: this triton has no triton.tools.tensor_descriptor (needs triton >= 3.4)")
@@ -222,32 +237,19 @@ def fp8_gemm(
             raise ValueError(f"use_tma: TMA needs K % 16 == 0 and N * {out.element_size()} % 16 == 0, got K={k}, N={n}")
         # fp8 tensor cores and TMA both want K-major operands, TMA a 16-byte-aligned base.
         a, b = (t.contiguous() if t.data_ptr() % 16 == 0 else t.clone(memory_format=torch.contiguous_format) for t in (a, b))
-        blocks = _interpreter_blocks(m, n, k) if interpret else dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128)
-        a_desc = TensorDescriptor(a, [m, k], [k, 1], [blocks["BLOCK_M"], blocks["BLOCK_K"]])
-        b_desc = TensorDescriptor(b, [n, k], [k, 1], [blocks["BLOCK_N"], blocks["BLOCK_K"]])
-        c_desc = TensorDescriptor(out, [m, n], [n, 1], [blocks["BLOCK_M"], blocks["BLOCK_N"]])
+        bm, bn, bk = (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) if config else (128, 128, 128)
+        a_desc = TensorDescriptor(a, [m, k], [k, 1], [bm, bk])  # (tuned: the configs' pre_hook resets blocks)
+        b_desc = TensorDescriptor(b, [n, k], [k, 1], [bn, bk])
+        c_desc = TensorDescriptor(out, [m, n], [n, 1], [bm, bn])
         args = (a_desc, b_desc, c_desc, a_scale, b_scale, bias_arg, m, n, k, stride_sa, stride_sb)
         flags = dict(OUT_DTYPE=_TL_DTYPE[out_dtype], HAS_BIAS=has_bias, FAST_ACCUM=bool(use_fast_accum))
-        if interpret:
-            grid = (_num_programs(a.device, triton.cdiv(m, blocks["BLOCK_M"]) * triton.cdiv(n, blocks["BLOCK_N"])),)
-            _fp8_gemm_tma_kernel[grid](*args, **flags, **blocks)
-        else:
-            grid = lambda meta: (  # noqa: E731
-                _num_programs(a.device, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
-            _fp8_gemm_tma_kernel_tuned[grid](*args, **flags)
-        return out
-
-    args = (
-        a, b, out, a_scale, b_scale, bias_arg, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), stride_sa, stride_sb,
-    )
-    flags = dict(HAS_BIAS=has_bias, FAST_ACCUM=bool(use_fast_accum))
-    if a.device.type == "cuda":
-        grid = lambda meta: (  # noqa: E731
-            _num_programs(a.device, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
-        _fp8_gemm_kernel_tuned[grid](*args, **flags)
+        kernel = _fp8_gemm_tma_kernel_tuned if tuned else _fp8_gemm_tma_kernel
     else:
-        blocks = _interpreter_blocks(m, n, k)
-        grid = (_num_programs(a.device, triton.cdiv(m, blocks["BLOCK_M"]) * triton.cdiv(n, blocks["BLOCK_N"])),)
-        _fp8_gemm_kernel[grid](*args, **flags, **blocks)
+        args = (
+            a, b, out, a_scale, b_scale, bias_arg, m, n, k,
+            a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), stride_sa, stride_sb,
+        )
+        flags = dict(HAS_BIAS=has_bias, FAST_ACCUM=bool(use_fast_accum))
+        kernel = _fp8_gemm_kernel_tuned if tuned else _fp8_gemm_kernel
+    kernel[grid](*args, **flags, **config)
     return out
