@@ -1,8 +1,9 @@
 """Training metrics: console lines, ``<dump_folder>/metrics.jsonl``, TensorBoard, and an end summary.
 
-Every ``log_freq`` steps (and at the last step) one record is written with:
-  step, loss (mean token loss of that step over all ranks), grad_norm (global, before clipping),
-  lr, tps (tokens/s per device over the interval), mfu (percent, or null where the peak is unknown),
+At step 1, every ``log_freq`` steps and at the last step, one record is written with:
+  step; loss: the mean token loss over all ranks, averaged over the steps since the previous record
+  (with ``log_freq = 1``: exactly that step's loss); grad_norm: the step's global gradient norm
+  before clipping; lr: the step's learning rate; tps (tokens/s per device over the interval), mfu (percent, or null where the peak is unknown),
   memory_gib (peak: GPU reserved memory, or the process's peak RSS on CPU), data_wait (share of the
   interval spent waiting for the data loader), elapsed_s.
 
@@ -120,6 +121,8 @@ class MetricsLogger:
         self.summary = Summary()
         self._interval_tokens = 0
         self._interval_data_wait = 0.0
+        self._interval_loss = None
+        self._interval_steps = 0
         self._interval_start = time.perf_counter()
         self._jsonl = None
         self._tb = None
@@ -137,9 +140,11 @@ class MetricsLogger:
         self._interval_start = time.perf_counter()
         self._interval_tokens = 0
         self._interval_data_wait = 0.0
+        self._interval_loss = None
+        self._interval_steps = 0
 
     def should_log(self, step: int) -> bool:
-        return step % self.log_freq == 0 or step == self.total_steps
+        return step == 1 or step % self.log_freq == 0 or step == self.total_steps
 
     def step(
         self,
@@ -155,6 +160,10 @@ class MetricsLogger:
         ``tokens``: tokens this device processed in the step. ``loss``/``grad_norm`` may stay tensors
         (only read, forcing a device sync, at logging steps).
         """
+        if loss is not None:
+            loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
+            self._interval_loss = loss if self._interval_loss is None else self._interval_loss + loss
+            self._interval_steps += 1
         self._interval_tokens += tokens
         self._interval_data_wait += data_wait_s
         self.summary.tokens += tokens
@@ -164,7 +173,7 @@ class MetricsLogger:
             return None
         now = time.perf_counter()
         dt = max(now - self._interval_start, 1e-9)
-        loss_v = float(loss) if loss is not None else math.nan
+        loss_v = float(self._interval_loss) / self._interval_steps if self._interval_steps else math.nan
         record = {
             "step": step,
             "loss": loss_v,

@@ -74,6 +74,6 @@ def test_default_run_finishes_in_ten_minutes_and_learns(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert seconds < 600, seconds
     losses = _losses(tmp_path)
-    assert abs(losses[0] - math.log(258)) < 1.0
-    assert losses[-1] < 2.5
+    assert abs(losses[0] - math.log(258)) < 0.3  # step 1
+    assert losses[-1] < losses[0] - 2.5  # mean loss of the last 10 steps
     print(proc.stdout)

@@ -154,15 +154,17 @@ def test_batch_that_does_not_divide_is_a_config_error(tmp_path):
 def test_metrics_logger_intervals_and_summary(tmp_path, capsys):
     log = MetricsLogger(tmp_path, log_freq=3, device=torch.device("cpu"), flops_per_token=100, total_steps=7,
                         enable_color=False, enable_tensorboard=True)
-    out = [log.step(s, tokens=10, data_wait_s=0.0, loss=torch.tensor(10.0 - s), grad_norm=1.0, lr=0.1)
+    out = [log.step(s, tokens=10, data_wait_s=0.0, loss=torch.tensor(10.0 - s), grad_norm=float(s), lr=0.1)
            for s in range(1, 8)]
-    assert [r is not None for r in out] == [False, False, True, False, False, True, True]
-    assert out[2]["loss"] == 7.0 and out[2]["mfu"] is None
+    assert [r is not None for r in out] == [True, False, True, False, False, True, True]
+    assert out[0]["loss"] == 9.0  # step 1 alone
+    assert out[2]["loss"] == 7.5 and out[2]["grad_norm"] == 3.0  # mean loss of steps 2-3; step 3's norm
+    assert out[5]["loss"] == 5.0 and out[6]["loss"] == 3.0 and out[2]["mfu"] is None
     summary = log.print_summary()
     log.close()
-    assert summary["first_loss"] == 7.0 and summary["last_loss"] == 3.0 and summary["tokens_per_device"] == 70
+    assert summary["first_loss"] == 9.0 and summary["last_loss"] == 3.0 and summary["tokens_per_device"] == 70
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [3, 6, 7]
+    assert [json.loads(line)["step"] for line in lines] == [1, 3, 6, 7]
     assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert "summary: 7 steps" in capsys.readouterr().out
 
