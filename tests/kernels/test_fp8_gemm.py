@@ -27,6 +27,8 @@ def _status(name):
         ok = ops_fp8.scaled_mm_available(TEST_DEVICE)
         return ok, "" if ok else "this torch has no float8 torch._scaled_mm on " + TEST_DEVICE
     st = backend.backend_status("triton" if name.startswith("triton") else name, TEST_DEVICE)
+    if name == "triton-tma" and st.available and TEST_DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
+        return False, "TMA needs sm_90 or newer"
     return st.available, st.reason
 
 
