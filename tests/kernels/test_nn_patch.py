@@ -90,3 +90,15 @@ def test_patch_replaces_in_place_and_keeps_weights():
 def test_patch_refuses_a_bare_norm():
     with pytest.raises(ValueError, match="model"):
         tk.patch(nn.RMSNorm(8))
+
+
+def test_module_forward_takes_the_eager_fast_path(monkeypatch):
+    # nn.Parameter weights must not force the (slower) dispatcher path in eager mode.
+    import titan_kernels.ops.rms_norm as ops
+
+    calls = []
+    monkeypatch.setattr(ops.torch.ops.titan, "rms_norm", lambda *a: calls.append(a), raising=False)
+    m = RMSNorm(8, eps=1e-6)
+    x = torch.randn(2, 8, requires_grad=True)
+    m(x).sum().backward()
+    assert calls == [] and m.weight.grad is not None

@@ -40,19 +40,22 @@ def check_eps(eps: object, arg: str = "eps") -> float:
     return eps
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     """True when an op may skip the dispatcher and call its implementation directly.
 
     That is allowed only in plain eager mode: nothing is tracing (torch.compile, export, make_fx),
     no torch-function or dispatch mode is active (FakeTensorMode, CommDebugMode, FlopCounterMode...),
-    no functorch transform is on, and every tensor is a plain ``torch.Tensor`` (no DTensor or other
-    subclass). Everything else goes through the registered ``torch.ops.titan`` op, whose fake,
+    no functorch transform is on, and every tensor is a plain ``torch.Tensor`` or ``nn.Parameter``
+    (no DTensor or other subclass; a Parameter wrapping a subclass keeps the subclass's type). Everything else goes through the registered ``torch.ops.titan`` op, whose fake,
     autograd and sharding rules handle it. This saves the ~2x Python overhead of ``custom_op``.
     """
     if torch.compiler.is_compiling():
         return False
     for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
+        if t is not None and type(t) not in _PLAIN:
             return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
