@@ -27,11 +27,17 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+# Set before torch loads OpenMP (``python -m trainer`` imports torch here first): idle OpenMP
+# threads sleep instead of spinning. On a CPU shared with other processes, spinning threads take the
+# cores the working threads need; measured on our 2-core machines under load, the debug model ran
+# 1.1-3x faster with it. A value set by the user wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from trainer.config import ConfigError, JobConfig
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+from trainer.config import ConfigError, JobConfig  # noqa: E402
 
 logger = logging.getLogger("trainer")
 
@@ -92,16 +98,22 @@ def _init_distributed(world_size: int, rank: int, device: torch.device, single_p
 # Pieces
 
 
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
     """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before clipping (a plain tensor).
 
-    With FSDP2 the gradients are DTensor shards: the per-shard norms combine into the norm of the
-    full gradient (``full_tensor`` of the Partial norm), which then scales every shard alike.
+    With FSDP2 / tensor parallel the gradients are DTensor shards: the per-shard norms combine into
+    the norm of the full gradient (``full_tensor`` of the Partial norm), which then scales every
+    shard alike. With pipeline parallel (``pp_group``) each rank holds other layers: the squared
+    norms of the stages add up over the group.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
+    if pp_group is not None:
+        total = total**2
+        dist.all_reduce(total, group=pp_group)
+        total = total.sqrt()
     torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
     return total
 
@@ -115,17 +127,26 @@ def forward_backward(
     dp_size: int = 1,
     dp_group=False,
     document_masking: bool = False,
+    shard=None,
+    loss_context=contextlib.nullcontext,
+    pipeline=None,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradient of the mean token loss over ``batches`` on all dp ranks.
 
     ``batches``: this rank's micro-batches (``input_ids``, ``labels`` (batch, seq) int64, labels
     ``IGNORE_INDEX`` skipped; ``position_ids`` used when ``document_masking``). ``loss_fn(logits,
     labels, ignore_index)`` returns the summed token loss. ``dp_group``: False for a single process,
-    else the data-parallel process group (None = default group); the gradients are expected to be
-    averaged over the ``dp_size`` ranks afterwards (FSDP2 does). Returns the mean token loss over all
-    ranks and micro-batches (float32 scalar, detached). Raises ValueError if there is no token to learn.
+    else the group of ranks whose token losses add up to the global loss (data and context
+    parallel; None = default group); the gradients are expected to be averaged over ``dp_size``
+    ranks afterwards (FSDP2 does). ``shard``: this rank's part of each (batch, seq) tensor (context
+    parallel). ``loss_context``: a context for the forward, loss and backward (loss parallel).
+    ``pipeline``: a ``trainer.parallel.pipeline.PipelineRunner`` that runs the batches through the
+    stages instead of ``model``. Returns the mean token loss over all ranks and micro-batches (float32
+    scalar, detached). Raises ValueError if there is no token to learn.
     """
     distributed = dp_group is not False
+    if shard is not None:
+        batches = [{k: shard(v) for k, v in b.items()} for b in batches]
     n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
     n_tokens = torch.tensor(float(n_local), device=device)
     if distributed:
@@ -138,9 +159,18 @@ def forward_backward(
         inputs = b["input_ids"].to(device, non_blocking=True)
         labels = b["labels"].to(device, non_blocking=True)
         pos = b["position_ids"].to(device, non_blocking=True) if document_masking else None
-        token_loss_sum = loss_fn(model(inputs, pos), labels, IGNORE_INDEX)
-        (token_loss_sum * scale).backward()
-        loss_sum += token_loss_sum.detach()
+        with loss_context():
+            if pipeline is not None:
+                pipeline.step(inputs, labels, scale)
+                continue
+            token_loss_sum = loss_fn(model(inputs, pos), labels, IGNORE_INDEX)
+            (token_loss_sum * scale).backward()
+        token_loss_sum = token_loss_sum.detach()
+        if isinstance(token_loss_sum, DTensor):  # loss parallel
+            token_loss_sum = token_loss_sum.full_tensor()
+        loss_sum += token_loss_sum
+    if pipeline is not None:
+        loss_sum = pipeline.take_loss_sum()
     if distributed:
         dist.all_reduce(loss_sum, group=dp_group)
     return loss_sum / n_tokens
@@ -215,10 +245,10 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     from trainer.metrics import MetricsLogger
     from trainer.models.llama import build_model, cross_entropy_loss, model_args
     from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.parallel.activation_checkpoint import apply_ac
-    from trainer.parallel.compile import apply_compile, compile_loss
-    from trainer.parallel.fsdp import apply_fsdp
+    from trainer.parallel.compile import compile_loss
     from trainer.parallel.parallel_dims import ParallelDims
+    from trainer.parallel.parallelize import parallelize_llama, reduce_partial_grads
+    from trainer.parallel.pipeline import pp_norm_group
 
     import titan_kernels
 
@@ -229,9 +259,10 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+    p = config.parallelism
     try:
-        dims = ParallelDims(config.parallelism.data_parallel_replicate_degree,
-                            config.parallelism.data_parallel_shard_degree, world_size)
+        dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size,
+                            tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, cp=p.context_parallel_degree)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     grad_accum = config.grad_accum_steps(dims.dp_size)
@@ -261,6 +292,9 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
 
     mixed_precision = compute_dtype != torch.float32
     use_fsdp = dims.fsdp_enabled or mixed_precision
+    if p.enable_async_tensor_parallel and device.type != "cuda":
+        raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
+                          f"got {device.type}")
     _init_distributed(world_size, rank, device, single_process_group=use_fsdp)
     mesh = dims.build_mesh(device.type, single_process=use_fsdp)
     dp_rank = dims.dp_rank(mesh)
@@ -295,21 +329,21 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 convert_model_to_float8(model, config.float8)
             except RuntimeError as exc:  # --float8.impl torchao without torchao
                 raise TrainingError(str(exc)) from None
-        apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
-        if config.compile.enable and "model" in config.compile.components:
-            apply_compile(model)
-        if use_fsdp:
-            apply_fsdp(model, dims.dp_mesh(mesh), param_dtype=compute_dtype if mixed_precision else None,
-                       reduce_dtype=_DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None)
-        model.to_empty(device=device)
-        model.init_weights(cfg_t.seed)
-        model.train()
+        loss_fn = cross_entropy_loss
+        if config.compile.enable and "loss" in config.compile.components:
+            loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
+        try:
+            pm = parallelize_llama(
+                model, config, dims, mesh, device, use_fsdp=use_fsdp,
+                param_dtype=compute_dtype if mixed_precision else None,
+                reduce_dtype=_DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None, loss_fn=loss_fn,
+            )
+        except ValueError as exc:  # the model does not fit the layout
+            raise ConfigError(str(exc)) from None
+        model = pm.model
 
         optimizer = build_optimizer(model, config.optimizer)
         scheduler = build_lr_scheduler(optimizer, _schedule(config))
-        loss_fn = cross_entropy_loss
-        if config.compile.enable and "loss" in config.compile.components:
-            loss_fn = compile_loss(cross_entropy_loss)
 
         from trainer.data import build_dataloader
 
@@ -361,10 +395,12 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                     t0 = time.perf_counter()
                     batches.append(next(data_iter))
                     data_wait += time.perf_counter() - t0
-                loss = forward_backward(model, loss_fn, batches, device, dp_size=dims.dp_size,
+                loss = forward_backward(model, loss_fn, batches, device, dp_size=pm.grad_scale,
                                         dp_group=dp_group if distributed else False,
-                                        document_masking=cfg_t.document_masking)
-                grad_norm = clip_grad_norm_(params, cfg_t.max_norm)
+                                        document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
+                                        loss_context=pm.loss_context, pipeline=pm.pipeline)
+                reduce_partial_grads(pm.partial_grads)
+                grad_norm = clip_grad_norm_(params, cfg_t.max_norm, pp_group=pp_norm_group(mesh and mesh["pp"]))
                 if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
                     done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
                     kept = f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
@@ -380,7 +416,9 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 scheduler.step()
                 n_step_tokens = grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
                 tokens_seen += n_step_tokens * dims.dp_size
-                metrics.step(step, n_step_tokens, data_wait, loss=loss, grad_norm=grad_norm, lr=lr)
+                # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
+                metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
+                             grad_norm=grad_norm, lr=lr)
                 checkpointer.poll()
                 if checkpointer.should_save(step, cfg_t.steps):
                     checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
