@@ -145,10 +145,32 @@ class LRScheduler:
 
 @dataclass
 class Parallelism:
-    """Data-parallel layout (tensor, pipeline and context parallel come later)."""
+    """Parallel layout: data (FSDP2/HSDP), tensor + sequence, pipeline and context parallel (trainer/parallel/README.md)."""
 
     data_parallel_replicate_degree: int = _opt(1, "Replicas (HSDP outer dimension; 1 = plain FSDP).")
     data_parallel_shard_degree: int = _opt(-1, "FSDP shard degree; -1 = the rest of the world size.")
+    tensor_parallel_degree: int = _opt(1, "Tensor + sequence parallel degree (heads, FFN and vocab split).")
+    enable_async_tensor_parallel: bool = _opt(
+        False, "Overlap TP communication with the matmuls (CUDA symmetric memory; needs compile.enable)."
+    )
+    disable_loss_parallel: bool = _opt(
+        False, "Under TP, gather the logits before the loss instead of a cross-entropy on vocab-sharded logits."
+    )
+    pipeline_parallel_degree: int = _opt(1, "Pipeline parallel degree (ranks holding successive stages).")
+    pipeline_parallel_schedule: str = _opt(
+        "1F1B", "Pipeline schedule (torch.distributed.pipelining); Interleaved*/ZBV hold 2 stages per rank.",
+        choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pipeline_parallel_split_points: list[str] = _opt(
+        [], "Stage boundaries as the first layer of each later stage, e.g. layers.3 (comma-separated); "
+        "empty = layers split evenly.",
+    )
+    pipeline_parallel_microbatch_size: int = _opt(
+        1, "Sequences per pipeline micro-batch; local_batch_size must be a multiple of it."
+    )
+    context_parallel_degree: int = _opt(
+        1, "Context parallel degree: every sequence is split over this many ranks (ring attention)."
+    )
 
 
 @dataclass
@@ -196,6 +218,10 @@ class Compile:
 
     enable: bool = _opt(False, "Compile the components below with torch.compile.")
     components: list[str] = _opt(["model", "loss"], "What to compile: model, loss (comma-separated).")
+    backend: str = _opt(
+        "inductor", "torch.compile backend; aot_eager traces the same graphs without generating code.",
+        choices=("inductor", "aot_eager", "eager"),
+    )
 
 
 @dataclass
@@ -338,6 +364,7 @@ class JobConfig:
              p.data_parallel_replicate_degree, "an integer >= 1")
         need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
              "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, "-1 or an integer >= 1")
+        _validate_parallelism(p, t)
         need(c.interval >= 1, "checkpoint.interval", c.interval, "an integer >= 1")
         need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", c.keep_latest_k, "an integer >= 0 (0 = keep all)")
         need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
@@ -353,6 +380,49 @@ class JobConfig:
         need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
              "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
              f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
+
+
+def _validate_parallelism(p: Parallelism, t: Training) -> None:
+    """The layout checks that need no model or world size (those are in trainer.parallel)."""
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "pipeline_parallel_microbatch_size"):
+        value = getattr(p, key)
+        if value < 1:
+            raise ConfigError(f"--parallelism.{key}: expected an integer >= 1, got {value!r}")
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp > 1 and t.seq_len % (2 * cp):
+        raise ConfigError(
+            f"--parallelism.context_parallel_degree: training.seq_len {t.seq_len} is not divisible by "
+            f"2 x context_parallel_degree = {2 * cp} (each rank holds one chunk from each end of the sequence)"
+        )
+    if tp > 1 and (t.seq_len // cp) % tp:
+        raise ConfigError(
+            f"--parallelism.tensor_parallel_degree: the sequence part of a rank, training.seq_len / "
+            f"context_parallel_degree = {t.seq_len} / {cp} = {t.seq_len // cp}, is not divisible by {tp} "
+            f"(sequence parallel splits it further)"
+        )
+    if p.pipeline_parallel_degree > 1:
+        mbs = p.pipeline_parallel_microbatch_size
+        if t.local_batch_size % mbs:
+            raise ConfigError(
+                f"--parallelism.pipeline_parallel_microbatch_size: training.local_batch_size {t.local_batch_size} "
+                f"is not divisible into micro-batches of {mbs}"
+            )
+        if t.document_masking:
+            raise ConfigError(
+                "--parallelism.pipeline_parallel_degree: training.document_masking is not supported with "
+                "pipeline parallel (the stages do not receive the position_ids)"
+            )
+    elif p.pipeline_parallel_split_points:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_split_points: {p.pipeline_parallel_split_points} given but "
+            f"pipeline_parallel_degree is 1"
+        )
+    if cp > 1 and t.document_masking:
+        raise ConfigError(
+            "--parallelism.context_parallel_degree: training.document_masking is not supported with context "
+            "parallel (ring attention is dense causal)"
+        )
 
 
 def available_flavors() -> tuple[str, ...]:
