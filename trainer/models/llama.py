@@ -192,6 +192,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Set by trainer.parallel.context_parallel: this rank holds part of every sequence; it gives
+        # the rotary positions of the local tokens and runs causal attention over the whole sequence.
+        self.context_parallel = None
 
     def forward(
         self,
@@ -201,9 +204,13 @@ class Attention(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        q = self.wq(x).view(bsz, seq, self.n_heads, self.head_dim)
-        k = self.wk(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(bsz, seq, self.n_kv_heads, self.head_dim)
+        # -1 heads: under tensor parallel each rank holds n_heads / tp of them.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.context_parallel is not None:
+            q, k = rope(q, k, self.context_parallel.position_ids(seq, q.device))
+            return self.wo(self.context_parallel(q, k, v).reshape(bsz, seq, -1))
         q, k = rope(q, k, position_ids)
         if position_ids is None:
             out = titan_kernels.flash_attn(q, k, v, causal=True)
@@ -241,6 +248,17 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class AddRMSNorm(RMSNorm):
+    """RMSNorm fused with the residual add before it: ``forward(x, residual) -> (rms_norm(x + residual), x + residual)``.
+
+    Same parameters and state_dict as RMSNorm; a module (not a function call) so that tensor parallel
+    can give it a sequence-parallel plan like the other norms.
+    """
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return titan_kernels.add_rms_norm(x, residual, self.weight, self._eps(x))
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block; the residual add before the feed-forward norm is one fused titan op."""
 
@@ -249,7 +267,7 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, eps=args.norm_eps)
+        self.ffn_norm = AddRMSNorm(args.dim, eps=args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
@@ -260,7 +278,7 @@ class TransformerBlock(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         attn = self.attention(self.attention_norm(x), rope, position_ids, cu_seqlens)
-        ffn_in, h = titan_kernels.add_rms_norm(attn, x, self.ffn_norm.weight, self.ffn_norm.eps)
+        ffn_in, h = self.ffn_norm(attn, x)
         return h + self.feed_forward(ffn_in)
 
 
@@ -269,7 +287,9 @@ class Transformer(nn.Module):
 
     Logits come in the parameters' (compute) dtype; compute the loss in float32 (``cross_entropy_loss``).
     Layers live in a ModuleDict keyed "0".."n-1" so that parameter names stay the same when a
-    pipeline stage drops some of them.
+    pipeline stage drops some of them. A pipeline stage without ``tok_embeddings`` takes the hidden
+    states (batch, seq, dim) of the stage before; one without ``norm`` and ``output`` returns its
+    hidden states.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -289,15 +309,20 @@ class Transformer(nn.Module):
         )
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if tokens.dim() != 2:
+        if self.tok_embeddings is None:  # a later pipeline stage: hidden states in
+            if tokens.dim() != 3:
+                raise ValueError(f"tokens: a pipeline stage expects hidden states (batch, seq, dim), got {tuple(tokens.shape)}")
+        elif tokens.dim() != 2:
             raise ValueError(f"tokens: expected shape (batch, seq), got {tuple(tokens.shape)}")
         if tokens.shape[1] > self.args.max_seq_len:
             raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
-        h = self.tok_embeddings(tokens)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Document boundaries once per batch, outside the (compiled) blocks: their count is data-dependent.
         cu_seqlens = document_cu_seqlens(position_ids) if position_ids is not None else None
         for layer in self.layers.values():
             h = layer(h, self.rope, position_ids, cu_seqlens)
+        if self.norm is None:  # not the last pipeline stage
+            return h
         h = self.norm(h)
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)

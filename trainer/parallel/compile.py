@@ -12,14 +12,19 @@ import torch
 from torch import nn
 
 
-def apply_compile(model: nn.Module, fullgraph: bool = True) -> None:
-    """Compile every block of ``model.layers`` in place."""
+def apply_compile(model: nn.Module, fullgraph: bool = True, backend: str = "inductor") -> None:
+    """Compile every block of ``model.layers`` in place with ``torch.compile`` ``backend``
+    ("inductor"; "aot_eager" traces the same graphs and autograd without generating code).
+
+    ``fullgraph=False`` lets a block run a region eagerly (context parallel's ring attention, which
+    communicates point to point); our ops themselves never break the graph.
+    """
     if not hasattr(model, "layers"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     for block in model.layers.values():
-        block.compile(fullgraph=fullgraph)
+        block.compile(fullgraph=fullgraph, backend=backend)
 
 
-def compile_loss(loss_fn: Callable) -> Callable:
+def compile_loss(loss_fn: Callable, backend: str = "inductor") -> Callable:
     """The loss function compiled (the float32 upcast and cross-entropy fuse into one kernel)."""
-    return torch.compile(loss_fn)
+    return torch.compile(loss_fn, backend=backend)

@@ -1,0 +1,149 @@
+"""``parallelize_llama``: a meta-device Llama -> this rank's parallelized, materialized model.
+
+Order (DESIGN.md section 4): pipeline split -> per stage: tensor + sequence parallel -> context
+parallel -> activation checkpointing -> compile per block -> FSDP2 -> materialize and initialize.
+Tensor parallel comes first so FSDP2 shards the TP shards (2-D parameters on (dp_shard_cp, tp)),
+and activation checkpointing and compile wrap the blocks before FSDP2 adds its hooks. The weights do
+not depend on the layout: each parameter is drawn whole from a seed given by its name
+(``Transformer.init_weights``) and every rank keeps its own piece.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from trainer.parallel.activation_checkpoint import apply_ac
+from trainer.parallel.compile import apply_compile
+from trainer.parallel.context_parallel import ContextParallel, apply_cp
+from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.parallel_dims import ParallelDims
+from trainer.parallel.pipeline import PipelineRunner, plan_stages, split_model
+from trainer.parallel.tensor_parallel import apply_tp, check_tp_divisibility, loss_parallel_context
+
+logger = logging.getLogger("trainer")
+
+
+@dataclass
+class ParallelModel:
+    """What the training loop needs from the layout.
+
+    model: this rank's part of the model (all of it without pipeline parallel; else the union of
+        its stages), for the optimizer and the checkpoint; parameter names as in the full model.
+    stages: the modules that run (``[model]`` without pipeline parallel).
+    pipeline: the PipelineRunner, or None.
+    cp: the ContextParallel (its ``shard`` splits each batch's sequences), or None.
+    loss_parallel: the logits are vocab-sharded DTensors; run the loss under ``loss_context()``.
+    grad_scale: ranks FSDP2 averages the gradients over (1 without FSDP2).
+    partial_grads: parameters whose gradients stay Partial over tp without FSDP2 (the
+        sequence-parallel norm weights); ``reduce_partial_grads`` sums them before clipping.
+    """
+
+    model: nn.Module
+    stages: list[nn.Module]
+    pipeline: PipelineRunner | None = None
+    cp: ContextParallel | None = None
+    loss_parallel: bool = False
+    grad_scale: int = 1
+    partial_grads: list[nn.Parameter] = field(default_factory=list)
+
+    def loss_context(self):
+        return loss_parallel_context(self.loss_parallel)
+
+    def shard(self, t: torch.Tensor) -> torch.Tensor:
+        return self.cp.shard(t) if self.cp is not None else t
+
+
+def parallelize_llama(
+    model: nn.Module,
+    config,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    *,
+    use_fsdp: bool,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    loss_fn=None,
+) -> ParallelModel:
+    """Parallelize ``model`` (a meta-device ``Transformer``, float8-converted if asked) per ``config``
+    (a JobConfig: parallelism, activation_checkpoint, compile, training.seed/local_batch_size) on
+    ``mesh``, materialize it on ``device`` and initialize the weights.
+
+    ``use_fsdp``: wrap with FSDP2 over ``dims.dp_mesh`` (also for one-process mixed precision);
+    ``param_dtype``/``reduce_dtype``: its mixed precision. ``loss_fn``: the token-loss function the
+    last pipeline stage calls (needed with pipeline parallel).
+
+    Raises ValueError naming the parallelism key when the model does not fit the layout (heads,
+    FFN or vocabulary not divisible by tp, too few layers for the stages, bad split points, a
+    micro-batch count the schedule cannot take, tied embeddings with TP or PP) or async TP is asked
+    for off CUDA (RuntimeError).
+    """
+    p = config.parallelism
+    args = model.args
+    check_tp_divisibility(args, dims.tp)
+    if config.compile.enable and dims.tp_enabled:
+        if device.type != "cuda":
+            raise ValueError(
+                "compile.enable: not supported with parallelism.tensor_parallel_degree > 1 on this device: with "
+                f"torch {torch.__version__} a compiled block between tensor-parallel layers breaks DTensor's "
+                "autograd around it (wrong gradients or an error in the backward, measured on the CPU)"
+            )
+        logger.warning("compile with tensor parallel: equality with eager is verified on the CPU only without "
+                       "compile; see bench/run_gpu.sh for the GPU check")
+    if p.enable_async_tensor_parallel and not (dims.tp_enabled and config.compile.enable):
+        raise ValueError(
+            "parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and compile.enable "
+            f"(got tensor_parallel_degree {dims.tp}, compile.enable {config.compile.enable})"
+        )
+
+    plan = None
+    if dims.pp_enabled:
+        pp_rank = mesh.get_local_rank("pp")
+        plan = plan_stages(args.n_layers, dims.pp, pp_rank, p.pipeline_parallel_schedule,
+                           p.pipeline_parallel_split_points)
+        model, stages = split_model(model, plan)
+        logger.info("pipeline: %d stages (%s), this rank runs %s with layers %s", plan.num_stages,
+                    p.pipeline_parallel_schedule, list(plan.local_stages),
+                    [list(plan.layers[s]) for s in plan.local_stages])
+    else:
+        stages = [model]
+
+    loss_parallel = dims.tp_enabled and not p.disable_loss_parallel
+    cp = None
+    for stage in stages:
+        if dims.tp_enabled:
+            apply_tp(stage, mesh["tp"], loss_parallel=loss_parallel, async_tp=p.enable_async_tensor_parallel)
+        if dims.cp_enabled:
+            cp = apply_cp(stage, mesh["cp"])
+        apply_ac(stage, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+        if config.compile.enable and "model" in config.compile.components:
+            # Ring attention communicates point to point: it runs eagerly between compiled regions.
+            apply_compile(stage, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
+        if use_fsdp:
+            apply_fsdp(stage, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                       reshard_after_forward=not dims.pp_enabled)
+    for stage in stages:
+        stage.to_empty(device=device)
+        stage.init_weights(config.training.seed)
+        stage.train()
+
+    pipeline = None
+    if plan is not None:
+        n_micro = config.training.local_batch_size // p.pipeline_parallel_microbatch_size
+        pipeline = PipelineRunner(stages, plan, mesh["pp"], p.pipeline_parallel_schedule, n_micro, loss_fn, device)
+    partial = []
+    if dims.tp_enabled and not use_fsdp:
+        partial = [prm for name, prm in model.named_parameters() if name.endswith("norm.weight")]
+    return ParallelModel(model, stages, pipeline, cp, loss_parallel, dims.fsdp_size if use_fsdp else 1, partial)
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Turn Partial DTensor gradients into the parameters' own placements (a sum over the ranks)."""
+    for prm in params:
+        g = prm.grad
+        if g is not None and g.placements != prm.placements:
+            prm.grad = g.redistribute(placements=prm.placements)

@@ -1,0 +1,155 @@
+"""Tensor + sequence parallel for Llama (Megatron-LM's split, Shoeybi et al. 2019; with sequence
+parallel, Korthikanti et al. 2022), through ``torch.distributed.tensor.parallel``.
+
+The plan, per transformer block, on a 1-D ``tp`` mesh:
+
+  attention_norm, ffn_norm   sequence parallel: input sharded on the sequence (Shard(1)), weight
+                             replicated. Our rms_norm / add_rms_norm DTensor rules run them on the
+                             local rows, so nothing is communicated around the norms; their weight
+                             gradients come out Partial and are summed over tp by DTensor.
+  attention, feed_forward    input all-gathered on the sequence (Shard(1) -> Replicate) on entry;
+  wq, wk, wv, w1, w3         colwise: the weight split on its output dim, the output a local tensor
+                             holding n_heads / tp heads (or ffn_hidden / tp columns);
+  wo, w2                     rowwise: the weight split on its input dim, the Partial output
+                             reduce-scattered onto the sequence (Shard(1)).
+
+Around the blocks: ``tok_embeddings`` is split on the vocabulary (rowwise: each rank looks up its
+own rows, the Partial sum is reduce-scattered onto the sequence); ``norm`` is sequence parallel;
+``output`` is colwise (split on the vocabulary). With loss parallel (the default) the logits stay
+vocab-sharded (``Shard(-1)``) and the cross-entropy runs under ``loss_parallel()``: each rank
+computes its part of the log-sum-exp and the target logit, and only (batch, seq)-sized values are
+reduced, never the (batch, seq, vocab) logits. With ``disable_loss_parallel`` the logits are
+all-gathered instead.
+
+Between modules the hidden states are plain local tensors holding this rank's sequence shard (as
+in torchtitan), so the residual adds are local and pipeline stages pass plain tensors.
+
+Per layer and micro-batch this communicates, in the forward: 2 all-gathers and 2 reduce-scatters
+of the (batch, seq, dim) activation (the backward the same with the roles swapped); see
+trainer/parallel/README.md for the bytes.
+
+Async TP (``enable_async_tensor_parallel``, CUDA only): Inductor's micro-pipelining
+(``torch._inductor.config._micro_pipeline_tp``) fuses each all-gather / reduce-scatter with the
+matmul next to it over symmetric memory, so it needs ``compile.enable``. Unverified here: it needs
+several GPUs.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+
+class SequenceParallelAll(SequenceParallel):
+    """Sequence parallel for a norm with several tensor inputs (``AddRMSNorm(x, residual)``): every
+    tensor input becomes a sequence-sharded DTensor, every output a local tensor."""
+
+    def __init__(self, *, sequence_dim: int = 1) -> None:
+        super().__init__(sequence_dim=sequence_dim, use_local_output=True)
+
+    @staticmethod
+    def _prepare_input_fn(sequence_sharding, mod, inputs, device_mesh):
+        convert = partial(SequenceParallel._prepare_input_fn, sequence_sharding, mod, device_mesh=device_mesh)
+        return tuple(convert((t,)) if isinstance(t, torch.Tensor) else t for t in inputs)
+
+    @staticmethod
+    def _prepare_output_fn(use_local_output, mod, outputs, device_mesh):
+        if isinstance(outputs, tuple):
+            return tuple(o.to_local() if isinstance(o, DTensor) else o for o in outputs)
+        return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def check_tp_divisibility(args, tp: int) -> None:
+    """Raise ValueError (naming ``parallelism.tensor_parallel_degree``) unless tp divides n_heads,
+    n_kv_heads, the FFN hidden size and the vocabulary (each rank gets an equal part)."""
+    if tp == 1:
+        return
+    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
+                    ("ffn_hidden_dim", args.ffn_hidden_dim), ("vocab_size", args.vocab_size)):
+        if n % tp:
+            raise ValueError(
+                f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {what} = {n} "
+                f"(each tensor-parallel rank holds an equal part)"
+            )
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, async_tp: bool = False) -> nn.Module:
+    """Apply the Llama tensor + sequence parallel plan (module docstring) to ``model`` in place.
+
+    ``model`` is a ``trainer.models.llama.Transformer`` or a pipeline stage of one (any of
+    tok_embeddings / norm / output may be None), on the meta device or materialized, with nn.Linear
+    or Float8Linear layers (the fp8_linear op has DTensor rules for colwise and rowwise shards).
+    Tied embeddings are not supported (the output would need the embedding's other split).
+
+    Raises ValueError for tied embeddings, RuntimeError for async TP off CUDA.
+    """
+    if getattr(model, "args", None) is not None and model.args.tie_word_embeddings:
+        raise ValueError(
+            "parallelism.tensor_parallel_degree: tied embeddings (1B/3B flavors) are not supported with tensor "
+            "parallel; use data parallel for them"
+        )
+    plan: dict[str, nn.Module] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(
+                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
+            ),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallelAll(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+    if async_tp:
+        enable_async_tp(tp_mesh)
+    return model
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Turn on Inductor's TP micro-pipelining with symmetric memory for the ``tp`` group (CUDA only).
+
+    Takes effect for the compiled blocks (``compile.enable``). Raises RuntimeError off CUDA.
+    """
+    if tp_mesh.device_type != "cuda":
+        raise RuntimeError(
+            f"parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), got a "
+            f"{tp_mesh.device_type!r} mesh"
+        )
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    torch._inductor.config._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def loss_parallel_context(enabled: bool):
+    """``loss_parallel()`` when the logits are vocab-sharded DTensors, else a no-op context."""
+    import contextlib
+
+    return loss_parallel() if enabled else contextlib.nullcontext()
