@@ -1,0 +1,45 @@
+"""3-D and 4-D layouts equal one process: FSDP2 x TP2 x PP2 and FSDP2 x TP2 x CP2 on 8 gloo ranks
+(about 25 s together on 2 cores), and FSDP2 x TP2 x PP2 x CP2 on 16 ranks.
+
+Same job and comparison as ``test_parallel_layouts.py`` (debugmodel, fp32, 5 steps, global batch
+4 x 32 tokens; losses within 1e-4 of the single-process run, gradient norms within 1e-4 relative).
+The 16-rank layout takes about 25 s here too but holds 16 processes (about 7 GiB), so it is marked
+slow: ``pytest -m slow tests/distributed/test_parallel_3d.py``.
+"""
+import pytest
+
+from tests.distributed.layouts import assert_same, reference, run_layouts
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+TP2 = ["--parallelism.tensor_parallel_degree", "2"]
+PP2 = ["--parallelism.pipeline_parallel_degree", "2"]
+CP2 = ["--parallelism.context_parallel_degree", "2"]
+DP2 = ["--training.local_batch_size", "2"]  # global batch 4 over dp_shard = 2
+
+EIGHT_RANKS = {
+    "fsdp2_tp2_pp2": [*TP2, *PP2, *DP2],
+    "fsdp2_tp2_cp2": [*TP2, *CP2, *DP2],
+}
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    return reference(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def eight_ranks(tmp_path_factory):
+    return run_layouts(8, EIGHT_RANKS, tmp_path_factory.mktemp("eight_ranks"))
+
+
+@pytest.mark.parametrize("layout", list(EIGHT_RANKS))
+def test_eight_rank_layout_equals_one_process(layout, eight_ranks, single):
+    assert_same(eight_ranks[layout], single)
+
+
+@pytest.mark.slow
+def test_four_d_layout_on_sixteen_ranks_equals_one_process(tmp_path, single):
+    layouts = {"fsdp2_tp2_pp2_cp2": [*TP2, *PP2, *CP2, *DP2, "--parallelism.pipeline_parallel_schedule",
+                                     "Interleaved1F1B"]}
+    assert_same(run_layouts(16, layouts, tmp_path)["fsdp2_tp2_pp2_cp2"], single)
