@@ -9,7 +9,8 @@ What a full checkpoint holds (keys of the DCP state dict):
   model         sharded parameters (DTensors under FSDP2), via ``get_model_state_dict``
   optimizer     AdamW state, keyed by parameter names, via ``get_optimizer_state_dict``
   lr_scheduler  the scheduler's position (JSON)
-  dataloader    ``dp_rank_<r>``: each data-parallel rank's loader state (JSON)
+  dataloader    ``dp_rank_<r>``: each data-parallel rank's loader state (JSON); resharded on load
+                when the data-parallel degree changes
   train_state   step and tokens seen (JSON)
 A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) holds the model only.
 
@@ -274,8 +275,11 @@ class Checkpointer:
         Returns ``(step, tokens_seen)``; ``(0, 0)`` when there is nothing to resume. A seed
         checkpoint (model only) restores the model and returns step 0.
 
-        Raises CheckpointError when the checkpoint was written with another data-parallel layout (no
-        loader state for this rank), lacks the optimizer state (not a seed), or the loader refuses it.
+        A checkpoint written under another parallel layout loads too: DCP reshards the model and
+        optimizer, and the data loader states are resharded (``reshard_loader_state``).
+
+        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), or the data
+        loader states cannot be resharded or belong to another dataset, tokenizer or seq_len.
         """
         step = self.resolve_load_step()
         if step is None:
@@ -297,14 +301,11 @@ class Checkpointer:
         state = self._full_state(0, 0)
         if self.optimizer is None:
             state.pop("optimizer", None)
-        loader_key = f"dataloader.dp_rank_{self.dp_rank}"
-        if self.dataloader is not None and loader_key not in keys:
-            saved = sorted(k.split(".", 1)[1] for k in keys if k.startswith("dataloader."))
-            raise CheckpointError(
-                f"checkpoint {path} has data loader states for {saved} but not for this run's "
-                f"dp_rank_{self.dp_rank}: it was written with another data-parallel layout; resume with the "
-                f"same layout or start a fresh run (another checkpoint.folder)"
-            )
+        if self.dataloader is not None:
+            # Every saved rank's loader state: with another data-parallel layout they are resharded.
+            saved = sorted((k.split(".", 1)[1] for k in keys if k.startswith("dataloader.")),
+                           key=lambda k: int(k.rsplit("_", 1)[1]))
+            state["dataloader"] = dict.fromkeys(saved, "")
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:
@@ -312,13 +313,52 @@ class Checkpointer:
         if self.lr_scheduler is not None:
             self.lr_scheduler.load_state_dict(json.loads(state["lr_scheduler"]))
         if self.dataloader is not None:
+            states = [json.loads(v) for v in state["dataloader"].values()]
             try:
-                self.dataloader.load_state_dict(json.loads(state["dataloader"][f"dp_rank_{self.dp_rank}"]))
+                self.dataloader.load_state_dict(reshard_loader_state(states, self.dp_rank, self.dataloader.dp_world_size))
             except ValueError as exc:
                 raise CheckpointError(f"checkpoint {path}: {exc}") from None
         train_state = json.loads(state["train_state"])
         logger.info("resumed from checkpoint %s", path)
         return int(train_state["step"]), int(train_state["tokens_seen"])
+
+
+def reshard_loader_state(states: list[dict[str, Any]], dp_rank: int, dp_world_size: int) -> dict[str, Any]:
+    """The loader state for data-parallel rank ``dp_rank`` of ``dp_world_size`` from the states of all
+    ranks of a checkpoint (``trainer.data.loader.DataLoader.state_dict``), whatever their layout.
+
+    The same layout gets its own state back. Otherwise: the loader deals the windows of one stream
+    round-robin over the ranks, and at a step boundary rank r of D has consumed exactly the windows
+    below ``W - (D - 1 - r)``, W being the largest ``window_index``; so the windows below W were all
+    trained on and the stream position after window W - 1 (the state of the last rank) is where
+    every rank of the new layout continues, dealing from window W on. Resumed so, the union of the
+    next step's batches over the new ranks is exactly what the old layout would have read next.
+
+    Raises ValueError when the states are not from one step of one layout (then no position is
+    exact, and nothing is silently reset). Whether dataset, tokenizer and seq_len match is the
+    loader's own check (``load_state_dict``).
+    """
+    if not states:
+        raise ValueError("the checkpoint holds no data loader state")
+    old_world = states[0].get("dp_world_size")
+    by_rank = {s.get("dp_rank"): s for s in states}
+    if old_world == dp_world_size and dp_rank in by_rank:
+        return by_rank[dp_rank]
+    if sorted(by_rank) != list(range(len(states))) or len(states) != old_world or any(
+            s.get("dp_world_size") != old_world for s in states):
+        raise ValueError(
+            f"data loader states of ranks {sorted(by_rank)} do not form one layout of dp_world_size={old_world}; "
+            f"cannot reshard them to {dp_world_size} ranks"
+        )
+    last = by_rank[old_world - 1]
+    end = last["window_index"]
+    behind = [r for r, s in by_rank.items() if s["window_index"] != end - (old_world - 1 - r)]
+    if behind:
+        raise ValueError(
+            f"data loader states of ranks {behind} are not at the same step as rank {old_world - 1}; cannot reshard "
+            f"dp_world_size={old_world} -> {dp_world_size} without skipping or repeating samples"
+        )
+    return {**last, "dp_rank": dp_rank, "dp_world_size": dp_world_size}
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> None:

@@ -136,4 +136,5 @@ def assert_same(got, ref: dict[int, dict], steps=range(1, STEPS + 1)) -> None:
         g, r = got[s]["grad_norm"], ref[s]["grad_norm"]
         assert abs(g - r) <= NORM_RTOL * abs(r), (s, "grad_norm", g, r)
         assert got[s]["lr"] == ref[s]["lr"], s
-    assert ref[steps[-1]]["loss"] < ref[steps[0]]["loss"] - 1.0  # the run is learning, too
+    if steps[0] == 1:
+        assert ref[steps[-1]]["loss"] < ref[1]["loss"] - 1.0  # the run is learning, too

@@ -87,13 +87,18 @@ def test_fsdp_checkpoint_resume_and_layout_change(tmp_path):
     assert sorted(resumed) == list(range(6, STEPS + 1))
     for s in resumed:
         assert resumed[s]["loss"] == straight[s]["loss"], s  # bitwise
-    # A different data-parallel layout cannot continue the data stream: a clear error, no traceback.
+    # One process continues the 2-rank run: model and optimizer resharded by DCP, the data loader
+    # state resharded (trainer.checkpoint.reshard_loader_state), so the same samples come next.
+    (tmp_path / "metrics.jsonl").unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "trainer", *COMMON, "--job.dump_folder", str(tmp_path),
                            "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.load_step", "5"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert "dp_world_size=2" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = _records(tmp_path)
+    assert sorted(one) == list(range(6, STEPS + 1))
+    for s in one:
+        assert abs(one[s]["loss"] - straight[s]["loss"]) <= 1e-5 * straight[s]["loss"], s
 
 
 @pytest.mark.slow
