@@ -40,14 +40,22 @@ REFERENCE_GPU = ("H100", 80 * GIB)
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout; ``n_devices = dp_replicate * dp_shard`` (tp/pp/cp join here later)."""
+    """A parallel layout; ``n_devices = dp_replicate * dp_shard * tp * pp * cp``."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
 
     @property
     def n_devices(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def model_shards(self) -> int:
+        """How many pieces each parameter is cut into: FSDP2 over dp_shard x cp, TP, PP stages."""
+        return self.dp_shard * self.cp * self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -106,16 +114,21 @@ def estimate_memory(
     Raises ValueError for sizes < 1.
     """
     for name, v in (("local_batch_size", local_batch_size), ("seq_len", seq_len),
-                    ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard)):
+                    ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard), ("tp", layout.tp),
+                    ("pp", layout.pp), ("cp", layout.cp)):
         if v < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {v}")
     p = args.num_params()
-    shard = layout.dp_shard
-    tokens = local_batch_size * seq_len
+    shard = layout.model_shards
+    # Sequence parallel and context parallel split every kept activation over tp x cp (an estimate:
+    # the gathered inputs of attention/FFN are transient); a pipeline stage keeps its L/pp layers
+    # for up to pp micro-batches in flight (1F1B), about the whole model's worth for one.
+    tokens = local_batch_size * seq_len / (layout.tp * layout.cp)
     working = 0.0
     if layout.n_devices > 1 or compute_bytes != master_bytes:
         root = p - args.n_layers * args.layer_params()
         working = root * compute_bytes + 2 * args.layer_params() * compute_bytes + args.layer_params() * master_bytes
+        working /= layout.tp
     acts = activation_values_per_token(args, ac_mode, selective_ac_option) * compute_bytes * tokens
     acts += args.vocab_size * (compute_bytes + 8) * tokens
     return MemoryEstimate(
@@ -260,4 +273,119 @@ def fit_report(
         lines.append(f"  no data-parallel layout of up to 4096 x {gpu_name} fits; reduce training.seq_len")
     else:
         lines.append(f"  would fit: {sug.describe()}")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication per step (trainer/parallel/README.md derives these formulas)
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective of a training step: ``count`` calls over the ``dim`` group, each moving
+    ``bytes_per_call`` bytes in and out of every rank (ring algorithms: (n-1)/n of the buffer)."""
+
+    dim: str
+    op: str
+    what: str
+    count: float
+    bytes_per_call: float
+
+    @property
+    def bytes(self) -> float:
+        return self.count * self.bytes_per_call
+
+
+def _ring(n: int) -> float:
+    return (n - 1) / n
+
+
+def communication_per_step(
+    args: ModelArgs,
+    layout: Layout,
+    local_batch_size: int,
+    seq_len: int,
+    grad_accum: int = 1,
+    microbatch_size: int = 1,
+    stages_per_rank: int = 1,
+    compute_bytes: int = 2,
+    reduce_bytes: int = 4,
+    loss_parallel: bool = True,
+    ac_mode: str = "none",
+) -> list[Collective]:
+    """Bytes each rank sends (= receives) per optimizer step, by dimension and collective.
+
+    ``local_batch_size`` sequences of ``seq_len`` per micro-batch and data-parallel rank,
+    ``grad_accum`` micro-batches per step; ``microbatch_size``/``stages_per_rank`` for pipeline
+    parallel; ``compute_bytes`` for parameters/activations on the wire (bf16: 2), ``reduce_bytes``
+    for gradients (fp32: 4). ``ac_mode`` "full" re-runs each block's forward in the backward, with its
+    TP and CP communication. Size-1 dims contribute nothing. See trainer/parallel/README.md.
+    """
+    L = args.n_layers / layout.pp  # layers on this rank
+    d, kv, V = args.dim, args.kv_heads * args.head_dim, args.vocab_size
+    tp, pp, cp, cb, rb = layout.tp, layout.pp, layout.cp, compute_bytes, reduce_bytes
+    # Activations move per pipeline micro-batch under PP, else per accumulation micro-batch; tokens
+    # of one on this rank, before sequence parallel.
+    chunks = grad_accum * (local_batch_size // microbatch_size if pp > 1 else 1)
+    tokens = (microbatch_size if pp > 1 else local_batch_size) * seq_len / cp
+    recompute = 1 if ac_mode == "full" else 0
+    out: list[Collective] = []
+
+    # FSDP2 over dp_shard x cp: every accumulation micro-batch all-gathers each block in the forward
+    # and again in the backward (resharded after forward; once under PP, which keeps them), the root
+    # once, and reduce-scatters all gradients.
+    n = layout.dp_shard * cp
+    if n > 1 or layout.dp_replicate > 1:
+        blocks = args.n_layers * args.layer_params() / (tp * pp)
+        root = (args.num_params() - args.n_layers * args.layer_params()) / (tp * pp)
+        gathers = 1 if pp > 1 else 2
+        if n > 1:
+            out.append(Collective("dp_shard_cp", "all-gather", "parameters (all units)", grad_accum,
+                                  _ring(n) * cb * (gathers * blocks + root)))
+            out.append(Collective("dp_shard_cp", "reduce-scatter", "gradients (all units)", grad_accum,
+                                  _ring(n) * rb * (blocks + root)))
+        if layout.dp_replicate > 1:
+            r = layout.dp_replicate
+            out.append(Collective("dp_replicate", "all-reduce", "gradient shards (all units)", grad_accum,
+                                  2 * _ring(r) * rb * (blocks + root) / n))
+    # Tensor + sequence parallel: per layer 2 all-gathers + 2 reduce-scatters of the (tokens, dim)
+    # activation in the forward, the same in the backward; embedding and output one each way.
+    if tp > 1:
+        act = _ring(tp) * tokens * d * cb
+        # Embedding and output: on the first and last stage only (a share 1/pp of the ranks on average).
+        ends = 2 * chunks / pp
+        out.append(Collective("tp", "all-gather", "activations", 2 * chunks * L * (2 + recompute) + ends, act))
+        out.append(Collective("tp", "reduce-scatter", "activations", 2 * chunks * L * (2 + recompute) + ends, act))
+        if loss_parallel:
+            out.append(Collective("tp", "all-reduce", "loss-parallel max/sum/target", 3 * chunks / pp,
+                                  2 * _ring(tp) * tokens * 4))
+        else:
+            out.append(Collective("tp", "all-gather", "logits", chunks / pp, _ring(tp) * tokens * V * cb))
+        out.append(Collective("tp", "all-reduce", "norm weight gradients", grad_accum * (2 * L + 1 / pp),
+                              2 * _ring(tp) * d * rb))
+    # Context parallel (ring attention): per layer, the local K/V block makes cp - 1 hops forward; the
+    # backward sends K/V again (cp - 1 hops) and their float32 gradients (cp hops).
+    if cp > 1:
+        kv_block = 2 * tokens * kv / tp
+        calls = chunks * L
+        out.append(Collective("cp", "send/recv", "K/V blocks", calls * (cp - 1) * (2 + recompute), kv_block * cb))
+        out.append(Collective("cp", "send/recv", "K/V gradients", calls * cp, kv_block * rb))
+    # Pipeline: each micro-batch's activations go to the next stage and their gradients come back,
+    # a (microbatch_size, seq/cp/tp, dim) tensor per tp rank and boundary.
+    if pp > 1:
+        boundary = tokens / tp * d * cb
+        # Every stage but the last sends forward, every one but the first sends back: averaged per rank.
+        hops = chunks * stages_per_rank * (pp * stages_per_rank - 1) / (pp * stages_per_rank)
+        out.append(Collective("pp", "send", "activations", hops, boundary))
+        out.append(Collective("pp", "send", "activation gradients", hops, boundary))
+    return out
+
+
+def describe_communication(collectives: list[Collective]) -> str:
+    """A table: dim, collective, what, calls per step, MiB per call, GiB per step (per rank) (per rank)."""
+    lines = [f"{'dim':<13} {'collective':<15} {'what':<30} {'calls':>8} {'MiB each':>10} {'GiB/step':>9}"]
+    for c in collectives:
+        lines.append(f"{c.dim:<13} {c.op:<15} {c.what:<30} {c.count:>8.0f} {c.bytes_per_call / 2**20:>10.2f} "
+                     f"{c.bytes / GIB:>9.3f}")
+    lines.append(f"{'total':<13} {'':<15} {'':<30} {'':>8} {'':>10} {sum(c.bytes for c in collectives) / GIB:>9.3f}")
     return "\n".join(lines)

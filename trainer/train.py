@@ -180,8 +180,8 @@ def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> s
     from trainer.estimate import Layout, detect_devices, fit_report
 
     return fit_report(
-        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard), config.training.local_batch_size,
-        config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
+        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp),
+        config.training.local_batch_size, config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
         ac_mode=config.activation_checkpoint.mode,
         selective_ac_option=config.activation_checkpoint.selective_ac_option,
         devices=detect_devices(),

@@ -5,16 +5,19 @@
   bf16 to 1e-2);
 * the tensor + sequence parallel plan of a block communicates exactly 2 all-gathers and 2
   reduce-scatters of the activation in the forward (``CommDebugMode``): the norms run on the local
-  rows through our rms_norm / add_rms_norm DTensor rules, with no redistribution around them;
+  rows through our rms_norm / add_rms_norm DTensor rules, with no redistribution around them; a
+  whole step issues the collectives ``trainer.estimate.communication_per_step`` plans;
 * TP with Float8Linear layers (the fp8_linear DTensor rules): logits and weight gradients as close
   to the float32 model as the unsharded float8 model is (within 10%; logits within the fp8 e4m3
   tolerance 7e-2). The titan ops take no float64; float32's error is orders below fp8's.
 About 15 s (two process launches).
 """
+import collections
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed.launcher import run_distributed
 
@@ -62,6 +65,20 @@ def test_ring_attention_equals_float64_attention(world):
     run_distributed(_check_ring_attention, world)
 
 
+class _CountCollectives(TorchDispatchMode):
+    """Counts the functional collectives DTensor issues (by op name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name not in ("wait_tensor", "_wrap_tensor_autograd"):
+            self.calls[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _check_tp_block_and_float8(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
@@ -84,6 +101,21 @@ def _check_tp_block_and_float8(rank, world):
         model.layers["0"](x, model.rope)
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     assert counts == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, counts
+
+    # A whole training step: the calls trainer.estimate.communication_per_step plans (README formulas).
+    from trainer.estimate import Layout, communication_per_step
+    from trainer.models.llama import cross_entropy_loss
+    from trainer.parallel.parallelize import reduce_partial_grads
+
+    labels = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(4))
+    with _CountCollectives() as counted:
+        with loss_parallel_context(True):
+            cross_entropy_loss(model(tokens), labels).backward()
+        reduce_partial_grads([p for n, p in model.named_parameters() if n.endswith("norm.weight")])
+    planned = {(c.op, c.what): c.count for c in communication_per_step(args, Layout(tp=world), 2, 32)}
+    assert counted.calls["all_gather_into_tensor"] == planned[("all-gather", "activations")] == 4 * args.n_layers + 2
+    assert counted.calls["reduce_scatter_tensor"] == planned[("reduce-scatter", "activations")]
+    assert counted.calls["all_reduce"] == planned[("all-reduce", "norm weight gradients")] == 2 * args.n_layers + 1
 
     # Float8Linear under TP: fp8_linear's DTensor rules run colwise/rowwise shards locally.
     ref = build_model(args, "cpu")  # float32: the titan ops take no float64; its error is far below fp8's
