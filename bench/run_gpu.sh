@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one script for a GPU machine: environment, native build, CUDA tests, benchmarks, result files.
 #
-#   bash bench/run_gpu.sh [RESULTS_DIR]      (default bench/results; about 8 minutes on an H100/H200, plus up to 7 for float8, up to 9 for attention)
+#   bash bench/run_gpu.sh [RESULTS_DIR]      (default bench/results; about 8 minutes on an H100/H200, plus up to 7 for float8, up to 9 for attention,
+#                                            up to 25 for the multi-GPU layouts when >= 2 GPUs are visible)
 #
 # Writes RESULTS_DIR/<date>-<gpu>.{json,md} (benchmark table with the measured copy bandwidth and
 # bf16 matmul rate, device, date and versions) and RESULTS_DIR/<date>-<gpu>.log (everything printed).
@@ -50,4 +51,9 @@ stage "attention benchmarks: titan flash_attn vs SDPA backends and FA3/FA2, seq 
 BENCH_OUT="$prefix-attention" timeout 540 $PY -m pytest -q -s -p no:cacheprovider bench/bench_attention.py --benchmark-disable --timeout 520 2>&1 \
   | grep -v "^bench/" | tail -120 | tee -a "$log"
 
-stage "done: $prefix.{json,md,log}, $prefix-fp8.{json,md} and $prefix-attention.{json,md}"
+stage "parallel layouts: TP 2 compiled vs eager, 2-D FSDP x TP and 3-D FSDP x TP x PP tokens/s and MFU (>= 2 GPUs)"
+if [ "$($PY -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+  timeout 1500 $PY bench/layouts_gpu.py "$prefix-layouts" 2>&1 | tail -40 | tee -a "$log"
+else echo "fewer than 2 GPUs visible: skipped" | tee -a "$log"; fi
+
+stage "done: $prefix.{json,md,log}, $prefix-fp8.{json,md}, $prefix-attention.{json,md} and $prefix-layouts.{json,md}"
