@@ -16,6 +16,7 @@ What each layout exercises:
   fsdp4, hsdp2x2           data parallel alone (FSDP2, HSDP)
   fsdp2_tp2                2-D parameters (FSDP2 over TP shards)
   pp2_fsdp2                FSDP2 inside each stage, reduce-scatter once per schedule step
+  pp2_zbv_fsdp2            the zero-bubble V schedule (split input/weight backward) under FSDP2
   cp2_tp2                  ring attention over head-sharded q/k/v, sequence parallel inside cp
   fsdp2_tp2_ac             selective per-op activation checkpointing (matmul outputs kept) under TP
   pp2_fsdp2_ac_compile     full activation checkpointing + per-block compile (aot_eager backend:
@@ -57,6 +58,7 @@ FOUR_RANKS = {
                 *_lbs(4)],
     "fsdp2_tp2": [*TP2, *_lbs(2)],
     "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
+    "pp2_zbv_fsdp2": [*_pp("ZBVZeroBubble"), *_lbs(2)],
     "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
     "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
