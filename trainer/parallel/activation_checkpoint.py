@@ -79,8 +79,9 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> int
         if getattr(block, "_titan_ac", False):
             raise ValueError(f"model.layers[{layer_id}]: activation checkpointing is already applied")
     wrapped = 0
-    for layer_id, block in enumerate(model.layers.values()):
-        if layer_id % every == 0:
+    for index, block in enumerate(model.layers.values()):
+        # The model's own layer id: a pipeline stage holding layers 3..5 wraps the same ones as the whole model.
+        if getattr(block, "layer_id", index) % every == 0:
             _checkpoint_forward(block, context_fn)
             wrapped += 1
     return wrapped
