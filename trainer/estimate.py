@@ -269,10 +269,11 @@ def fit_report(
         f"activation checkpointing {ac_mode}): {est.describe()}",
         f"  devices found: {devices.describe()}",
     ]
+    assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu_name} {gpu_mem / GIB:.0f} GiB)"
     if sug is None:
-        lines.append(f"  no data-parallel layout of up to 4096 x {gpu_name} fits; reduce training.seq_len")
+        lines.append(f"  no data-parallel layout of up to 4096 x {gpu_name} fits{assumed}; reduce training.seq_len")
     else:
-        lines.append(f"  would fit: {sug.describe()}")
+        lines.append(f"  would fit{assumed}: {sug.describe()}")
     return "\n".join(lines)
 
 
