@@ -180,3 +180,24 @@ def test_config_errors_are_one_line_naming_the_key(argv, message):
     with pytest.raises(ConfigError) as info:
         parse_args(argv)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_compile_with_a_zero_bubble_schedule_is_refused():
+    from trainer.models.llama import build_model
+    from trainer.parallel.parallelize import parallelize_llama
+
+    config = parse_args(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
+                         "ZBVZeroBubble", "--compile.enable"])
+    model = build_model(model_args("debugmodel", 258, 32), "meta")
+    with pytest.raises(ValueError, match="pipeline_parallel_schedule: ZBVZeroBubble splits the backward"):
+        parallelize_llama(model, config, ParallelDims(1, -1, 2, pp=2), None, torch.device("cpu"), use_fsdp=False)
+
+
+def test_compile_with_tensor_parallel_is_refused_off_cuda():
+    from trainer.models.llama import build_model
+    from trainer.parallel.parallelize import parallelize_llama
+
+    config = parse_args(["--parallelism.tensor_parallel_degree", "2", "--compile.enable"])
+    model = build_model(model_args("debugmodel", 258, 32), "meta")
+    with pytest.raises(ValueError, match="compile.enable: not supported with parallelism.tensor_parallel_degree > 1"):
+        parallelize_llama(model, config, ParallelDims(1, -1, 2, tp=2), None, torch.device("cpu"), use_fsdp=False)

@@ -21,7 +21,7 @@ from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
-from trainer.parallel.pipeline import PipelineRunner, plan_stages, split_model
+from trainer.parallel.pipeline import ZERO_BUBBLE, PipelineRunner, plan_stages, split_model
 from trainer.parallel.tensor_parallel import apply_tp, check_tp_divisibility, loss_parallel_context
 
 logger = logging.getLogger("trainer")
@@ -94,6 +94,12 @@ def parallelize_llama(
             )
         logger.warning("compile with tensor parallel: equality with eager is verified on the CPU only without "
                        "compile; see bench/run_gpu.sh for the GPU check")
+    if config.compile.enable and dims.pp_enabled and p.pipeline_parallel_schedule in ZERO_BUBBLE:
+        raise ValueError(
+            f"parallelism.pipeline_parallel_schedule: {p.pipeline_parallel_schedule} splits the backward into input "
+            "and weight gradients, which torch.compile'd blocks do not support; use Interleaved1F1B or 1F1B with "
+            "compile.enable"
+        )
     if p.enable_async_tensor_parallel and not (dims.tp_enabled and config.compile.enable):
         raise ValueError(
             "parallelism.enable_async_tensor_parallel: needs tensor_parallel_degree > 1 and compile.enable "

@@ -52,6 +52,7 @@ SCHEDULES = {
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble",)
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
 
 _SPLIT_RE = re.compile(r"^layers\.(\d+)$")
 
