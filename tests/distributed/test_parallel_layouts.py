@@ -18,6 +18,7 @@ What each layout exercises:
   pp2_fsdp2                FSDP2 inside each stage, reduce-scatter once per schedule step
   pp2_zbv_fsdp2            the zero-bubble V schedule (split input/weight backward) under FSDP2
   cp2_tp2                  ring attention over head-sharded q/k/v, sequence parallel inside cp
+  hsdp2_tp2, hsdp2_cp2     HSDP (replicate x shard_cp) with TP's 2-D parameters / with CP in the shard dim
   fsdp2_tp2_ac             selective per-op activation checkpointing (matmul outputs kept) under TP
   pp2_fsdp2_ac_compile     full activation checkpointing + per-block compile (aot_eager backend:
                            Dynamo fullgraph + AOT autograd, no code generation) in interleaved stages
@@ -60,6 +61,8 @@ FOUR_RANKS = {
     "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
     "pp2_zbv_fsdp2": [*_pp("ZBVZeroBubble"), *_lbs(2)],
     "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
+    "hsdp2_tp2": ["--parallelism.data_parallel_replicate_degree", "2", *TP2, *_lbs(2)],
+    "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
     "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
     "pp2_fsdp2_ac_compile": [*_pp("Interleaved1F1B"), *_lbs(2), "--activation_checkpoint.mode", "full",
