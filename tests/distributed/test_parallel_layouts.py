@@ -20,6 +20,7 @@ What each layout exercises:
   cp2_tp2                  ring attention over head-sharded q/k/v, sequence parallel inside cp
   hsdp2_tp2, hsdp2_cp2     HSDP (replicate x shard_cp) with TP's 2-D parameters / with CP in the shard dim
   fsdp2_tp2_ac             selective per-op activation checkpointing (matmul outputs kept) under TP
+  cp2_fsdp2_compile        compiled blocks with ring attention running eagerly between compiled regions
   pp2_fsdp2_ac_compile     full activation checkpointing + per-block compile (aot_eager backend:
                            Dynamo fullgraph + AOT autograd, no code generation) in interleaved stages
   tp2_no_loss_parallel     logits all-gathered, plain cross-entropy
@@ -65,6 +66,7 @@ FOUR_RANKS = {
     "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
     "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
+    "cp2_fsdp2_compile": [*CP2, *_lbs(2), "--compile.enable", "--compile.backend", "aot_eager"],
     "pp2_fsdp2_ac_compile": [*_pp("Interleaved1F1B"), *_lbs(2), "--activation_checkpoint.mode", "full",
                              "--compile.enable", "--compile.backend", "aot_eager"],
 }
