@@ -326,7 +326,7 @@ def test_help_lists_every_key_with_default_and_meaning(capsys):
     out = capsys.readouterr().out
     for key in all_keys():
         assert f"--{key} (default: " in out, key
-    assert "--training.steps (default: 300)" in out  # debugmodel.toml's value
+    assert "--training.steps (default: 200)" in out  # debugmodel.toml's value
     assert "Number of optimizer steps." in out
     assert "--flavor" in out and "--config" in out
     # help for another flavor shows that flavor's defaults
