@@ -9,9 +9,12 @@ Every op is a ``torch.library.custom_op`` whose real implementation picks the ba
 through ``register_autograd`` (the backward is itself an op) and DTensor sharding rules
 (``titan_kernels.dtensor``). In plain eager mode the public functions skip the dispatcher and call the
 backend directly through a ``torch.autograd.Function`` (``eager_fast_path``), which costs about a
-third of a ``custom_op`` call.
+third of a ``custom_op`` call. On CUDA, traced code can use the ``triton_op`` variant instead
+(``rms_norm_triton_op.py``, ``TITAN_KERNELS_TRITON_OP=1``), which Inductor traces into.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -151,13 +154,23 @@ def _setup_rms_norm(ctx, inputs, output):
     ctx.compute_dw = _wants_dw(weight)
 
 
-def _backward_rms_norm(ctx, dy, _drstd):
-    x, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.titan.rms_norm_backward(dy, x, weight, rstd, None, ctx.compute_dw)
-    return dx, (dw if ctx.compute_dw else None), None
+def make_rms_norm_backward(backward_op):
+    """The autograd backward of rms_norm, calling ``backward_op()`` (the custom op, or the triton_op
+    variant's backward in ``rms_norm_triton_op``): one definition for both."""
+
+    def _backward_rms_norm(ctx, dy, _drstd):
+        x, weight, rstd = ctx.saved_tensors
+        dx, dw = backward_op()(dy, x, weight, rstd, None, ctx.compute_dw)
+        return dx, (dw if ctx.compute_dw else None), None
+
+    return _backward_rms_norm
 
 
-rms_norm_op.register_autograd(_backward_rms_norm, setup_context=_setup_rms_norm)
+def _backward_op():
+    return torch.ops.titan.rms_norm_backward
+
+
+rms_norm_op.register_autograd(make_rms_norm_backward(_backward_op), setup_context=_setup_rms_norm)
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
@@ -166,14 +179,19 @@ def _setup_add_rms_norm(ctx, inputs, output):
     ctx.compute_dw = _wants_dw(weight)
 
 
-def _backward_add_rms_norm(ctx, dy, dh, _drstd):
-    h, weight, rstd = ctx.saved_tensors
-    dx, dw = torch.ops.titan.rms_norm_backward(dy, h, weight, rstd, dh, ctx.compute_dw)
-    # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
-    return dx, dx, (dw if ctx.compute_dw else None), None
+def make_add_rms_norm_backward(backward_op):
+    """The autograd backward of add_rms_norm, calling ``backward_op()`` (see make_rms_norm_backward)."""
+
+    def _backward_add_rms_norm(ctx, dy, dh, _drstd):
+        h, weight, rstd = ctx.saved_tensors
+        dx, dw = backward_op()(dy, h, weight, rstd, dh, ctx.compute_dw)
+        # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
+        return dx, dx, (dw if ctx.compute_dw else None), None
+
+    return _backward_add_rms_norm
 
 
-add_rms_norm_op.register_autograd(_backward_add_rms_norm, setup_context=_setup_add_rms_norm)
+add_rms_norm_op.register_autograd(make_add_rms_norm_backward(_backward_op), setup_context=_setup_add_rms_norm)
 
 
 # ----------------------------------------------------------------------------- eager fast path
@@ -217,6 +235,19 @@ def _needs_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+# The triton_op variant (rms_norm_triton_op.py) on the traced CUDA path; off by default until measured.
+TRITON_OP_ENV = "TITAN_KERNELS_TRITON_OP"
+_TRITON_OP = os.environ.get(TRITON_OP_ENV, "0") == "1"
+
+
+def _route_triton_op(*tensors) -> bool:
+    if not _TRITON_OP or tensors[0].device.type != "cuda":
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return not any(isinstance(t, DTensor) for t in tensors if t is not None)
+
+
 # ----------------------------------------------------------------------------- public API
 
 
@@ -245,6 +276,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
         if _needs_grad(x, weight):
             return _RMSNormFn.apply(x, weight, eps)
         return _impl(x.device)[0](x, None, weight, eps)[0]
+    if _route_triton_op(x, weight):
+        return torch.ops.titan.rms_norm_triton(x, weight, eps)[0]
     return torch.ops.titan.rms_norm(x, weight, eps)[0]
 
 
@@ -275,5 +308,19 @@ def add_rms_norm(
             return _AddRMSNormFn.apply(x, residual, weight, eps)
         y, h, _ = _impl(x.device)[0](x, residual, weight, eps)
         return y, h
+    if _route_triton_op(x, residual, weight):
+        y, h, _ = torch.ops.titan.add_rms_norm_triton(x, residual, weight, eps)
+        return y, h
     y, h, _ = torch.ops.titan.add_rms_norm(x, residual, weight, eps)
     return y, h
+
+
+def _register_triton_op() -> None:
+    try:
+        from titan_kernels.ops import rms_norm_triton_op  # noqa: F401  (defines the titan::*_triton ops)
+    except ImportError:  # no triton, or a torch without torch.library.triton_op: the custom op only
+        global _TRITON_OP
+        _TRITON_OP = False
+
+
+_register_triton_op()

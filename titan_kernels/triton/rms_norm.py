@@ -175,10 +175,19 @@ def _num_programs(device: torch.device, n_tiles: int) -> int:
     return max(1, min(n_tiles, 4))
 
 
+def _launchable(kernel, wrap):
+    # ``wrap`` is torch.library.wrap_triton for the triton_op variant (titan_kernels.ops.rms_norm_triton_op),
+    # so that Inductor traces the launch; plain launches otherwise.
+    return kernel if wrap is None else wrap(kernel)
+
+
 def rms_norm_fwd(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float, *, wrap=None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Triton forward; same contract as ``titan_kernels.reference.rms_norm.rms_norm_fwd``."""
+    """Triton forward; same contract as ``titan_kernels.reference.rms_norm.rms_norm_fwd``.
+
+    wrap: None, or ``torch.library.wrap_triton`` when called from a ``triton_op`` body.
+    """
     n = x.shape[-1]
     x2 = _as_rows(x)
     m = x2.shape[0]
@@ -192,7 +201,7 @@ def rms_norm_fwd(
     r2 = _as_rows(residual) if residual is not None else x2
     block_m, block_n, one_pass, num_warps = _tiling(n)
     grid = (triton.cdiv(m, block_m),)
-    _rms_norm_fwd_kernel[grid](
+    _launchable(_rms_norm_fwd_kernel, wrap)[grid](
         x2, r2, weight if weight is not None else x2, y, h if h is not None else y, rstd,
         m, n,
         x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1),
@@ -210,8 +219,13 @@ def rms_norm_bwd(
     rstd: torch.Tensor,
     dresidual: torch.Tensor | None,
     compute_dweight: bool,
+    *,
+    wrap=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton backward; same contract as ``titan_kernels.reference.rms_norm.rms_norm_bwd``."""
+    """Triton backward; same contract as ``titan_kernels.reference.rms_norm.rms_norm_bwd``.
+
+    wrap: None, or ``torch.library.wrap_triton`` when called from a ``triton_op`` body.
+    """
     n = x.shape[-1]
     x2 = _as_rows(x)
     dy2 = _as_rows(dy)
@@ -231,7 +245,7 @@ def rms_norm_bwd(
     if compute_dw:
         alloc = torch.empty if one_pass else torch.zeros
         dwp = alloc((g, n), dtype=torch.float32, device=x.device)
-    _rms_norm_bwd_kernel[(g,)](
+    _launchable(_rms_norm_bwd_kernel, wrap)[(g,)](
         dy2, x2, weight if weight is not None else x2, rstd.reshape(-1), dr2, dx,
         dwp if dwp is not None else rstd,
         m, n, n_tiles,

@@ -1,0 +1,119 @@
+"""RMSNorm as ``torch.library.triton_op``: the variant of ``torch.ops.titan.rms_norm`` that Inductor
+traces into.
+
+Ops: ``titan::rms_norm_triton``, ``titan::add_rms_norm_triton`` and their backward
+``titan::rms_norm_backward_triton``, with the schemas, shapes, dtypes and math of ``titan::rms_norm``,
+``titan::add_rms_norm`` and ``titan::rms_norm_backward`` (``titan_kernels.ops.rms_norm``).
+
+Why: a ``custom_op`` is opaque to Inductor: the compiled graph calls back into the Python op, which
+picks the backend and launches the kernel. A ``triton_op`` launches its kernels through
+``torch.library.wrap_triton``; AOT autograd decomposes it into ``triton_kernel_wrapper_functional``
+nodes, so Inductor sees which buffers each kernel reads and writes, plans their memory, and launches
+the kernel from its generated wrapper without Python dispatch (the same launcher,
+``titan_kernels.triton.rms_norm``, and the same kernels as the ``triton`` backend).
+
+Backend: the body resolves it as the custom op does (``titan_kernels.backend``), but when it is
+traced, so under torch.compile the choice is fixed at compile time. With the ``triton`` backend the
+kernels are wrapped; any other backend's implementation (reference math, the native ops) is called
+as is and traced like any torch code.
+
+When it is used: ``rms_norm`` / ``add_rms_norm`` route here instead of the custom op when they are
+not on the eager fast path (compiling, exporting, under a mode), the tensors are plain CUDA tensors
+(DTensor keeps the custom op, which has the sharding rules) and ``TITAN_KERNELS_TRITON_OP=1`` is set
+when ``titan_kernels`` is imported. Default off: the custom op stays until the GPU run
+(bench/run_gpu.sh, headline stage) shows that the triton_op pays. ``rms_norm_triton_op`` and
+``add_rms_norm_triton_op`` call this variant directly.
+
+Autograd: the same setup and backward functions as the custom op (``titan_kernels.ops.rms_norm``),
+with ``titan::rms_norm_backward_triton`` as the backward op.
+
+What the CPU can check (tests/kernels/test_rms_norm_triton_op.py): eager results on CPU tensors under
+the Triton interpreter against float64, and the AOT forward and backward graphs traced with fake CUDA
+tensors (Triton kernel nodes, no opaque op, inputs not cloned). ``opcheck`` and ``torch.compile`` on
+CPU tensors fail, because the interpreter would run the kernel on fake tensors (FIELD-NOTES).
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops import rms_norm as _rn
+
+
+def _launch_wrapper(device: torch.device):
+    """(fwd, bwd, wrap): the implementation chosen for ``device`` and whether its launches are wrapped."""
+    fwd, bwd = _rn._impl(device)
+    wrap = wrap_triton if _backend.resolve(_rn.OP, device) == "triton" else None
+    return fwd, bwd, wrap
+
+
+def _fwd(x, residual, weight, eps):
+    fwd, _, wrap = _launch_wrapper(x.device)
+    return fwd(x, residual, weight, eps) if wrap is None else fwd(x, residual, weight, eps, wrap=wrap)
+
+
+@triton_op("titan::rms_norm_triton", mutates_args=())
+def rms_norm_triton_def(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``titan::rms_norm``: returns y (..., N) in x.dtype and rstd (...,) float32."""
+    y, _, rstd = _fwd(x, None, weight, eps)
+    return y, rstd
+
+
+@triton_op("titan::add_rms_norm_triton", mutates_args=())
+def add_rms_norm_triton_def(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As ``titan::add_rms_norm``: returns (y, h = x + residual, rstd)."""
+    y, h, rstd = _fwd(x, residual, weight, eps)
+    return y, h, rstd
+
+
+@triton_op("titan::rms_norm_backward_triton", mutates_args=())
+def rms_norm_backward_triton_def(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    rstd: torch.Tensor,
+    dresidual: torch.Tensor | None,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """As ``titan::rms_norm_backward``: dx (..., N), and dweight (N,) or an empty (0,) tensor."""
+    _, bwd, wrap = _launch_wrapper(x.device)
+    if wrap is None:
+        dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight)
+    else:
+        dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight, wrap=wrap)
+    if dw is None:
+        dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
+    return dx, dw
+
+
+def _backward_op():
+    return torch.ops.titan.rms_norm_backward_triton
+
+
+rms_norm_triton_def.register_autograd(_rn.make_rms_norm_backward(_backward_op), setup_context=_rn._setup_rms_norm)
+add_rms_norm_triton_def.register_autograd(
+    _rn.make_add_rms_norm_backward(_backward_op), setup_context=_rn._setup_add_rms_norm
+)
+
+
+def rms_norm_triton_op(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+    """``titan_kernels.rms_norm`` through the triton_op variant, always (also in eager mode).
+
+    Same arguments, result and errors as ``titan_kernels.rms_norm``; DTensor inputs are not supported
+    (no sharding rule).
+    """
+    eps = _rn._validate(x, weight, eps)
+    return torch.ops.titan.rms_norm_triton(x, weight, eps)[0]
+
+
+def add_rms_norm_triton_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``titan_kernels.add_rms_norm`` through the triton_op variant, always. Returns (normed, h)."""
+    _rn.check_tensor(residual, "residual")
+    eps = _rn._validate(x, weight, eps, residual)
+    y, h, _ = torch.ops.titan.add_rms_norm_triton(x, residual, weight, eps)
+    return y, h
