@@ -200,6 +200,50 @@ class Metrics:
     enable_tensorboard: bool = _opt(False, "Also write TensorBoard logs.")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder.")
     enable_color: bool = _opt(True, "Colored console output.")
+    save_plot: bool = _opt(
+        True, "At the end, draw metrics.jsonl (loss, validation loss, LR, tokens/s, memory) to dump_folder/metrics.png."
+    )
+
+
+@dataclass
+class Validation:
+    """Validation loss: the mean token loss on held-out text, every freq steps and at the end."""
+
+    enable: bool = _opt(False, "Evaluate the validation loss and perplexity during training.")
+    freq: int = _opt(100, "Evaluate every this many steps (and at the last step).")
+    steps: int = _opt(-1, "Batches per evaluation; -1 = the whole validation split (one pass).")
+    dataset: str = _opt(
+        "", "Validation dataset name, as training.dataset; empty (and no dataset_path) = a held-out part of the "
+        "training source (see split_every)."
+    )
+    dataset_path: str = _opt("", "A local validation file or folder, as training.dataset_path; overrides dataset.")
+    local_batch_size: int = _opt(-1, "Sequences per validation batch on each data-parallel rank; -1 = training's.")
+    seq_len: int = _opt(-1, "Tokens per validation sequence; -1 = training.seq_len (it may not be longer).")
+    split_every: int = _opt(
+        50, "Without a validation dataset: every N-th document of the training source is held out for "
+        "validation and never trained on (1 in 50 = 2%)."
+    )
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = _opt(False, "Record a torch.profiler trace every profile_freq steps.")
+    profile_freq: int = _opt(10, "Profile the last profiler_active of every this many steps.")
+    profiler_warmup: int = _opt(3, "Steps the profiler warms up (runs, records nothing) before the active ones.")
+    profiler_active: int = _opt(1, "Steps recorded in each trace.")
+    save_traces_folder: str = _opt(
+        "profile_trace", "Trace folder, relative to job.dump_folder: iteration_<step>/rank<r>_trace.json (Chrome "
+        "trace: chrome://tracing or Perfetto)."
+    )
+    enable_memory_snapshot: bool = _opt(
+        False, "Record CUDA allocations and write a memory snapshot every profile_freq steps (and on out-of-memory)."
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot", "Snapshot folder, relative to job.dump_folder: iteration_<step>/rank<r>_memory_snapshot.pickle "
+        "(open with pytorch.org/memory_viz)."
+    )
 
 
 @dataclass
@@ -276,6 +320,8 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
@@ -370,6 +416,8 @@ class JobConfig:
         need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
         need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
         need(self.metrics.log_freq >= 1, "metrics.log_freq", self.metrics.log_freq, "an integer >= 1")
+        _validate_validation(self.validation, t, p)
+        _validate_profiling(self.profiling)
         ac = self.activation_checkpoint.selective_ac_option
         need(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option", ac,
              "'op' or an integer >= 1")
@@ -380,6 +428,55 @@ class JobConfig:
         need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
              "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
              f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
+
+
+def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--validation.{key}: expected {expected}, got {value!r}")
+
+    need(v.freq >= 1, "freq", v.freq, "an integer >= 1")
+    need(v.steps == -1 or v.steps >= 1, "steps", v.steps, "-1 (the whole split) or an integer >= 1")
+    need(v.local_batch_size == -1 or v.local_batch_size >= 1, "local_batch_size", v.local_batch_size,
+         "-1 (training's) or an integer >= 1")
+    need(v.seq_len == -1 or 1 <= v.seq_len <= t.seq_len, "seq_len", v.seq_len,
+         f"-1 (training's) or an integer in [1, training.seq_len = {t.seq_len}] (the rotary table is sized for "
+         f"training)")
+    need(v.split_every >= 2, "split_every", v.split_every, "an integer >= 2")
+    if v.dataset_path and not pathlib.Path(v.dataset_path).expanduser().exists():
+        raise ConfigError(f"--validation.dataset_path: no such file or folder: {v.dataset_path!r}")
+    if not v.enable:
+        return
+    seq = t.seq_len if v.seq_len == -1 else v.seq_len
+    lbs = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"--validation.seq_len: {seq} is not divisible by 2 x context_parallel_degree = {2 * cp}")
+    if tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"--validation.seq_len: the sequence part of a rank, {seq} / context_parallel_degree {cp}, is not "
+            f"divisible by tensor_parallel_degree {tp} (sequence parallel)"
+        )
+    if p.pipeline_parallel_degree > 1 and lbs % t.local_batch_size:
+        raise ConfigError(
+            f"--validation.local_batch_size: {lbs} is not a multiple of training.local_batch_size "
+            f"{t.local_batch_size} (under pipeline parallel the schedule's micro-batch count is fixed)"
+        )
+
+
+def _validate_profiling(pr: Profiling) -> None:
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--profiling.{key}: expected {expected}, got {value!r}")
+
+    need(pr.profiler_warmup >= 0, "profiler_warmup", pr.profiler_warmup, "an integer >= 0")
+    need(pr.profiler_active >= 1, "profiler_active", pr.profiler_active, "an integer >= 1")
+    need(pr.profile_freq >= 1, "profile_freq", pr.profile_freq, "an integer >= 1")
+    need(not pr.enable_profiling or pr.profile_freq >= pr.profiler_warmup + pr.profiler_active, "profile_freq",
+         pr.profile_freq, f"an integer >= profiler_warmup + profiler_active = {pr.profiler_warmup + pr.profiler_active}")
+    need(bool(pr.save_traces_folder), "save_traces_folder", pr.save_traces_folder, "a folder name")
+    need(bool(pr.save_memory_snapshot_folder), "save_memory_snapshot_folder", pr.save_memory_snapshot_folder,
+         "a folder name")
 
 
 def _validate_parallelism(p: Parallelism, t: Training) -> None:

@@ -480,3 +480,101 @@ def test_build_dataloader_default_is_the_embedded_corpus():
     loader = build_dataloader(config, build_tokenizer(None), 0, 1)
     assert isinstance(loader.source, EmbeddedCorpus)
     assert next(loader)["input_ids"].shape == (8, 16)
+
+
+# ---- text checks, one pass, held-out split ----------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".txt", ".jsonl"])
+def test_binary_and_non_utf8_files_are_refused_naming_the_file_and_offset(tmp_path, suffix):
+    head = b'{"text": "ok"}\n' if suffix == ".jsonl" else b"ok\n\n"
+    binary = tmp_path / f"zeros{suffix}"
+    binary.write_bytes(head + b"\x00\x01\x02" * 10)
+    with pytest.raises(ValueError, match=rf"training.dataset_path: .*zeros{suffix} is not a text file: a NUL byte "
+                                         rf"at byte offset {len(head)}"):
+        LocalFiles(binary)  # at construction: before any model is built
+    latin1 = tmp_path / f"latin1{suffix}"
+    latin1.write_bytes(head + "caf\u00e9".encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=rf"validation.dataset_path: .*latin1{suffix} is not UTF-8 text: byte 0xe9 "
+                                         rf"at byte offset {len(head) + 3}"):
+        build_source("", str(latin1), section="validation")
+    # Past the first 64 KiB the file is checked when it is read, with the offset in the whole file.
+    late = tmp_path / f"late{suffix}"
+    filler = (b'{"text": "' + b"a" * 100 + b'"}\n') if suffix == ".jsonl" else b"a" * 100 + b"\n\n"
+    body = filler * 700
+    late.write_bytes(body + b"\xff\n")
+    source = LocalFiles(late)
+    with pytest.raises(ValueError, match=rf"is not UTF-8 text: byte 0xff at byte offset {len(body)}"):
+        list(source.iter_from(0))
+    # A multi-byte character cut by the 64 KiB window is not an error.
+    cut = tmp_path / "cut.txt"
+    cut.write_bytes(b"x" * ((1 << 16) - 1) + "\u00e9\n".encode())
+    assert list(LocalFiles(cut).iter_from(0)) == ["x" * ((1 << 16) - 1) + "\u00e9"]
+
+
+def test_check_reads_the_first_batch_and_rewinds(tmp_path):
+    tok = build_tokenizer(None)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n  \n")
+    loader = DataLoader(LocalFiles(empty), tok, 8, 2)
+    with pytest.raises(ValueError, match=r"dataset 'files:.*empty.txt' has no text to train on"):
+        loader.check()
+    docs = _random_docs(5, 30)
+    checked = DataLoader(ListSource(docs), tok, 9, 3)
+    checked.check()
+    _same_batches(_take(checked, 4), _take(DataLoader(ListSource(docs), tok, 9, 3), 4))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_one_epoch_pads_the_last_window_and_stops(world):
+    tok = build_tokenizer(None)
+    docs = _random_docs(11, 7)
+    seq_len, batch = 10, 2
+    stream = [t for d in docs if d for t in [tok.bos_id, *d.encode(), tok.eos_id]]
+    n_windows = -(-len(stream) // (seq_len + 1))
+    labelled = []  # (window index, labels) of every window with a label, from the joined stream
+    for g in range(n_windows):
+        w = stream[g * (seq_len + 1):(g + 1) * (seq_len + 1)]
+        labelled.append((g, w[1:] + [-100] * (seq_len + 1 - len(w))))
+    for rank in range(world):
+        loader = DataLoader(ListSource(docs), tok, seq_len, batch, rank, world, one_epoch=True)
+        mine = [lab for g, lab in labelled if g % world == rank]
+        n_batches = -(-len(mine) // batch)
+        got = torch.cat([b["labels"] for b in _take(loader, n_batches + 2)])
+        want = mine + [[-100] * seq_len] * (len(got) - len(mine))
+        assert got.tolist() == want
+        assert loader.state_dict()["epoch"] == 0  # never wrapped into a second pass
+        loader.rewind()
+        again = torch.cat([b["labels"] for b in _take(loader, n_batches)])
+        assert again.tolist() == want[:len(again)]
+
+
+def test_held_out_split_partitions_the_documents():
+    from trainer.data.splits import SplitSource
+
+    docs = [f"doc {i}" for i in range(23)]
+    train_part = SplitSource(ListSource(docs), 4, "train")
+    val_part = SplitSource(ListSource(docs), 4, "validation")
+    assert list(val_part.iter_from(0)) == ["doc 3", "doc 7", "doc 11", "doc 15", "doc 19"]
+    kept = [d for i, d in enumerate(docs) if i % 4 != 3]
+    assert list(train_part.iter_from(0)) == kept
+    for k in range(len(kept) + 1):
+        assert list(train_part.iter_from(k)) == kept[k:], k
+    for k in range(6):
+        assert list(val_part.iter_from(k)) == ["doc 3", "doc 7", "doc 11", "doc 15", "doc 19"][k:], k
+    assert "train part, 1 in 4" in train_part.name
+    with pytest.raises(ValueError, match="validation.split_every: expected an integer >= 2, got 1"):
+        SplitSource(ListSource(docs), 1, "train")
+
+
+def test_with_validation_on_the_training_loader_never_reads_a_held_out_document():
+    config = JobConfig()
+    config.training.seq_len, config.training.local_batch_size = 64, 4
+    config.validation.enable, config.validation.split_every = True, 3
+    tok = build_tokenizer(None)
+    loader = build_dataloader(config, tok, 0, 1)
+    windows = torch.cat([torch.cat([b["input_ids"], b["labels"][:, -1:]], 1) for b in _take(loader, 40)])
+    # The stream is exactly documents 0, 1, 3, 4, 6, ... of the corpus: 2, 5, 8, ... are held out.
+    kept = [d for i, d in enumerate(itertools.islice(EmbeddedCorpus().iter_from(0), 200)) if i % 3 != 2 and d]
+    stream = [t for d in kept for t in [tok.bos_id, *d.encode(), tok.eos_id]]
+    assert windows.flatten().tolist() == stream[:windows.numel()]

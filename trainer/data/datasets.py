@@ -21,6 +21,7 @@ epochs and remembers the index to resume from. An empty string is a valid docume
 from __future__ import annotations
 
 import ast
+import codecs
 import difflib
 import json
 import os
@@ -131,12 +132,13 @@ _BLANK_LINES = re.compile(r"\n[ \t\r\f\v]*\n\s*")
 class LocalFiles(DocumentSource):
     """``.txt`` / ``.jsonl`` / ``.parquet`` files, or a folder of them (recursive, sorted by path)."""
 
-    def __init__(self, path: str | pathlib.Path) -> None:
+    def __init__(self, path: str | pathlib.Path, key: str = "training.dataset_path") -> None:
         root = pathlib.Path(path).expanduser()
+        self._key = key
         if root.is_file():
             if root.suffix not in LOCAL_SUFFIXES:
                 raise ValueError(
-                    f"training.dataset_path: {str(root)!r} has suffix {root.suffix!r}; expected one of "
+                    f"{key}: {str(root)!r} has suffix {root.suffix!r}; expected one of "
                     f"{', '.join(LOCAL_SUFFIXES)}"
                 )
             files = [root]
@@ -144,10 +146,13 @@ class LocalFiles(DocumentSource):
             files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in LOCAL_SUFFIXES)
             if not files:
                 raise ValueError(
-                    f"training.dataset_path: folder {str(root)!r} holds no {', '.join(LOCAL_SUFFIXES)} files"
+                    f"{key}: folder {str(root)!r} holds no {', '.join(LOCAL_SUFFIXES)} files"
                 )
         else:
-            raise ValueError(f"training.dataset_path: no such file or folder: {str(root)!r}")
+            raise ValueError(f"{key}: no such file or folder: {str(root)!r}")
+        for f in files:
+            if f.suffix != ".parquet":
+                _sniff_text(f, key)
         self.name = f"files:{root.resolve()}"
         self._files = files
         self._counts: dict[pathlib.Path, int] = {}  # documents per file, learned on first read
@@ -169,27 +174,31 @@ class LocalFiles(DocumentSource):
                 count += 1
             self._counts[f] = count
 
-    @staticmethod
-    def _read(f: pathlib.Path) -> Iterator[str]:
+    def _read(self, f: pathlib.Path) -> Iterator[str]:
+        key = self._key
         if f.suffix == ".txt":
-            text = f.read_text(encoding="utf-8", errors="replace")
+            # Universal newlines, as text mode reads them: \r\n and \r are \n.
+            text = decode_text(f.read_bytes(), f, key).replace("\r\n", "\n").replace("\r", "\n")
             for doc in _BLANK_LINES.split(text):
                 doc = doc.strip("\n")
                 if doc.strip():
                     yield doc
         elif f.suffix == ".jsonl":
-            with open(f, encoding="utf-8") as fh:
-                for lineno, line in enumerate(fh, 1):
+            with open(f, "rb") as fh:
+                offset = 0
+                for lineno, raw in enumerate(fh, 1):
+                    line = decode_text(raw, f, key, offset)
+                    offset += len(raw)
                     if not line.strip():
                         continue
                     try:
                         obj = json.loads(line)
                     except json.JSONDecodeError as exc:
-                        raise ValueError(f"training.dataset_path: {f}:{lineno} is not valid JSON ({exc})") from None
+                        raise ValueError(f"{key}: {f}:{lineno} is not valid JSON ({exc})") from None
                     if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                         keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
                         raise ValueError(
-                            f"training.dataset_path: {f}:{lineno}: expected an object with a string 'text' field, got {keys}"
+                            f"{key}: {f}:{lineno}: expected an object with a string 'text' field, got {keys}"
                         )
                     yield obj["text"]
         else:
@@ -198,11 +207,39 @@ class LocalFiles(DocumentSource):
             pf = pq.ParquetFile(f)
             if "text" not in pf.schema_arrow.names:
                 raise ValueError(
-                    f"training.dataset_path: {f}: expected a 'text' column, got columns {pf.schema_arrow.names}"
+                    f"{key}: {f}: expected a 'text' column, got columns {pf.schema_arrow.names}"
                 )
             for batch in pf.iter_batches(columns=["text"], batch_size=1024):
                 for value in batch.column(0).to_pylist():
                     yield value or ""
+
+
+def decode_text(data: bytes, path: pathlib.Path, key: str = "training.dataset_path", offset: int = 0,
+                final: bool = True) -> str:
+    """``data`` (bytes ``offset...`` of ``path``) as UTF-8 text; ValueError naming the file and byte offset
+    for a NUL byte (a binary file) or bytes that are not UTF-8, instead of training on garbage.
+    ``final=False``: ``data`` may end inside a multi-byte character (a file's first bytes only)."""
+    nul = data.find(b"\x00")
+    if nul != -1:
+        raise ValueError(
+            f"{key}: {path} is not a text file: a NUL byte at byte offset {offset + nul} (binary data?); "
+            f"expected UTF-8 text"
+        )
+    try:
+        return codecs.getincrementaldecoder("utf-8")().decode(data, final=final)
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{key}: {path} is not UTF-8 text: byte 0x{data[exc.start]:02x} at byte offset {offset + exc.start} "
+            f"({exc.reason}); convert it to UTF-8 (e.g. iconv -t utf-8)"
+        ) from None
+
+
+def _sniff_text(path: pathlib.Path, key: str) -> None:
+    """Refuse at once a .txt/.jsonl file whose first 64 KiB are not UTF-8 text (see ``decode_text``);
+    the whole file is checked again when it is read."""
+    with open(path, "rb") as fh:
+        head = fh.read(1 << 16)
+    decode_text(head, path, key, final=len(head) < 1 << 16)
 
 
 def _parquet_rows(f: pathlib.Path) -> int:
@@ -280,15 +317,18 @@ def check_hub_reachable(name: str, timeout_s: float = 3.0) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def build_source(dataset: str, dataset_path: str = "") -> DocumentSource:
+def build_source(dataset: str, dataset_path: str = "", section: str = "training") -> DocumentSource:
     """The document source for ``training.dataset`` / ``training.dataset_path`` (the path wins).
 
+    ``section`` names the config section in error messages (``validation`` for its own dataset).
+
     Raises:
-        ValueError: an unknown dataset name (with the closest known one) or a bad local path.
+        ValueError: an unknown dataset name (with the closest known one), a bad local path, or a
+            local text file that is not UTF-8 text (naming the file and the byte offset).
         RuntimeError: a Hugging Face dataset without the ``datasets`` package or the network.
     """
     if dataset_path:
-        return LocalFiles(dataset_path)
+        return LocalFiles(dataset_path, key=f"{section}.dataset_path")
     if dataset == "pydoc":
         return EmbeddedCorpus()
     if dataset in HF_ALIASES or "/" in dataset:
@@ -296,6 +336,6 @@ def build_source(dataset: str, dataset_path: str = "") -> DocumentSource:
     known = ["pydoc", *HF_ALIASES]
     hint = difflib.get_close_matches(dataset, known, n=1)
     raise ValueError(
-        f"training.dataset: unknown dataset {dataset!r}; expected one of {', '.join(known)} or a Hugging Face "
+        f"{section}.dataset: unknown dataset {dataset!r}; expected one of {', '.join(known)} or a Hugging Face "
         f"id 'owner/name[:config]'" + (f" (did you mean {hint[0]!r}?)" if hint else "")
     )

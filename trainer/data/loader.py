@@ -20,6 +20,11 @@ sample. At the end of the source the next epoch starts from its first document a
 
 Tokenized documents are cached in memory (up to ``max_cached_tokens``), so later epochs and
 resumes do not tokenize again.
+
+One pass (``one_epoch=True``, for validation): at the end of the source the stream stops instead of
+starting the next epoch. The last window is filled up with padding whose labels are
+``ignore_index``, and every later window is all padding, so a batch never mixes in a second epoch
+and the loss over the batches is the loss over exactly the tokens of one pass.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from trainer.data.datasets import DocumentSource, build_source
 from trainer.data.tokenizer import Tokenizer
 
 STATE_VERSION = 1
+IGNORE_INDEX = -100  # labels of padding (one_epoch mode); the loss skips them
 
 
 class DataLoader:
@@ -46,6 +52,8 @@ class DataLoader:
         local_batch_size: sequences per batch on this rank.
         dp_rank / dp_world_size: this rank's index and the number of data-parallel ranks.
         max_cached_tokens: how many tokens of tokenized documents to keep in memory.
+        one_epoch: stop at the end of the source (padding, labels ``IGNORE_INDEX``) instead of
+            starting the next epoch; batches after the end are all padding.
 
     Raises:
         ValueError: a bad argument (named in the message); a source with no text at all (on first use).
@@ -60,6 +68,7 @@ class DataLoader:
         dp_rank: int = 0,
         dp_world_size: int = 1,
         max_cached_tokens: int = 1 << 26,
+        one_epoch: bool = False,
     ) -> None:
         for arg, value, low in (("seq_len", seq_len, 1), ("local_batch_size", local_batch_size, 1),
                                 ("dp_world_size", dp_world_size, 1), ("max_cached_tokens", max_cached_tokens, 0)):
@@ -76,6 +85,7 @@ class DataLoader:
         self.dp_rank = dp_rank
         self.dp_world_size = dp_world_size
         self.max_cached_tokens = max_cached_tokens
+        self.one_epoch = one_epoch
         # Position in the stream: the next token is token `token_offset` of document `doc_index`.
         self._epoch = 0
         self._doc_index = 0
@@ -120,14 +130,19 @@ class DataLoader:
             self._cached_tokens += tokens.size
         return tokens
 
-    def _current_doc(self) -> np.ndarray:
-        """Tokens of the document under the cursor, moving to the next document (or epoch) as needed."""
+    def _current_doc(self) -> np.ndarray | None:
+        """Tokens of the document under the cursor, moving to the next document (or epoch) as needed;
+        None at the end of the source in one_epoch mode."""
         while True:
             if self._doc is None:
                 self._doc = self._tokens_of(self._doc_index)
                 if self._doc is None:  # end of the source: next epoch
                     if self._doc_index == 0 or self._tokens_seen_this_epoch == 0:
-                        raise ValueError(f"dataset {self.source.name!r}: the source has no text to train on")
+                        raise ValueError(
+                            f"dataset {self.source.name!r} has no text to train on (no document, or only empty ones)"
+                        )
+                    if self.one_epoch:
+                        return None
                     self._epoch += 1
                     self._doc_index = 0
                     self._token_offset = 0
@@ -141,14 +156,21 @@ class DataLoader:
 
     # -- windows --------------------------------------------------------------------------------
 
-    def _next_window(self, keep: bool) -> tuple[np.ndarray, np.ndarray] | None:
-        """Advance over one window of seq_len + 1 tokens; return (tokens, positions) if ``keep``."""
+    def _next_window(self, keep: bool) -> tuple[np.ndarray, np.ndarray, int] | None:
+        """Advance over one window of seq_len + 1 tokens; return (tokens, positions, real tokens) if
+        ``keep`` (real tokens < seq_len + 1 only at the end of a one-epoch pass: the rest is padding)."""
         need = self.seq_len + 1
         tokens = np.empty(need, dtype=np.int64) if keep else None
         positions = np.empty(need, dtype=np.int64) if keep else None
         filled = 0
         while filled < need:
             doc = self._current_doc()
+            if doc is None:  # one_epoch: the pass is over; pad (a fresh "document" from position 0)
+                if keep:
+                    tokens[filled:] = self.tokenizer.eos_id
+                    positions[filled:] = np.arange(need - filled)
+                self._window_index += 1
+                return (tokens, positions, filled) if keep else None
             take = min(need - filled, doc.size - self._token_offset)
             if keep:
                 tokens[filled:filled + take] = doc[self._token_offset:self._token_offset + take]
@@ -157,7 +179,7 @@ class DataLoader:
             self._tokens_seen_this_epoch += take
             filled += take
         self._window_index += 1
-        return (tokens, positions) if keep else None
+        return (tokens, positions, need) if keep else None
 
     def __iter__(self) -> "DataLoader":
         return self
@@ -165,18 +187,36 @@ class DataLoader:
     def __next__(self) -> dict[str, torch.Tensor]:
         windows = np.empty((self.local_batch_size, self.seq_len + 1), dtype=np.int64)
         positions = np.empty_like(windows)
+        real = np.empty(self.local_batch_size, dtype=np.int64)
         row = 0
         while row < self.local_batch_size:
             mine = self._window_index % self.dp_world_size == self.dp_rank
             out = self._next_window(keep=mine)
             if mine:
-                windows[row], positions[row] = out
+                windows[row], positions[row], real[row] = out
                 row += 1
+        labels = np.ascontiguousarray(windows[:, 1:])
+        if self.one_epoch:
+            # label j is token j + 1 of the window: padding from there on
+            labels[np.arange(self.seq_len)[None, :] + 1 >= real[:, None]] = IGNORE_INDEX
         return {
             "input_ids": torch.from_numpy(np.ascontiguousarray(windows[:, :-1])),
-            "labels": torch.from_numpy(np.ascontiguousarray(windows[:, 1:])),
+            "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(np.ascontiguousarray(positions[:, :-1])),
         }
+
+    def rewind(self) -> None:
+        """Go back to the first token of the first epoch (tokenized documents stay cached)."""
+        self._epoch = self._doc_index = self._token_offset = self._window_index = 0
+        self._tokens_seen_this_epoch = 0
+        self._doc = None
+
+    def check(self) -> None:
+        """Read the first batch, then rewind: a source without text or with a file that is not text
+        fails now (ValueError naming it), before a model is built, rather than in the first step."""
+        state = self.state_dict()
+        next(self)
+        self.load_state_dict(state)
 
     # -- state ----------------------------------------------------------------------------------
 
@@ -232,6 +272,10 @@ class DataLoader:
 def build_dataloader(config, tokenizer: Tokenizer, dp_rank: int, dp_world_size: int) -> DataLoader:
     """The loader for ``config.training`` (dataset or dataset_path, seq_len, local_batch_size).
 
+    With validation on and no validation dataset of its own, the training source is the
+    training part of :func:`trainer.data.splits.split_source` (the held-out documents are never
+    trained on).
+
     Args:
         config: a ``trainer.config.JobConfig``.
         tokenizer: from :func:`trainer.data.tokenizer.build_tokenizer`.
@@ -241,6 +285,10 @@ def build_dataloader(config, tokenizer: Tokenizer, dp_rank: int, dp_world_size: 
     Raises:
         ValueError / RuntimeError: from :func:`trainer.data.datasets.build_source`.
     """
+    from trainer.data.splits import held_out_split, split_source
+
     t = config.training
     source = build_source(t.dataset, t.dataset_path)
+    if held_out_split(config):
+        source = split_source(source, config.validation.split_every, "train")
     return DataLoader(source, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_world_size)
