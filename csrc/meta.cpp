@@ -35,6 +35,16 @@ std::tuple<Tensor, Tensor> rotary_meta(const Tensor& q, const Tensor& k, const T
   return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
 }
 
+Tensor swiglu_fwd_meta(const Tensor& gate, const Tensor& up) {
+  check_swiglu(gate, up);
+  return at::empty(gate.sizes(), gate.options());
+}
+
+std::tuple<Tensor, Tensor> swiglu_bwd_meta(const Tensor& dy, const Tensor& gate, const Tensor& up) {
+  check_swiglu(gate, up, &dy);
+  return {at::empty(gate.sizes(), gate.options()), at::empty(gate.sizes(), gate.options())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(titan, Meta, m) {
@@ -42,6 +52,8 @@ TORCH_LIBRARY_IMPL(titan, Meta, m) {
   m.impl("rms_norm_bwd_native", &rms_norm_bwd_meta);
   m.impl("rotary_fwd_native", &rotary_meta);
   m.impl("rotary_bwd_native", &rotary_meta);
+  m.impl("swiglu_fwd_native", &swiglu_fwd_meta);
+  m.impl("swiglu_bwd_native", &swiglu_bwd_meta);
 }
 
 }  // namespace titan

@@ -97,4 +97,12 @@ inline void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 }
 
+// swiglu_{fwd,bwd}_native(gate, up[, dy]): gate and up (and dy) of one shape, dtype and device.
+inline void check_swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor* dy = nullptr) {
+  check_float_tensor(gate, "gate");
+  TORCH_CHECK_VALUE(gate.dim() >= 1, "gate: expected at least 1 dimension (..., hidden), got a 0-d tensor");
+  check_like(up, gate, "up", "gate");
+  if (dy != nullptr) check_like(*dy, gate, "dy", "gate");
+}
+
 }  // namespace titan

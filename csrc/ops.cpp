@@ -19,6 +19,8 @@ TORCH_LIBRARY_FRAGMENT(titan, m) {
         " -> (Tensor q_out, Tensor k_out)");
   m.def("rotary_bwd_native(Tensor dq, Tensor dk, Tensor cos, Tensor sin, Tensor? position_ids, bool interleaved)"
         " -> (Tensor dq_in, Tensor dk_in)");
+  m.def("swiglu_fwd_native(Tensor gate, Tensor up) -> Tensor");
+  m.def("swiglu_bwd_native(Tensor dy, Tensor gate, Tensor up) -> (Tensor dgate, Tensor dup)");
 }
 
 namespace {

@@ -35,7 +35,7 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
 }
 CPU_SOURCES = ["csrc/ops.cpp", "csrc/meta.cpp", "csrc/cpu/dispatch.cpp", "csrc/cpu/rms_norm.cpp",
-               "csrc/cpu/rotary.cpp", "csrc/cpu/kernels_default.cpp"]
+               "csrc/cpu/rotary.cpp", "csrc/cpu/swiglu.cpp", "csrc/cpu/kernels_default.cpp"]
 CUDA_SOURCES = ["csrc/cuda/rms_norm.cu", "csrc/cuda/rotary.cu", "csrc/cuda/binding.cpp"]
 # Hopper (the target) and Ampere; compute_90a allows the sm_90a-only instructions.
 CUDA_GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]

@@ -89,12 +89,31 @@ struct RotaryParams {
   bool backward;     // rotate by -theta
 };
 
+// SwiGLU over (M, N) rows, elementwise, s = sigmoid(g) recomputed in both passes:
+// forward y = g * s * u; backward dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s.
+struct SwigluParams {
+  DType dtype;
+  int64_t M;
+  int64_t N;  // > 0
+  const void* g;
+  RowIndexer g_rows;
+  const void* u;
+  RowIndexer u_rows;
+  const void* dy;  // backward only (nullptr in the forward)
+  RowIndexer dy_rows;
+  bool contiguous;  // every input is (M, N) contiguous: the kernel may treat it as one flat row
+  void* y;          // forward: y; backward: dg. (M, N) contiguous, dtype
+  void* du;         // backward: du, (M, N) contiguous, dtype; nullptr in the forward
+};
+
 struct KernelTable {
   const char* name;
   void (*rms_norm_fwd)(const RmsNormFwdParams&);
   void (*rms_norm_bwd)(const RmsNormBwdParams&);
   // Rotates q and k in one parallel region (one pass over the tokens, cos/sin rows read once).
   void (*rotary)(const RotaryParams& q, const RotaryParams& k);
+  void (*swiglu_fwd)(const SwigluParams&);
+  void (*swiglu_bwd)(const SwigluParams&);
 };
 
 // One table per instruction set built into this extension (see dispatch.cpp).

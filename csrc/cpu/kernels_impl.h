@@ -1,11 +1,12 @@
-// CPU kernels for RMSNorm (+ fused residual) and rotary embedding, written once with ATen's
+// CPU kernels for RMSNorm (+ fused residual), rotary embedding and SwiGLU, written once with ATen's
 // at::vec::Vectorized types and compiled once per instruction set. The including file defines
 // CPU_CAPABILITY (DEFAULT / AVX2 / AVX512), CPU_CAPABILITY_<ISA> and TITAN_CAPABILITY_NAME, and is
 // compiled with the matching -m flags; everything here lives in namespace titan::cpu::CPU_CAPABILITY
 // so the copies never collide.
 //
 // Math: RMSNorm, Zhang & Sennrich 2019 eq. 4 (titan_kernels/reference/rms_norm.py has the forward
-// and backward formulas); rotary, Su et al. 2021 eq. 34 (titan_kernels/reference/rotary.py).
+// and backward formulas); rotary, Su et al. 2021 eq. 34 (titan_kernels/reference/rotary.py); SwiGLU,
+// Shazeer 2020 eq. 5 (titan_kernels/reference/swiglu.py).
 // All arithmetic is float32, whatever the storage dtype (float32, bfloat16, float16).
 //
 // Do not define static data that needs a dynamic initializer here: it would run instructions of
@@ -302,6 +303,75 @@ void rotary(const RotaryParams& q, const RotaryParams& k) {
   });
 }
 
+// ------------------------------------------------------------------------------------------ SwiGLU
+
+// sigmoid(g) = 1 / (1 + exp(-g)); exp is Sleef's 1-ulp expf on AVX2/AVX512, as in ATen's own silu.
+inline Vec sigmoid(const Vec& g) {
+  const Vec one(1.f);
+  return one / (one + g.neg().exp());
+}
+
+// y = silu(g) * u over n contiguous elements.
+template <typename T>
+inline void swiglu_fwd_span(const T* g, const T* u, T* y, int64_t n) {
+  Vec g0, g1, u0, u1;
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t k = std::min(kStep, n - j);
+    Io<T>::load(g + j, k, g0, g1);
+    Io<T>::load(u + j, k, u0, u1);
+    Io<T>::store(y + j, k, g0 * sigmoid(g0) * u0, g1 * sigmoid(g1) * u1);
+  }
+}
+
+// dg = dy * u * silu'(g), du = dy * silu(g) over n contiguous elements; silu'(g) = s (1 + g (1 - s)).
+template <typename T>
+inline void swiglu_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n) {
+  const Vec one(1.f);
+  Vec d0, d1, g0, g1, u0, u1;
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t k = std::min(kStep, n - j);
+    Io<T>::load(dy + j, k, d0, d1);
+    Io<T>::load(g + j, k, g0, g1);
+    Io<T>::load(u + j, k, u0, u1);
+    const Vec s0 = sigmoid(g0), s1 = sigmoid(g1);
+    Io<T>::store(du + j, k, d0 * (g0 * s0), d1 * (g1 * s1));
+    Io<T>::store(dg + j, k, d0 * u0 * (s0 * (one + g0 * (one - s0))), d1 * u1 * (s1 * (one + g1 * (one - s1))));
+  }
+}
+
+template <typename T>
+void swiglu_impl(const SwigluParams& p, bool backward) {
+  const T* G = static_cast<const T*>(p.g);
+  const T* U = static_cast<const T*>(p.u);
+  const T* DY = static_cast<const T*>(p.dy);
+  T* Y = static_cast<T*>(p.y);
+  T* DU = static_cast<T*>(p.du);
+  const int64_t N = p.N;
+  if (p.contiguous) {
+    // One flat row: the work splits evenly whatever N is, and short rows pay no per-row tail.
+    at::parallel_for(0, p.M * N, kGrainElems, [&](int64_t b, int64_t e) {
+      if (backward) {
+        swiglu_bwd_span<T>(DY + b, G + b, U + b, Y + b, DU + b, e - b);
+      } else {
+        swiglu_fwd_span<T>(G + b, U + b, Y + b, e - b);
+      }
+    });
+    return;
+  }
+  const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
+  at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const T* g = G + p.g_rows.offset(m);
+      const T* u = U + p.u_rows.offset(m);
+      if (backward) {
+        swiglu_bwd_span<T>(DY + p.dy_rows.offset(m), g, u, Y + m * N, DU + m * N, N);
+      } else {
+        swiglu_fwd_span<T>(g, u, Y + m * N, N);
+      }
+    }
+  });
+}
+
 // ------------------------------------------------------------------------------------------ table
 
 void rms_norm_fwd(const RmsNormFwdParams& p) {
@@ -320,8 +390,24 @@ void rms_norm_bwd(const RmsNormBwdParams& p) {
   }
 }
 
+void swiglu_fwd(const SwigluParams& p) {
+  switch (p.dtype) {
+    case DType::Float: return swiglu_impl<float>(p, false);
+    case DType::BFloat16: return swiglu_impl<c10::BFloat16>(p, false);
+    case DType::Half: return swiglu_impl<c10::Half>(p, false);
+  }
+}
+
+void swiglu_bwd(const SwigluParams& p) {
+  switch (p.dtype) {
+    case DType::Float: return swiglu_impl<float>(p, true);
+    case DType::BFloat16: return swiglu_impl<c10::BFloat16>(p, true);
+    case DType::Half: return swiglu_impl<c10::Half>(p, true);
+  }
+}
+
 // Constant-initialized (addresses only): no code of this ISA runs at load time.
-const KernelTable kTable = {TITAN_CAPABILITY_NAME, &rms_norm_fwd, &rms_norm_bwd, &rotary};
+const KernelTable kTable = {TITAN_CAPABILITY_NAME, &rms_norm_fwd, &rms_norm_bwd, &rotary, &swiglu_fwd, &swiglu_bwd};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace titan::cpu
