@@ -3,6 +3,7 @@
 Public API (each op has a reference, a Triton and, where built, a C++/CUDA implementation):
   rms_norm, add_rms_norm            fused RMSNorm (+ residual add)
   apply_rotary_emb, rope_cos_sin    rotary position embedding (q and k in one kernel)
+  swiglu                            silu(gate) * up, forward and backward in one kernel each
   fp8_quantize, fp8_gemm, fp8_linear  float8 cast (tensorwise/rowwise/colwise), scaled GEMM, linear
   flash_attn, flash_attn_varlen      attention (FA3 > FA2 > Triton > SDPA; causal, GQA, varlen, LSE)
   attention_backend                 which attention backend would run, and why
@@ -13,6 +14,7 @@ Public API (each op has a reference, a Triton and, where built, a C++/CUDA imple
 from titan_kernels.backend import available_backends, use_backend  # noqa: F401
 from titan_kernels.ops.rms_norm import add_rms_norm, rms_norm  # noqa: F401
 from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin  # noqa: F401
+from titan_kernels.ops.swiglu import swiglu  # noqa: F401
 from titan_kernels.ops.fp8 import fp8_gemm, fp8_linear, fp8_quantize  # noqa: F401
 from titan_kernels.ops.attention import attention_backend, flash_attn, flash_attn_varlen  # noqa: F401
 from titan_kernels import nn  # noqa: F401
