@@ -17,7 +17,9 @@ import torch
 
 import titan_kernels as tk
 from titan_kernels import backend as _backend
-from titan_kernels.ops import attention as A
+from titan_kernels.ops.attention import aten as AT
+from titan_kernels.ops.attention import dispatch as A
+from titan_kernels.ops.attention.flash_lib import flash_lib
 from titan_kernels.reference import attention as R
 from tests.kernels.test_attention import attention64, dense64, doc_mask, rel
 
@@ -126,9 +128,9 @@ def libs(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", make_fa3(calls))
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fa2)
-    A._flash_lib.cache_clear()
+    A.clear_caches()
     yield calls
-    A._flash_lib.cache_clear()
+    A.clear_caches()
 
 
 @pytest.fixture
@@ -136,9 +138,9 @@ def no_libs(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn_interface", None)  # import raises ImportError
     monkeypatch.setitem(sys.modules, "flash_attn", None)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", None)
-    A._flash_lib.cache_clear()
+    A.clear_caches()
     yield
-    A._flash_lib.cache_clear()
+    A.clear_caches()
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -154,9 +156,9 @@ def test_flash_adapters(monkeypatch, kind, varlen):
         pkg, m = make_fa2(calls)
         monkeypatch.setitem(sys.modules, "flash_attn", pkg)
         monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", m)
-    A._flash_lib.cache_clear()
+    A.clear_caches()
     name = kind[:3]
-    lib, why = A._flash_lib(name)
+    lib, why = flash_lib(name)
     assert lib is not None, why
     scale = 0.3
     if varlen:
@@ -171,13 +173,13 @@ def test_flash_adapters(monkeypatch, kind, varlen):
         k, v = torch.randn(2, 10, 2, 64), torch.randn(2, 10, 2, 64)
         args = (None, None, 0, 0)
         out64, lse64 = dense64(q, k, v, True, scale)
-    out, lse = A._impl(name)[0](q, k, v, *args, True, scale)
+    out, lse = A.impl(name, "cuda")[0](q, k, v, *args, True, scale)
     assert calls == [(f"{name}.fwd", varlen)]
     assert rel(out, out64) < 1e-5
     fin = torch.isfinite(lse64)
     assert torch.equal(torch.isneginf(lse), ~fin), "+inf from FlashAttention must come back as -inf"
     dout = torch.randn_like(out)
-    dq, dk, dv = A._impl(name)[1](dout, q, k, v, out, lse, *args, True, scale)
+    dq, dk, dv = A.impl(name, "cuda")[1](dout, q, k, v, out, lse, *args, True, scale)
     assert calls[-1] == (f"{name}.bwd", varlen)
     ref = R.attention_bwd(dout, q, k, v, out, lse, *args, True, scale)
     for a, e in zip((dq, dk, dv), ref):
@@ -192,14 +194,14 @@ def test_unsupported_releases(monkeypatch):
     pkg, fa2 = make_fa2([], version="2.5.9")
     monkeypatch.setitem(sys.modules, "flash_attn", pkg)
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", fa2)
-    A._flash_lib.cache_clear()
+    A.clear_caches()
     try:
-        lib, why = A._flash_lib("fa3")
+        lib, why = flash_lib("fa3")
         assert lib is None and "unsupported release" in why and "mystery_flag" in why
-        lib, why = A._flash_lib("fa2")
+        lib, why = flash_lib("fa2")
         assert lib is None and "too old" in why
     finally:
-        A._flash_lib.cache_clear()
+        A.clear_caches()
 
 
 # ----------------------------------------------------------------------------- the CUDA order, on synthetic cases
@@ -214,11 +216,13 @@ def cuda_case(dtype=torch.bfloat16, varlen=False, backward=False, has_dlse=False
 @pytest.fixture
 def fake_cuda(monkeypatch):
     """Device queries patched: an sm_90 device, Triton available, SDPA's checks say yes."""
-    state = {"cap": (9, 0), "triton": None, "sdpa": {"sdpa_cudnn": True, "sdpa_flash": True, "sdpa_math": True}}
+    state = {"cap": (9, 0), "triton": None, "sdpa": {"sdpa_cudnn": True, "sdpa_flash": True, "sdpa_efficient": True}}
     monkeypatch.setattr(A, "_cuda_capability", lambda device: state["cap"])
     monkeypatch.setattr(A, "_why_not_triton", lambda case: state["triton"])
     monkeypatch.setattr(A, "_sdpa_can_use", lambda name, case: state["sdpa"][name])
-    return state
+    A.clear_caches()
+    yield state
+    A.clear_caches()
 
 
 def names(choice):
@@ -226,49 +230,113 @@ def names(choice):
 
 
 def test_cuda_order(libs, fake_cuda):
-    assert names(A.choose_backend(cuda_case())) == ("fa3", [])
-    assert A.choose_backend(cuda_case(varlen=True)).backend == "fa3"
+    def choose(**kw):
+        A.clear_caches()  # the device state changed: forget the cached answers
+        return A.choose_backend(cuda_case(**kw))
+
+    assert names(choose()) == ("fa3", [])
+    assert choose(varlen=True).backend == "fa3"
     fake_cuda["cap"] = (8, 0)  # A100: no FA3
-    choice = A.choose_backend(cuda_case())
+    choice = choose()
     assert names(choice) == ("fa2", ["fa3"]) and "sm_90" in choice.skipped[0][1]
     fake_cuda["cap"] = (9, 0)
-    choice = A.choose_backend(cuda_case(dtype=torch.float32))  # FlashAttention: half types only
-    assert names(choice) == ("triton", ["fa3", "fa2"]) and "float16/bfloat16" in choice.skipped[0][1]
-    choice = A.choose_backend(cuda_case(head_dim=12))  # FlashAttention: multiples of 8 only
-    assert names(choice) == ("triton", ["fa3", "fa2"]) and "not a multiple of 8" in choice.skipped[0][1]
-    choice = A.choose_backend(cuda_case(backward=True, has_dlse=True))  # an LSE gradient
-    assert names(choice) == ("triton", ["fa3", "fa2"]) and "LSE" in choice.skipped[1][1]
+    choice = choose(dtype=torch.float32)  # FlashAttention, cuDNN and aten's flash: half types only
+    assert names(choice) == ("triton", ["fa3", "fa2", "sdpa_cudnn", "sdpa_flash"])
+    assert "float16/bfloat16" in choice.skipped[0][1] and "float16/bfloat16" in choice.skipped[2][1]
+    choice = choose(head_dim=12)  # FlashAttention: multiples of 8 only; torch's checks decide for aten's
+    assert names(choice) == ("sdpa_cudnn", ["fa3", "fa2"]) and "not a multiple of 8" in choice.skipped[0][1]
+    choice = choose(backward=True, has_dlse=True)  # an LSE gradient: only Triton's backward takes it
+    assert names(choice) == ("triton", ["fa3", "fa2", "sdpa_cudnn", "sdpa_flash"])
+    assert all("LSE" in why for _, why in choice.skipped)
+    choice = choose(seq_q=32)  # bottom-right causal: not aten's top-left kernels
+    assert names(choice) == ("fa3", [])
+    fake_cuda["cap"] = (8, 0)
+    choice = choose(seq_q=32)
+    assert names(choice) == ("fa2", ["fa3"])
+    fake_cuda["cap"] = (9, 0)
     fake_cuda["triton"] = "the triton package is not installed"
-    assert names(A.choose_backend(cuda_case(dtype=torch.float32))) == ("sdpa_cudnn", ["fa3", "fa2", "triton"])
-    fake_cuda["sdpa"]["sdpa_cudnn"] = False
-    choice = A.choose_backend(cuda_case(dtype=torch.float32))
-    assert names(choice) == ("sdpa_flash", ["fa3", "fa2", "triton", "sdpa_cudnn"])
-    assert "can_use_cudnn_attention" in choice.skipped[-1][1]
-    fake_cuda["sdpa"]["sdpa_flash"] = False
-    assert A.choose_backend(cuda_case(dtype=torch.float32)).backend == "sdpa_math"
-    # varlen: SDPA has none, so the reference is the last resort.
-    choice = A.choose_backend(cuda_case(dtype=torch.float32, varlen=True))
-    assert choice.backend == "reference" and dict(choice.skipped)["sdpa_math"].startswith("SDPA has no varlen")
+    choice = choose(dtype=torch.float32)
+    assert names(choice) == ("sdpa_efficient", ["fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton"])
+    fake_cuda["sdpa"]["sdpa_efficient"] = False
+    with pytest.raises(RuntimeError, match="no attention backend can run this case.*can_use_efficient_attention"):
+        choose(dtype=torch.float32)
+    # varlen in float32 without Triton: nothing automatic takes it, and the reference is only explicit.
+    with pytest.raises(RuntimeError, match="backend='reference' runs anything"):
+        choose(dtype=torch.float32, varlen=True)
 
 
 def test_cuda_order_without_flash_libraries(no_libs, fake_cuda):
     choice = A.choose_backend(cuda_case())
-    assert names(choice) == ("triton", ["fa3", "fa2"])
+    assert names(choice) == ("sdpa_cudnn", ["fa3", "fa2"])
     assert "not importable" in choice.skipped[0][1]
+
+
+def test_capabilities_are_cached(libs, fake_cuda, monkeypatch):
+    calls = []
+    monkeypatch.setattr(A, "_sdpa_can_use", lambda name, case: calls.append(name) or True)
+    A.clear_caches()
+    fake_cuda["cap"] = (8, 0)
+    fake_cuda["triton"] = "the triton package is not installed"
+    for _ in range(5):
+        assert A.choose_backend(cuda_case(dtype=torch.float32)).backend == "sdpa_efficient"
+        assert A.choose_backend(cuda_case()).backend == "fa2"
+    assert calls == ["sdpa_efficient"]  # asked once for the key, then cached (FA2 takes the bf16 case)
+
+
+def test_runtime_failure_falls_back_once(monkeypatch):
+    # An automatically chosen kernel that raises on this device is recorded (with a warning) and the
+    # next backend runs; an explicit request re-raises.
+    q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
+    A.clear_caches()
+    calls = []
+
+    def broken(*args, **kw):
+        calls.append(1)
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    monkeypatch.setitem(AT.IMPLS, ("sdpa_flash", "cpu"), (broken, broken))
+    monkeypatch.setitem(A.AUTO_ORDER, "cpu", ("sdpa_flash", "reference"))
+    try:
+        with pytest.warns(RuntimeWarning, match="sdpa_flash.*no kernel image"):
+            out = tk.flash_attn(q, k, v)
+        assert rel(out, dense64(q, k, v, True, 16 ** -0.5)[0]) < 1e-5
+        out = tk.flash_attn(q, k, v)  # remembered: no second try
+        assert calls == [1]
+        assert "raised at run time" in dict(tk.attention_backend(q, k, v).skipped)["sdpa_flash"]
+        with pytest.raises(RuntimeError, match="no kernel image"):
+            tk.flash_attn(q, k, v, backend="sdpa_flash")
+    finally:
+        A.clear_caches()
+
+
+def test_aten_cuda_adapters_on_meta():
+    # The CUDA adapters' argument plumbing against aten's meta kernels (no GPU here): shapes, dtypes and
+    # the GQA repeat / group sum.
+    b, s, h, hkv, d = 2, 48, 8, 2, 64
+    q = torch.empty(b, s, h, d, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(b, s, hkv, d, device="meta", dtype=torch.bfloat16)
+    for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
+        fwd, bwd = AT.IMPLS[(name, "cuda")]
+        kk = k if name != "sdpa_flash" else torch.empty(b, s, h, d, device="meta", dtype=torch.bfloat16)
+        out, lse = fwd(q, kk, kk, None, None, 0, 0, True, 0.125)
+        assert out.shape == q.shape and lse.shape == (b, h, s) and lse.dtype == torch.float32, name
+        dq, dk, dv = bwd(out, q, kk, kk, out, lse, None, None, 0, 0, True, 0.125)
+        assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == kk.shape, name
 
 
 def test_overrides(libs, fake_cuda):
     assert A.choose_backend(cuda_case(), "fa2").backend == "fa2"
-    assert A.choose_backend(cuda_case(), "sdpa_math").backend == "sdpa_math"
+    assert A.choose_backend(cuda_case(), "sdpa_efficient").backend == "sdpa_efficient"
     with tk.use_backend("triton"):
         choice = A.choose_backend(cuda_case())
         assert choice.backend == "triton" and "use_backend" in choice.reason
         assert A.choose_backend(cuda_case(), "fa3").backend == "fa3"  # the argument wins
-    with tk.use_backend("cuda"):  # the native CUDA libraries: FA3 > FA2 > SDPA, never Triton
+    with tk.use_backend("cuda"):  # the native CUDA kernels: FA3 > FA2 > aten's, never Triton
         assert A.choose_backend(cuda_case()).backend == "fa3"
         fake_cuda["cap"] = (8, 0)
+        A.clear_caches()
         assert A.choose_backend(cuda_case()).backend == "fa2"
-        assert A.choose_backend(cuda_case(dtype=torch.float32)).backend == "sdpa_cudnn"
+        assert A.choose_backend(cuda_case(dtype=torch.float32)).backend == "sdpa_efficient"
     with pytest.raises(RuntimeError, match="backend 'fa3' cannot run this attention.*sm_90"):
         A.choose_backend(cuda_case(), "fa3")
     with pytest.raises(RuntimeError, match="fa2.*float16/bfloat16"):
@@ -284,7 +352,7 @@ def test_cpu_choices(monkeypatch):
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 8, 2, 16)
     choice = tk.attention_backend(q, k, k)
-    assert choice.backend == "reference" and str(choice).startswith("reference:")
+    assert choice.backend == "sdpa_flash" and str(choice).startswith("sdpa_flash:")
     if _backend.backend_status("triton", "cpu").available:  # the interpreter
         with tk.use_backend("triton"):
             assert tk.attention_backend(q, k, k).backend == "triton"
@@ -295,18 +363,64 @@ def test_cpu_choices(monkeypatch):
         with tk.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             tk.attention_backend(q, k, k)
     assert tk.attention_backend(q, k, k, backend="cpu").backend == "sdpa_flash"
+    assert tk.attention_backend(q, k, k, backend="reference").backend == "reference"
     with pytest.raises(RuntimeError, match="backend 'cuda' runs on cuda tensors"):
         tk.attention_backend(q, k, k, backend="cuda")
     with pytest.raises(RuntimeError, match="fa3.*runs on CUDA tensors"):
         tk.flash_attn(q, k, k, backend="fa3")
+    with pytest.raises(RuntimeError, match="sdpa_cudnn.*no cudnn attention kernel for cpu"):
+        tk.flash_attn(q, k, k, backend="sdpa_cudnn")
 
 
-def test_cpu_varlen_refuses_sdpa():
+def test_cpu_varlen_runs_natively():
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     cu = torch.tensor([0, 3, 8], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match="varlen"):
-        tk.attention_backend(q, k, k, cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_k=5, backend="cpu")
-    assert tk.attention_backend(q, k, k, cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_k=5).backend == "reference"
+    for backend in ("cpu", None):
+        choice = tk.attention_backend(q, k, k, cu_seqlens_q=cu, max_seqlen_q=5, max_seqlen_k=5, backend=backend)
+        assert choice.backend == "sdpa_flash"
+
+
+def test_backward_uses_the_forwards_backend(monkeypatch):
+    # The request is captured at the forward: a forward under use_backend("reference") runs the
+    # reference backward too, outside the context, on both the fast path and the op path.
+    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    seen = []
+    ref_fwd, ref_bwd = _backend._impls["flash_attn"]["reference"]
+    monkeypatch.setitem(_backend._impls["flash_attn"], "reference",
+                        (ref_fwd, lambda *a, **kw: seen.append("reference") or ref_bwd(*a, **kw)))
+    for path in ("fast", "op"):
+        seen.clear()
+        with tk.use_backend("reference"):
+            if path == "fast":
+                out = tk.flash_attn(q, k, v)
+            else:
+                out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "reference")[0]
+        out.sum().backward()
+        assert seen == ["reference"], path
+
+
+def test_explicit_backend_refuses_lse_gradient_in_both_paths(libs, monkeypatch):
+    # An explicit backend whose backward takes no LSE gradient raises, whichever path ran.
+    q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
+    case = A.make_case(q, k, v, None, 0, 0, True, True, True, True)
+    monkeypatch.setattr(A, "why_not", lambda name, c: "its backward takes no gradient for the LSE"
+                        if c.has_dlse and name == "sdpa_flash" else None)
+    out, lse = tk.flash_attn(q, k, v, return_lse=True, backend="sdpa_flash")
+    with pytest.raises(RuntimeError, match="sdpa_flash.*LSE"):
+        (out.sum() + lse.sum()).backward()
+    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, True, "sdpa_flash")
+    with pytest.raises(RuntimeError, match="sdpa_flash.*LSE"):
+        (out.sum() + lse.sum()).backward()
+    assert case.has_dlse
+
+
+def test_double_backward_is_refused():
+    q, k, v = (torch.randn(1, 10, 2, 16, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    for fn in (lambda: tk.flash_attn(q, k, v),
+               lambda: torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "")[0]):
+        out = fn()
+        with pytest.raises(RuntimeError, match="titan::flash_attn: double backward"):
+            torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
 
 
 @_triton_on_cpu()
