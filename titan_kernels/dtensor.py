@@ -12,6 +12,7 @@ from __future__ import annotations
 import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules below refer to)
 import titan_kernels.ops.rotary  # noqa: F401
 import titan_kernels.ops.fp8  # noqa: F401
+import titan_kernels.ops.swiglu  # noqa: F401
 
 import torch
 
@@ -82,6 +83,27 @@ if torch.distributed.is_available():
         if position_ids is not None:
             pos_seq = Shard(position_ids.ndim - 1)
             rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, pos_seq, None]))
+        return rules
+
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- swiglu
+    # Elementwise: gate and up (and dy) split the same way on any dim run locally, the hidden dim
+    # included (tensor parallel: w1/w3 colwise give Shard(-1) outputs), and the outputs keep that
+    # placement. Partial inputs are not local (silu is not linear): DTensor reduces them first.
+
+    @register_sharding(torch.ops.titan.swiglu.default)
+    def _swiglu_sharding(gate, up, backend=None):
+        rules = [([Replicate()], [Replicate(), Replicate(), None])]
+        for d in range(len(gate.shape)):
+            rules.append(([Shard(d)], [Shard(d), Shard(d), None]))
+        return rules
+
+    @register_sharding(torch.ops.titan.swiglu_backward.default)
+    def _swiglu_backward_sharding(dy, gate, up, backend=None):
+        rules = [([Replicate(), Replicate()], [Replicate()] * 3 + [None])]
+        for d in range(len(gate.shape)):
+            rules.append(([Shard(d), Shard(d)], [Shard(d)] * 3 + [None]))
         return rules
 
 
