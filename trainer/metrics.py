@@ -5,7 +5,18 @@ At step 1, every ``log_freq`` steps and at the last step, one record is written 
   (with ``log_freq = 1``: exactly that step's loss); grad_norm: the step's global gradient norm
   before clipping; lr: the step's learning rate; tps (tokens/s per device over the interval), mfu (percent, or null where the peak is unknown),
   memory_gib (peak: GPU reserved memory, or the process's peak RSS on CPU), data_wait (share of the
-  interval spent waiting for the data loader), elapsed_s.
+  interval spent waiting for the data loader), elapsed_s (wall seconds since this process started
+  training, cumulative: validation and checkpoint time included; it restarts at 0 after a resume),
+  eta_s (estimated seconds to the last step, from the time per step since step 1).
+The console line shows the same, with the elapsed time and the ETA as h:mm:ss.
+
+Each validation (``log_validation``) appends its own record: step, val_loss (mean token loss over
+the validation tokens), val_perplexity (exp of it), val_tokens, val_batches, val_time_s, elapsed_s;
+TensorBoard tags validation/loss and validation/perplexity. Its time is left out of the training
+interval, so tps stays the training rate.
+
+A resumed run appends to the same metrics.jsonl; the steps it logs again after the checkpoint are
+newer records of the same step (``trainer.plot`` keeps the last one of each step).
 
 MFU = tps x FLOPs/token / peak FLOP/s (torchtitan's definition; FLOPs/token from
 ``ModelArgs.flops_per_token``). Peaks are dense bf16 tensor-core figures from the vendors' data
@@ -70,7 +81,9 @@ class _Color:
 class Summary:
     """What the end-of-run summary reports."""
 
-    steps: int = 0
+    steps: int = 0  # steps done by this process (a resumed run counts only its own)
+    first_step: int = 0
+    last_step: int = 0
     first_loss: float = math.nan
     last_loss: float = math.nan
     min_loss: float = math.inf
@@ -80,6 +93,17 @@ class Summary:
     tps_history: list[float] = field(default_factory=list)
     mfu_history: list[float] = field(default_factory=list)
     peak_memory_gib: float = 0.0
+    last_val_loss: float | None = None
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss`` (or ``m:ss`` under an hour) of a non-negative duration; ``?`` if unknown."""
+    if not math.isfinite(seconds) or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    h, rem = divmod(s, 3600)
+    m, sec = divmod(rem, 60)
+    return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}"
 
 
 class MetricsLogger:
@@ -124,6 +148,8 @@ class MetricsLogger:
         self._interval_loss = None
         self._interval_steps = 0
         self._interval_start = time.perf_counter()
+        self._run_start = self._interval_start
+        self._rate_start: tuple[int, float] | None = None  # (step, time) after the first step, for the ETA
         self._jsonl = None
         self._tb = None
         if enabled:
@@ -142,6 +168,26 @@ class MetricsLogger:
         self._interval_data_wait = 0.0
         self._interval_loss = None
         self._interval_steps = 0
+
+    def start(self) -> None:
+        """The training loop starts now: elapsed_s counts from here."""
+        self.reset_timer()
+        self._run_start = self._interval_start
+        self._rate_start = None
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (e.g. a validation) out of the current interval's time, so tps is the training rate."""
+        self._interval_start += seconds
+        if self._rate_start is not None:
+            self._rate_start = (self._rate_start[0], self._rate_start[1] + seconds)
+
+    def eta_s(self, step: int, now: float | None = None) -> float:
+        """Seconds to the last step at the mean time per step since the first step (NaN before that)."""
+        now = time.perf_counter() if now is None else now
+        if self._rate_start is None or step <= self._rate_start[0]:
+            return math.nan
+        per_step = (now - self._rate_start[1]) / (step - self._rate_start[0])
+        return per_step * (self.total_steps - step)
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
@@ -168,10 +214,15 @@ class MetricsLogger:
         self._interval_data_wait += data_wait_s
         self.summary.tokens += tokens
         self.summary.data_wait_s += data_wait_s
-        self.summary.steps = step
+        if self.summary.steps == 0:
+            self.summary.first_step = step
+        self.summary.steps += 1
+        self.summary.last_step = step
+        now = time.perf_counter()
+        if self._rate_start is None:  # the first step (compilation, allocation) is left out of the ETA
+            self._rate_start = (step, now)
         if not self.should_log(step):
             return None
-        now = time.perf_counter()
         dt = max(now - self._interval_start, 1e-9)
         loss_v = float(self._interval_loss) / self._interval_steps if self._interval_steps else math.nan
         record = {
@@ -183,8 +234,11 @@ class MetricsLogger:
             "mfu": None,
             "memory_gib": peak_memory_gib(self.device),
             "data_wait": self._interval_data_wait / dt,
-            "elapsed_s": dt,
+            "elapsed_s": now - self._run_start,
+            "eta_s": self.eta_s(step, now),
         }
+        if math.isnan(record["eta_s"]):
+            record["eta_s"] = None
         if self.peak is not None:
             record["mfu"] = 100.0 * record["tps"] * self.flops_per_token / self.peak
         s = self.summary
@@ -207,10 +261,12 @@ class MetricsLogger:
         c = self.c
         mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.2f}%"
         width = len(str(self.total_steps))
+        eta = format_duration(r["eta_s"]) if r["eta_s"] is not None else "?"
         print(
             f"{c.red}step {r['step']:>{width}}  {c.green}loss {r['loss']:8.4f}  {c.yellow}grad_norm {r['grad_norm']:7.4f}  "
             f"{c.cyan}lr {r['lr']:.3e}  {c.blue}tps {r['tps']:,.0f}  {c.magenta}mfu {mfu}  "
-            f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%{c.reset}",
+            f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%  "
+            f"elapsed {format_duration(r['elapsed_s'])}  eta {eta}{c.reset}",
             flush=True,
         )
         self._jsonl.write(json.dumps(r) + "\n")
@@ -221,6 +277,29 @@ class MetricsLogger:
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             self._tb.flush()
 
+    def log_validation(self, step: int, result: dict) -> dict:
+        """Write (rank 0) one validation record: ``result`` holds val_loss, val_perplexity, val_tokens,
+        val_batches and val_time_s (``trainer.validate.Validator.evaluate``). Returns the record."""
+        record = {"step": step, **result, "elapsed_s": time.perf_counter() - self._run_start}
+        self.summary.last_val_loss = record["val_loss"]
+        if not self.enabled:
+            return record
+        c = self.c
+        width = len(str(self.total_steps))
+        print(
+            f"{c.red}step {step:>{width}}  {c.bold}validation{c.reset}  {c.green}loss {record['val_loss']:8.4f}  "
+            f"perplexity {record['val_perplexity']:,.2f}{c.reset}  {c.grey}{record['val_tokens']:,} tokens in "
+            f"{record['val_batches']} batch(es), {record['val_time_s']:.1f}s{c.reset}",
+            flush=True,
+        )
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.add_scalar("validation/loss", record["val_loss"], step)
+            self._tb.add_scalar("validation/perplexity", record["val_perplexity"], step)
+            self._tb.flush()
+        return record
+
     def print_summary(self) -> dict:
         """Print (rank 0) and return the end-of-run summary."""
         s = self.summary
@@ -229,6 +308,8 @@ class MetricsLogger:
         mfu = s.mfu_history[1:] if len(s.mfu_history) > 1 else s.mfu_history
         out = {
             "steps": s.steps,
+            "first_step": s.first_step,
+            "last_step": s.last_step,
             "first_loss": s.first_loss,
             "last_loss": s.last_loss,
             "min_loss": s.min_loss,
@@ -238,13 +319,16 @@ class MetricsLogger:
             "mfu_mean": sum(mfu) / len(mfu) if mfu else None,
             "peak_memory_gib": s.peak_memory_gib,
             "data_wait": s.data_wait_s / s.train_time_s if s.train_time_s > 0 else math.nan,
+            "val_loss": s.last_val_loss,
         }
         if self.enabled:
             c = self.c
             mfu_txt = "n/a" if out["mfu_mean"] is None else f"{out['mfu_mean']:.2f}%"
+            resumed = f" ({s.first_step}..{s.last_step}, resumed)" if s.first_step > 1 else ""
+            val = f", validation loss {s.last_val_loss:.4f}" if s.last_val_loss is not None else ""
             print(
-                f"{c.bold}summary{c.reset}: {out['steps']} steps in {out['train_time_s']:.1f}s, "
-                f"loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} (min {out['min_loss']:.4f}), "
+                f"{c.bold}summary{c.reset}: {out['steps']} steps{resumed} in {out['train_time_s']:.1f}s, "
+                f"loss {out['first_loss']:.4f} -> {out['last_loss']:.4f} (min {out['min_loss']:.4f}){val}, "
                 f"{out['tps_mean']:,.0f} tokens/s per device, MFU {mfu_txt}, "
                 f"peak memory {out['peak_memory_gib']:.2f}GiB, data wait {100 * out['data_wait']:.1f}%",
                 flush=True,

@@ -13,6 +13,15 @@ step over all ranks); FSDP2 averages gradients over the ``dp`` ranks, so the gra
 of the mean token loss over the whole global batch, for any split into ranks and micro-batches. The
 reported loss is that mean token loss.
 
+Non-finite values. A step does not wait for the device to check its loss and gradient norm (that
+host synchronisation would stall every step): a device-side flag records the first step whose
+loss or gradient norm is not finite, and the flag is read at every log step (step 1, every
+``metrics.log_freq`` steps, the last step) and before every checkpoint save, before that step's
+optimizer update. A flagged run stops there (exit 1) naming the first bad step and the last good
+checkpoint, so a non-finite update is never written to a checkpoint and at most
+``log_freq - 1`` updates follow the first bad one (they are lost with the run, which restarts from
+that checkpoint).
+
 Exit codes: 0 done; 1 the run cannot proceed (model too large for the machine, non-finite loss,
 unusable checkpoint, data errors), with a one-line (or, for memory, a short) message and no traceback.
 """
@@ -24,6 +33,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -61,8 +71,18 @@ def _setup_logging(rank: int) -> None:
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("[trainer] %(asctime)s %(message)s", datefmt="%H:%M:%S"))
     logger.handlers[:] = [handler]
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # Every rank would print the same warnings: rank 0 prints them, the others only errors.
+    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
     logger.propagate = False
+
+
+@contextlib.contextmanager
+def _rank_zero_warnings(rank: int):
+    """Python warnings (torch's and ours) print once, from rank 0, not once per rank under torchrun."""
+    with warnings.catch_warnings():
+        if rank != 0:
+            warnings.simplefilter("ignore")
+        yield
 
 
 def _env_int(name: str, default: int) -> int:
@@ -118,6 +138,13 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_gr
     return total
 
 
+def micro_batch_loss(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, labels: torch.Tensor,
+                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The summed token loss of one micro-batch through ``model`` (training's forward; validation
+    runs the same under no_grad): ``loss_fn(model(inputs, position_ids), labels, IGNORE_INDEX)``."""
+    return loss_fn(model(inputs, position_ids), labels, IGNORE_INDEX)
+
+
 def forward_backward(
     model: torch.nn.Module,
     loss_fn,
@@ -147,11 +174,13 @@ def forward_backward(
     distributed = dp_group is not False
     if shard is not None:
         batches = [{k: shard(v) for k, v in b.items()} for b in batches]
-    n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)
+    n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: labels are CPU tensors
     n_tokens = torch.tensor(float(n_local), device=device)
     if distributed:
         dist.all_reduce(n_tokens, group=dp_group)
-    if n_tokens.item() == 0:
+    # Reading the global count waits for the device; only a rank without tokens of its own pays that
+    # (then every rank without tokens reads it, and they all raise when no rank has any).
+    if n_local == 0 and n_tokens.item() == 0:
         raise ValueError("batches: every label is ignore_index; there is no token to compute a loss on")
     scale = dp_size / n_tokens
     loss_sum = torch.zeros((), device=device)
@@ -163,7 +192,7 @@ def forward_backward(
             if pipeline is not None:
                 pipeline.step(inputs, labels, scale)
                 continue
-            token_loss_sum = loss_fn(model(inputs, pos), labels, IGNORE_INDEX)
+            token_loss_sum = micro_batch_loss(model, loss_fn, inputs, labels, pos)
             (token_loss_sum * scale).backward()
         token_loss_sum = token_loss_sum.detach()
         if isinstance(token_loss_sum, DTensor):  # loss parallel
@@ -174,6 +203,39 @@ def forward_backward(
     if distributed:
         dist.all_reduce(loss_sum, group=dp_group)
     return loss_sum / n_tokens
+
+
+class NonFiniteWatch:
+    """The first step whose loss or gradient norm is not finite, kept on the device (no host sync per
+    step); ``check`` reads it (module docstring: the policy)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0 = none yet
+        self._values = torch.zeros(2, dtype=torch.float32, device=device)  # its loss and gradient norm
+
+    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        new = (self._first_bad == 0) & ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
+        self._first_bad = torch.where(new, step, self._first_bad)
+        self._values = torch.where(new, torch.stack([loss.float(), grad_norm.float()]), self._values)
+
+    def check(self, step: int, kept) -> None:
+        """Raise NonFiniteLossError if a step so far was not finite; ``kept()`` says which checkpoint is good."""
+        first = int(self._first_bad)
+        if first == 0:
+            return
+        loss, norm = self._values.tolist()
+        where = f"step {first}" if first == step else f"step {first} (found at the check of step {step})"
+        raise NonFiniteLossError(
+            f"{where}: non-finite loss or gradient (loss {loss}, gradient norm {norm}); stopping before "
+            f"the optimizer step of step {step}; {kept()}. Try a lower --optimizer.lr or a longer "
+            f"--lr_scheduler.warmup_steps"
+        )
+
+
+def _data_error(exc: Exception, section: str = "training") -> TrainingError:
+    """A one-line error for a data source that failed; the message names the key when it knows it."""
+    msg = str(exc)
+    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.")) else f"--{section}.dataset: {msg}")
 
 
 def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
@@ -228,7 +290,8 @@ def main(config: JobConfig) -> int:
     _setup_logging(rank)
     gc_was_enabled = gc.isenabled()
     try:
-        return _run(config, world_size, rank, local_rank)
+        with _rank_zero_warnings(rank):
+            return _run(config, world_size, rank, local_rank)
     except TrainingError as exc:
         where = f"[rank {rank}] " if world_size > 1 else ""
         print(f"python -m trainer: error: {where}{exc}", file=sys.stderr, flush=True)
@@ -299,6 +362,25 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     mesh = dims.build_mesh(device.type, single_process=use_fsdp)
     dp_rank = dims.dp_rank(mesh)
 
+    # The data first: an empty or binary dataset fails now, in one line, before a model is built.
+    loader = val_loader = None
+    if not cfg_ckpt.create_seed_checkpoint:
+        from trainer.data import build_dataloader
+
+        try:
+            loader = build_dataloader(config, tokenizer, dp_rank, dims.dp_size)
+            loader.check()
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise _data_error(exc) from None
+        if config.validation.enable:
+            from trainer.validate import build_validation_loader
+
+            try:
+                val_loader = build_validation_loader(config, tokenizer, dp_rank, dims.dp_size)
+                val_loader.check()
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise _data_error(exc, "validation") from None
+
     stack = contextlib.ExitStack()
     if config.kernels.backend != "auto":
         stack.enter_context(titan_kernels.use_backend(config.kernels.backend))
@@ -345,13 +427,6 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         optimizer = build_optimizer(model, config.optimizer)
         scheduler = build_lr_scheduler(optimizer, _schedule(config))
 
-        from trainer.data import build_dataloader
-
-        try:
-            loader = build_dataloader(config, tokenizer, dp_rank, dims.dp_size)
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise TrainingError(f"--training.dataset: {exc}") from None
-
         ckpt_folder = Path(config.job.dump_folder) / cfg_ckpt.folder
         checkpointer = Checkpointer(
             ckpt_folder, model, optimizer, scheduler, loader, dp_rank, enable=cfg_ckpt.enable,
@@ -386,14 +461,42 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         data_iter = iter(loader)
         gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
         gc.collect()
-        metrics.reset_timer()
+        metrics.start()
+        profiler.__enter__()
         try:
+        validator = None
+        if val_loader is not None:
+            from trainer.validate import Validator
+
+            validator = Validator(
+                val_loader, config.validation.steps, device,
+                lambda inputs, labels, pos: micro_batch_loss(model, loss_fn, inputs, labels, pos),
+                dp_group=dp_group if distributed else False, distributed=distributed,
+                document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
+                loss_context=pm.loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
+            )
+            logger.info("validation: %s, %s every %d steps and at the end", val_loader.source.name,
+                        "the whole split" if config.validation.steps == -1 else f"{config.validation.steps} batches",
+                        config.validation.freq)
+        _log_outputs(config)
+        from trainer.profiling import Profiler
+
+        profiler = Profiler(config.profiling, config.job.dump_folder, rank, device, start_step)
+        watch = NonFiniteWatch(device)
+
+        def kept() -> str:
+            done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
+            return f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
+
             for step in range(start_step + 1, cfg_t.steps + 1):
                 data_wait = 0.0
                 batches = []
                 for _ in range(grad_accum):
                     t0 = time.perf_counter()
-                    batches.append(next(data_iter))
+                    try:
+                        batches.append(next(data_iter))
+                    except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
+                        raise _data_error(exc) from None
                     data_wait += time.perf_counter() - t0
                 loss = forward_backward(model, loss_fn, batches, device, dp_size=pm.grad_scale,
                                         dp_group=dp_group if distributed else False,
@@ -401,15 +504,10 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                                         loss_context=pm.loss_context, pipeline=pm.pipeline)
                 reduce_partial_grads(pm.partial_grads)
                 grad_norm = clip_grad_norm_(params, cfg_t.max_norm, pp_group=pp_norm_group(mesh and mesh["pp"]))
-                if not bool(torch.isfinite(loss) & torch.isfinite(grad_norm)):
-                    done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
-                    kept = f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
-                    raise NonFiniteLossError(
-                        f"step {step}: non-finite loss or gradient (loss {loss.item()}, gradient norm "
-                        f"{grad_norm.item()}); "
-                        f"stopping before the optimizer step; {kept}. Try a lower --optimizer.lr or a longer "
-                        f"--lr_scheduler.warmup_steps"
-                    )
+                watch.update(step, loss, grad_norm)
+                saving = checkpointer.should_save(step, cfg_t.steps)
+                if saving or metrics.should_log(step):  # the only host syncs of a step (module docstring)
+                    watch.check(step, kept)
                 lr = scheduler.get_last_lr()[0]
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -420,13 +518,50 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                              grad_norm=grad_norm, lr=lr)
                 checkpointer.poll()
-                if checkpointer.should_save(step, cfg_t.steps):
+                if saving:
                     checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
                 if step % cfg_t.gc_freq == 0:
                     gc.collect(1)
+                if validator is not None and (step % config.validation.freq == 0 or step == cfg_t.steps):
+                    result = validator.evaluate()
+                    metrics.exclude(result["val_time_s"])
+                    metrics.log_validation(step, result)
         finally:
             checkpointer.close()
             metrics.close()
+                profiler.step(step)
         metrics.print_summary()
         logger.info("done in %.1fs", time.perf_counter() - t_start)
     return 0
+            profiler.__exit__(*sys.exc_info())
+        if rank == 0 and config.metrics.save_plot:
+            _save_plot(config.job.dump_folder)
+
+
+def _log_outputs(config: JobConfig) -> None:
+    """Say where the run writes: metrics, TensorBoard, checkpoints, plot, traces."""
+    dump = Path(config.job.dump_folder)
+    m, c, pr = config.metrics, config.checkpoint, config.profiling
+    parts = [f"metrics {dump / 'metrics.jsonl'}"]
+    parts.append(f"TensorBoard {dump / m.save_tb_folder}" if m.enable_tensorboard
+                 else "TensorBoard off (--metrics.enable_tensorboard)")
+    parts.append(f"checkpoints {dump / c.folder}" if c.enable else "checkpoints off (--checkpoint.enable)")
+    if m.save_plot:
+        parts.append(f"plot {dump / 'metrics.png'} at the end")
+    if pr.enable_profiling:
+        parts.append(f"profiler traces {dump / pr.save_traces_folder}")
+    if pr.enable_memory_snapshot:
+        parts.append(f"memory snapshots {dump / pr.save_memory_snapshot_folder}")
+    logger.info("outputs: %s", "; ".join(parts))
+
+
+def _save_plot(dump_folder: str) -> None:
+    """``<dump_folder>/metrics.png`` from metrics.jsonl; a missing matplotlib is reported, not fatal."""
+    from trainer.plot import plot_runs
+
+    try:
+        path = plot_runs([dump_folder], Path(dump_folder) / "metrics.png")
+    except ImportError as exc:
+        logger.warning("metrics.png not drawn: %s (pip install matplotlib)", exc)
+        return
+    logger.info("plot of the metrics written to %s", path)

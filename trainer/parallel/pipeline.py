@@ -225,6 +225,26 @@ class PipelineRunner:
                 value = value.full_tensor()
             self._loss_sum += value / scale
 
+    def eval_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed token loss of ``inputs`` through the stages, forward only (the schedule's
+        ``eval``; no gradient), on every pp rank. ``inputs``/``labels`` have the batch size the
+        schedule was built for (its micro-batch count is fixed)."""
+        self._scale = 1.0
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": labels, "losses": losses, "return_outputs": False}
+        if self.has_first:
+            self.schedule.eval(inputs, **kwargs)
+        else:
+            self.schedule.eval(**kwargs)
+        total = torch.zeros((), device=self._loss_sum.device)
+        for value in losses:
+            value = value.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor under loss parallel
+                value = value.full_tensor()
+            total += value
+        dist.all_reduce(total, group=self.group)
+        return total
+
     def take_loss_sum(self) -> torch.Tensor:
         """The summed token loss of the steps since the last call, on every pp rank (0 contributed
         by stages without the loss)."""
