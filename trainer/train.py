@@ -458,12 +458,6 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         params = [p for p in model.parameters() if p.requires_grad]
         dp_group = dims.dp_group(mesh)
         distributed = dist.is_initialized() and world_size > 1
-        data_iter = iter(loader)
-        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
-        gc.collect()
-        metrics.start()
-        profiler.__enter__()
-        try:
         validator = None
         if val_loader is not None:
             from trainer.validate import Validator
@@ -488,6 +482,12 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
             return f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
 
+        data_iter = iter(loader)
+        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
+        gc.collect()
+        metrics.start()
+        profiler.__enter__()
+        try:
             for step in range(start_step + 1, cfg_t.steps + 1):
                 data_wait = 0.0
                 batches = []
@@ -517,25 +517,25 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
                 metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                              grad_norm=grad_norm, lr=lr)
-                checkpointer.poll()
-                if saving:
-                    checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
-                if step % cfg_t.gc_freq == 0:
-                    gc.collect(1)
                 if validator is not None and (step % config.validation.freq == 0 or step == cfg_t.steps):
                     result = validator.evaluate()
                     metrics.exclude(result["val_time_s"])
                     metrics.log_validation(step, result)
+                checkpointer.poll()
+                if saving:
+                    checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
+                profiler.step(step)
+                if step % cfg_t.gc_freq == 0:
+                    gc.collect(1)
         finally:
+            profiler.__exit__(*sys.exc_info())
             checkpointer.close()
             metrics.close()
-                profiler.step(step)
         metrics.print_summary()
-        logger.info("done in %.1fs", time.perf_counter() - t_start)
-    return 0
-            profiler.__exit__(*sys.exc_info())
         if rank == 0 and config.metrics.save_plot:
             _save_plot(config.job.dump_folder)
+        logger.info("done in %.1fs", time.perf_counter() - t_start)
+    return 0
 
 
 def _log_outputs(config: JobConfig) -> None:
