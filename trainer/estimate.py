@@ -14,7 +14,9 @@ Per device (bytes), for P parameters sharded over ``dp_shard`` ranks by FSDP2:
                log-sum-exp and two RMSNorm rstd), which is exactly what autograd saves for
                ``trainer.models.llama.TransformerBlock`` (checked in tests/trainer/test_estimate.py);
                full AC: only each block's input, plus one block recomputed at a time;
-               selective "op": matmul/attention outputs kept: 5*dim + 2*kv_dim + 2*ffn_hidden;
+               selective "op": the block input and the matmul/attention outputs kept:
+               5*dim + 2*kv_dim + 2*ffn_hidden + n_heads (the LSE), also checked against what
+               the policy saves in tests/trainer/test_estimate.py;
                selective N: every N-th block as full AC;
                plus the logits: vocab * (compute bytes + 8) per token (a float32 copy for the loss
                and its gradient).
@@ -91,7 +93,7 @@ def activation_values_per_token(args: ModelArgs, ac_mode: str = "none", selectiv
     if ac_mode != "selective":
         raise ValueError(f"activation_checkpoint.mode: expected none, full or selective, got {ac_mode!r}")
     if selective_ac_option == "op":
-        return args.n_layers * (5 * args.dim + 2 * kv_dim + 2 * args.ffn_hidden_dim)
+        return args.n_layers * (5 * args.dim + 2 * kv_dim + 2 * args.ffn_hidden_dim + args.n_heads)
     every = int(selective_ac_option)
     n_ckpt = math.ceil(args.n_layers / every)
     return n_ckpt * args.dim + (args.n_layers - n_ckpt) * full_block + full_block

@@ -4,8 +4,9 @@ Modes (``[activation_checkpoint]``):
   none        keep every activation;
   full        every transformer block keeps only its input and recomputes the rest;
   selective   ``selective_ac_option = N``: every N-th block (layer_id % N == 0) as in full mode;
-              ``selective_ac_option = "op"``: every block, but the outputs of the matmuls and of
-              attention are saved and only the cheap element-wise ops (norms, rotary, SwiGLU's
+              ``selective_ac_option = "op"``: every block, but the outputs of the matmuls, of
+              attention (``titan::flash_attn``: out and LSE) and of ``titan::fp8_linear`` /
+              ``titan::linear_cross_entropy`` are saved and only the cheap element-wise ops (norms, rotary, SwiGLU's
               activation) are recomputed (Korthikanti et al., "Reducing Activation Recomputation in
               Large Transformer Models", 2022, sec. 4: the memory-heavy, cheap ops).
 
@@ -22,16 +23,28 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 MODES = ("none", "full", "selective")
 
-# Ops whose outputs "op" mode saves: the FLOP-heavy ones.
-_SAVE_OPS = {
-    torch.ops.aten.mm.default,
-    torch.ops.aten.addmm.default,
-    torch.ops.aten.bmm.default,
-    torch.ops.aten._scaled_dot_product_efficient_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention.default,
-    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-}
+
+def _save_ops() -> set:
+    """Ops whose outputs "op" mode saves: the FLOP-heavy ones, aten's and ours (titan_kernels' ops run
+    through the dispatcher under the checkpoint's dispatch mode, so the policy sees them)."""
+    import titan_kernels  # noqa: F401  (registers the titan ops)
+
+    ops = {
+        torch.ops.aten.mm.default,
+        torch.ops.aten.addmm.default,
+        torch.ops.aten.bmm.default,
+        torch.ops.aten._scaled_dot_product_efficient_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention.default,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    }
+    for name in ("flash_attn", "fp8_linear", "linear_cross_entropy"):
+        if hasattr(torch.ops.titan, name):
+            ops.add(getattr(torch.ops.titan, name).default)
+    return ops
+
+
+_SAVE_OPS = _save_ops()
 
 
 def _save_matmuls_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
