@@ -27,7 +27,9 @@ from titan_kernels.backend import triton_interpret
 from titan_kernels.reference.fp8 import AMAX_EPS, FP8_MAX, empty_colwise, scale_from_amax
 
 _AMAX_EPS = tl.constexpr(AMAX_EPS)
-_NAN = tl.constexpr(float("nan"))
+# NaN as its float32 bit pattern: a NaN constexpr global compares unequal to itself, so the compiled
+# JIT's "global changed since compile" check would reject every launch (tests/test_sm90_compile.py).
+_NAN_BITS = tl.constexpr(0x7FC00000)
 # (mantissa bits, exponent of the smallest normal) of each format (OCP FP8 spec).
 _FORMAT = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
@@ -42,7 +44,8 @@ def _reduce_nanmax(v, axis):
     # tl.max drops NaN on GPUs; a custom-combine tl.reduce would keep it but crawls in the
     # interpreter. So: the plain max, then NaN wherever the reduced group holds one.
     has_nan = tl.max((v != v).to(tl.int32), axis)
-    return tl.where(has_nan > 0, _NAN, tl.max(v, axis))
+    nan = tl.full((), _NAN_BITS, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(has_nan > 0, nan, tl.max(v, axis))
 
 
 @triton.jit
