@@ -1,0 +1,446 @@
+"""Every Triton kernel compiles for Hopper (sm_90a) without a GPU: registers, shared memory, spills.
+
+Triton's NVIDIA backend and the ptxas in the Triton wheel lower a kernel to a cubin for a target
+with no device present. This catches what the interpreter cannot: constructs only the compiled path
+rejects, tensor-core (wgmma) and TMA use, shared memory over the 227 KiB per block of H100/H200 and
+register spills. What it does not show: speed, and results on the device (the interpreter tests
+cover the semantics; bench/run_gpu.sh runs them on the GPU).
+
+How: ``KERNELS`` is one table, a row per launcher call at a shape (CPU tensors). In a subprocess with
+``TRITON_INTERPRET=0`` (the test session runs the interpreter) and a stand-in driver that names
+sm_90 as the current target, every launch the row makes is captured instead of run, then compiled
+with Triton's own ``warmup`` (the JIT's compile without launch) at:
+  * the default config: what runs without autotuning (the launcher's heuristic tile, or the first
+    config of an autotuned kernel, which is its default by our convention);
+  * with ``--all`` (``pytest -m slow``): every config of each autotuned kernel.
+``ptxas -v --gpu-name sm_90a`` on the PTX reports registers and spills; Triton reports the shared
+memory. The test fails on spills or shared memory over the limit in the hot configurations (a row's
+default configs at Llama shapes), and on a Triton kernel of ``titan_kernels/triton/`` that no row
+compiles. Non-default autotuning configs are reported only: autotuning times them and skips those
+that do not fit.
+
+Adding a kernel (later issues): one ``Row`` in ``KERNELS`` whose ``drive`` calls the new launcher; a
+module not in the tree yet is skipped with that reason.
+
+Run by hand: ``TRITON_INTERPRET=0 python -m tests.test_sm90_compile [--all] [--only NAME_PART] [--md FILE]``
+(``--md`` writes the report table, e.g. bench/results/<date>-sm90a-compile.md).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from typing import Callable
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SMEM_LIMIT = 232448  # bytes of shared memory per block on H100/H200 (227 KiB)
+MAX_REGISTERS = 255
+
+
+@dataclass(frozen=True)
+class Row:
+    """One launcher call at one shape. ``drive(module)`` calls it on CPU tensors."""
+
+    name: str
+    module: str
+    drive: Callable
+    hot: bool = True  # spills / shared memory over the limit fail the test at the default configs
+    needs: dict = field(default_factory=dict)  # kernel name -> PTX features it must use: "wgmma", "tma"
+    all_only: bool = False  # compiled only with --all (slow)
+
+
+# ----------------------------------------------------------------------------- the rows' launcher calls
+
+
+def _t(*shape, dtype="bfloat16"):
+    import torch
+
+    return torch.randn(*shape).to(getattr(torch, dtype))
+
+
+def _rms_norm(n, residual=False, backward=False):
+    def drive(T):
+        import torch
+
+        x, w = _t(64, n), _t(n)
+        if not backward:
+            T.rms_norm_fwd(x, _t(64, n) if residual else None, w, 1e-6)
+        else:
+            T.rms_norm_bwd(_t(64, n), x, w, torch.ones(64), _t(64, n) if residual else None, True)
+
+    return drive
+
+
+def _rotary(n_heads, n_kv_heads, interleaved=False, backward=False):
+    def drive(T):
+        import torch
+
+        q, k = _t(1, 256, n_heads, 128), _t(1, 256, n_kv_heads, 128)
+        cos, sin = torch.rand(256, 64), torch.rand(256, 64)
+        (T.rotary_bwd if backward else T.rotary_fwd)(q, k, cos, sin, None, interleaved)
+
+    return drive
+
+
+def _fp8_quantize(granularity):
+    def drive(T):
+        import torch
+
+        T.fp8_quantize(_t(4096, 4096), torch.float8_e4m3fn, granularity, False)
+
+    return drive
+
+
+def _fp8_gemm(m, n, k, use_tma):
+    def drive(T):
+        import torch
+
+        a = torch.randn(m, k).to(torch.float8_e4m3fn)
+        b = torch.randn(n, k).to(torch.float8_e4m3fn)
+        T.fp8_gemm(a, b, torch.ones(()), torch.ones(()), torch.bfloat16, None, False, use_tma=use_tma)
+
+    return drive
+
+
+def _attention(head_dim, varlen, part):
+    def drive(T):
+        import torch
+
+        b, s, h, hkv = 2, 256, 8, 2
+        q = _t(b, s, h, head_dim)
+        k, v = _t(b, s, hkv, head_dim), _t(b, s, hkv, head_dim)
+        cu = torch.tensor([0, 100, 256], dtype=torch.int32) if varlen else None
+        if varlen:
+            q, k, v = q[0], k[0], v[0]
+        lse = torch.empty(h, s) if varlen else torch.empty(b, h, s)
+        dims = T._dims(q, k, cu, 156, 156)
+        if part == "fwd":
+            T._launch_fwd_portable(q, k, v, torch.empty_like(q), lse, cu, cu, dims, True, 0.1)
+        elif part == "sm90":  # chosen on sm_90 devices only (sm90_eligible), so launched directly
+            T._launch_fwd_sm90(q, k, v, torch.empty_like(q), lse, cu, cu, dims, True, 0.1)
+        else:
+            T.attention_bwd(q, q, k, v, q, lse, cu, cu, 156, 156, True, 0.1)
+
+    return drive
+
+
+def _swiglu(backward=False):
+    def drive(T):
+        g, u = _t(64, 14336), _t(64, 14336)
+        T.swiglu_bwd(_t(64, 14336), g, u) if backward else T.swiglu_fwd(g, u)
+
+    return drive
+
+
+_TC = {"wgmma"}
+KERNELS: list[Row] = [
+    # RMSNorm: Llama hidden sizes one pass (hot); 32k columns take the two-pass loop (reported).
+    *[Row(f"rms_norm.{p} N{n}{' +res' if r else ''}", "titan_kernels.triton.rms_norm", _rms_norm(n, r, p == "bwd"))
+      for p in ("fwd", "bwd") for n in (4096, 8192) for r in (False, True)],
+    Row("rms_norm.fwd N32768 two-pass", "titan_kernels.triton.rms_norm", _rms_norm(32768), hot=False),
+    Row("rms_norm.bwd N32768 two-pass", "titan_kernels.triton.rms_norm", _rms_norm(32768, backward=True), hot=False),
+    # Rotary: Llama 3 8B (32/8 heads) and 70B (64/8), head_dim 128.
+    Row("rotary.fwd h32/8 d128", "titan_kernels.triton.rotary", _rotary(32, 8)),
+    Row("rotary.bwd h32/8 d128", "titan_kernels.triton.rotary", _rotary(32, 8, backward=True)),
+    Row("rotary.fwd h32/8 d128 interleaved", "titan_kernels.triton.rotary", _rotary(32, 8, interleaved=True)),
+    Row("rotary.fwd h64/8 d128", "titan_kernels.triton.rotary", _rotary(64, 8)),
+    # Float8 quantization at a Llama activation shape.
+    *[Row(f"fp8_quantize.{g} 4096x4096", "titan_kernels.triton.fp8_quantize", _fp8_quantize(g))
+      for g in ("tensorwise", "rowwise", "colwise")],
+    # Float8 GEMM: autotuned (>= 4 GFLOP) TMA and pointer kernels, and the fixed tile of small GEMMs.
+    Row("fp8_gemm.tma 2048x1024x1024", "titan_kernels.triton.fp8_gemm", _fp8_gemm(2048, 1024, 1024, True),
+        needs={"_fp8_gemm_tma_kernel": {"wgmma", "tma"}}),
+    Row("fp8_gemm.pointer 2048x1024x1024", "titan_kernels.triton.fp8_gemm", _fp8_gemm(2048, 1024, 1024, False),
+        needs={"_fp8_gemm_kernel": _TC}),
+    Row("fp8_gemm.tma 256x256x256 fixed", "titan_kernels.triton.fp8_gemm", _fp8_gemm(256, 256, 256, True),
+        needs={"_fp8_gemm_tma_kernel": {"wgmma", "tma"}}),
+    Row("fp8_gemm.pointer 256x256x256 fixed", "titan_kernels.triton.fp8_gemm", _fp8_gemm(256, 256, 256, False),
+        needs={"_fp8_gemm_kernel": _TC}),
+    # FlashAttention, causal, GQA 8:2, head_dim 128 and 64, dense and varlen. Only with --all: the default
+    # run of tests/kernels/test_attention_sm90.py already compiles the head_dim 128 defaults (~20 s).
+    *[Row(f"flash_attn.{p} d{d}{' varlen' if vl else ''}", "titan_kernels.triton.flash_attn", _attention(d, vl, p),
+          hot=d == 128, needs={"_fwd_kernel": _TC, "_fwd_kernel_sm90": {"wgmma", "tma"}, "_bwd_dkdv_kernel": _TC,
+                               "_bwd_dq_kernel": _TC},
+          all_only=True)
+      for d in (128, 64) for vl in (False, True) for p in ("fwd", "sm90", "bwd")],
+    # SwiGLU at the Llama 3 8B FFN width.
+    Row("swiglu.fwd 14336", "titan_kernels.triton.swiglu", _swiglu()),
+    Row("swiglu.bwd 14336", "titan_kernels.triton.swiglu", _swiglu(backward=True)),
+]
+
+
+# ----------------------------------------------------------------------------- capture and compile (subprocess)
+
+
+class Sm90Target:
+    """The stand-in for Triton's CUDA driver: what the JIT asks of it to compile (not to launch)."""
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def is_active(self):
+        return True
+
+
+@dataclass
+class Launch:
+    fn: object  # the JITFunction
+    args: tuple
+    kwargs: dict
+    configs: list | None  # an autotuned launch: the autotuner's configs
+
+
+def _capture(row: Row) -> list[Launch]:
+    """The kernel launches ``row.drive`` makes, none of them run."""
+    from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
+
+    launches: list[Launch] = []
+    jit_run, tuner_run = JITFunction.run, Autotuner.run
+
+    def run_jit(self, *args, grid, warmup, **kwargs):
+        if warmup:
+            return jit_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        launches.append(Launch(self, args, kwargs, None))
+        return None
+
+    def run_tuner(self, *args, **kwargs):
+        kwargs.pop("grid", None)
+        kwargs.pop("warmup", None)
+        launches.append(Launch(self.fn, args, kwargs, list(self.configs)))
+
+    JITFunction.run, Autotuner.run = run_jit, run_tuner
+    try:
+        row.drive(importlib.import_module(row.module))
+    finally:
+        JITFunction.run, Autotuner.run = jit_run, tuner_run
+    return launches
+
+
+def _ptxas():
+    import triton
+
+    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return next((str(bindir / n) for n in ("ptxas-blackwell", "ptxas") if (bindir / n).exists()), None)
+
+
+def _ptxas_report(ptx: str) -> dict:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        pathlib.Path(src).write_text(ptx)
+        r = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+                           capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
+    regs = re.search(r"Used (\d+) registers", r.stderr)
+    spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", r.stderr)]
+    return {"registers": int(regs.group(1)) if regs else 0, "spill_stores": spills[0] if spills else 0,
+            "spill_loads": spills[1] if len(spills) > 1 else 0}
+
+
+def _config_label(kwargs: dict, fn) -> str:
+    # The tile and launch options; the other constexprs (flags) are in the kernel's row name.
+    keys = [k for k in kwargs if k.startswith("BLOCK") or k in ("GROUP_M", "WARP_SPECIALIZE", "ONE_PASS")]
+    parts = [f"{k}={int(kwargs[k]) if isinstance(kwargs[k], bool) else kwargs[k]}" for k in keys]
+    parts.append(f"w{kwargs.get('num_warps', 4)} s{kwargs.get('num_stages', 3)}")
+    return " ".join(parts)
+
+
+def _compile(launch: Launch, config) -> dict:
+    kwargs = dict(launch.kwargs)
+    if config is not None:
+        kwargs.update(config.all_kwargs())
+        if config.pre_hook is not None:  # e.g. TMA descriptors take the config's block shape
+            config.pre_hook({**dict(zip(launch.fn.arg_names, launch.args)), **kwargs})
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    compiled = launch.fn.warmup(*launch.args, grid=(1,), **kwargs)
+    ptx = compiled.asm["ptx"]
+    return {"config": _config_label(kwargs, launch.fn), "smem": compiled.metadata.shared,
+            "wgmma": "wgmma" in ptx, "tma": "cp.async.bulk.tensor" in ptx, **_ptxas_report(ptx)}
+
+
+def compile_row(row: Row, all_configs: bool) -> list[dict]:
+    """Compile every kernel launch of ``row`` (default config, or every autotuning config)."""
+    out, seen = [], set()
+    for launch in _capture(row):
+        configs = [None] if launch.configs is None else (launch.configs if all_configs else launch.configs[:1])
+        for i, cfg in enumerate(configs):
+            report = _compile(launch, cfg)
+            key = (launch.fn.__name__, report["config"], json.dumps(
+                {k: str(v) for k, v in launch.kwargs.items() if not k.startswith("BLOCK")}, sort_keys=True))
+            if key in seen:
+                continue
+            seen.add(key)
+            default = launch.configs is None or i == 0
+            out.append({"row": row.name, "kernel": launch.fn.__name__, "default": default,
+                        "hot": row.hot and default, "autotuned": launch.configs is not None, **report})
+    return out
+
+
+def kernels_in_tree() -> dict[str, list[str]]:
+    """module -> the names of its @triton.jit kernels (jit functions named *kernel*; others are helpers)."""
+    from triton.runtime.jit import JITFunction
+
+    out = {}
+    for path in sorted((ROOT / "titan_kernels" / "triton").glob("*.py")):
+        if path.stem == "__init__":
+            continue
+        name = f"titan_kernels.triton.{path.stem}"
+        mod = importlib.import_module(name)
+        found = [k for k, v in vars(mod).items() if isinstance(v, JITFunction) and "kernel" in k]
+        if found:
+            out[name] = sorted(v.__name__ for v in (getattr(mod, k) for k in found))
+    return out
+
+
+def _worker(args) -> list[dict]:
+    index, all_configs = args
+    row = KERNELS[index]
+    if importlib.util.find_spec(row.module) is None:
+        return [{"row": row.name, "skipped": f"{row.module} is not in the tree yet"}]
+    return compile_row(row, all_configs)
+
+
+def _init_worker():
+    os.environ["TRITON_INTERPRET"] = "0"
+    import triton
+
+    triton.runtime.driver.set_active(Sm90Target())
+
+
+def main(argv: list[str]) -> None:
+    import multiprocessing as mp
+
+    all_configs = "--all" in argv
+    _init_worker()
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""  # a substring of row names
+    todo = [(i, all_configs) for i, r in enumerate(KERNELS) if (all_configs or not r.all_only) and only in r.name]
+    ctx = mp.get_context("spawn")  # fresh interpreters: each sets the driver before Triton is used
+    with ctx.Pool(min(len(todo), max(1, os.cpu_count() or 1), 8), initializer=_init_worker) as pool:
+        rows = [r for part in pool.map(_worker, todo, chunksize=1) for r in part]
+    result = {"rows": rows, "kernels_in_tree": kernels_in_tree(), "all_configs": all_configs}
+    if "--md" in argv:
+        pathlib.Path(argv[argv.index("--md") + 1]).write_text(markdown(result))
+    print(json.dumps(result))
+
+
+def markdown(result: dict) -> str:
+    import datetime
+
+    import torch
+    import triton
+
+    lines = [
+        "# Triton kernels compiled for sm_90a (no GPU: static facts, not timings)", "",
+        f"- date: {datetime.date.today().isoformat()}",
+        f"- compiled with: triton {triton.__version__} (target cuda:90, ptxas from the Triton wheel), torch {torch.__version__}",
+        f"- how: `TRITON_INTERPRET=0 python -m tests.test_sm90_compile{' --all' if result['all_configs'] else ''}`",
+        f"- limits: {SMEM_LIMIT} bytes of shared memory per block (H100/H200); {MAX_REGISTERS} registers per thread",
+        "- hot: the default config of a row at a Llama shape (spills there fail tests/test_sm90_compile.py)", "",
+        "| row | kernel | config | default | hot | regs | smem (B) | spill st/ld (B) | wgmma | TMA |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        if "skipped" in r:
+            lines.append(f"| {r['row']} | skipped: {r['skipped']} | | | | | | | | |")
+            continue
+        lines.append(f"| {r['row']} | {r['kernel']} | {r['config']} | {r['default']} | {r['hot']} | {r['registers']} | "
+                     f"{r['smem']} | {r['spill_stores']}/{r['spill_loads']} | {r['wgmma']} | {r['tma']} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _run(all_configs: bool) -> dict:
+    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "tests.test_sm90_compile"] + (["--all"] if all_configs else [])
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
+    assert r.returncode == 0, r.stderr[-6000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _require_nvidia_backend():
+    import triton
+
+    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia").is_dir():
+        pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90a")
+    if _ptxas() is None:
+        pytest.skip("this Triton build ships no ptxas")
+
+
+def _print_report(result: dict, capsys) -> None:
+    with capsys.disabled():
+        print(f"\nTriton kernels for sm_90a ({len(result['rows'])} compiles): registers, shared memory, spills")
+        for r in result["rows"]:
+            if "skipped" in r:
+                print(f"  {r['row']:40s} skipped: {r['skipped']}")
+                continue
+            flag = "" if not (r["spill_stores"] or r["spill_loads"]) else ("  SPILL (hot)" if r["hot"] else "  spill")
+            print(f"  {r['row']:40s} {r['kernel']:24s} {r['config']:58s} regs {r['registers']:3d}  "
+                  f"smem {r['smem']:6d}  spill {r['spill_stores']}/{r['spill_loads']}{flag}")
+
+
+def _check(result: dict) -> None:
+    rows = [r for r in result["rows"] if "skipped" not in r]
+    assert rows, "no kernel was compiled"
+    problems = []
+    needs = {k: v for row in KERNELS for k, v in row.needs.items()}
+    for r in rows:
+        where = f"{r['row']}: {r['kernel']} [{r['config']}]"
+        if r["hot"] and (r["spill_stores"] or r["spill_loads"]):
+            problems.append(f"{where}: register spill {r['spill_stores']} B stores / {r['spill_loads']} B loads")
+        if r["hot"] and r["smem"] > SMEM_LIMIT:
+            problems.append(f"{where}: {r['smem']} B of shared memory > {SMEM_LIMIT}")
+        for feature in needs.get(r["kernel"], ()):
+            if not r[feature]:
+                problems.append(f"{where}: no {feature} instruction in the PTX")
+    assert not problems, "\n".join(problems)
+
+
+def _check_every_kernel_compiled(result: dict) -> None:
+    compiled = {r["kernel"] for r in result["rows"] if "skipped" not in r}
+    if not result["all_configs"]:  # rows compiled only with --all (see their comment in KERNELS)
+        compiled |= {k for row in KERNELS if row.all_only for k in result["kernels_in_tree"].get(row.module, ())}
+    missing = [f"{mod}.{k}" for mod, names in result["kernels_in_tree"].items() for k in names if k not in compiled]
+    assert not missing, ("Triton kernels no row of KERNELS compiles (add a Row in tests/test_sm90_compile.py): "
+                         + ", ".join(missing))
+
+
+def test_every_triton_kernel_compiles_for_sm90a_default_configs(capsys):
+    _require_nvidia_backend()
+    result = _run(False)
+    _print_report(result, capsys)
+    _check(result)
+    _check_every_kernel_compiled(result)
+
+
+@pytest.mark.slow
+def test_every_autotuning_config_compiles_for_sm90a(capsys):
+    _require_nvidia_backend()
+    result = _run(True)
+    _print_report(result, capsys)
+    _check(result)
+    _check_every_kernel_compiled(result)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
