@@ -36,9 +36,10 @@ LOSS_TOL = 1e-4
 NORM_RTOL = 1e-4
 
 
-def records(folder: Path) -> dict[int, dict]:
+def records(folder: Path, kind: str = "loss") -> dict[int, dict]:
+    """The training records of ``folder/metrics.jsonl`` by step (``kind="val_loss"``: the validation ones)."""
     lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines)}
+    return {r["step"]: r for r in map(json.loads, lines) if kind in r}
 
 
 def _rank_main(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
@@ -108,8 +109,9 @@ def run_layouts(world_size: int, layouts: dict[str, list[str]], folder: Path, ti
     return results
 
 
-def reference(tmp_path_factory, *argv: str) -> dict[int, dict]:
-    """The single-process run of ``COMMON + argv`` (local batch = the global batch), once per session."""
+def reference(tmp_path_factory, *argv: str, kind: str = "loss") -> dict[int, dict]:
+    """The single-process run of ``COMMON + argv`` (local batch = the global batch), once per session;
+    its training records (``kind="val_loss"``: its validation records)."""
     from trainer import train
     from trainer.config import parse_args
 
@@ -124,7 +126,7 @@ def reference(tmp_path_factory, *argv: str) -> dict[int, dict]:
         finally:
             torch.set_num_threads(n)
         assert rc == 0
-    return records(folder)
+    return records(folder, kind)
 
 
 def assert_same(got, ref: dict[int, dict], steps=range(1, STEPS + 1)) -> None:
