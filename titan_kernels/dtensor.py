@@ -197,3 +197,25 @@ if torch.distributed.is_available():
             ([rep] * 3, [rep] * 6 + [dl(rep), rep, rep, *flags]),
             ([Shard(1)] * 3, [Shard(1)] * 5 + [Shard(0), dl(Shard(0)), rep, rep, *flags]),
         ]
+
+
+import titan_kernels.ops.cross_entropy  # noqa: E402,F401  (defines the linear_cross_entropy ops)
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- linear_cross_entropy
+    # The vocabulary-parallel loss (weight Shard(0)) needs collectives between the softmax
+    # statistics and the gradient, which a sharding rule cannot express: the public
+    # ``titan_kernels.linear_cross_entropy`` handles DTensors itself and calls the op on local
+    # shards with the group. These rules cover direct calls of the ops with DTensors: replicated
+    # inputs run locally (anything else is made Replicate by DTensor, never computed wrong). The
+    # rules depend only on tensor arguments (DTensor leaves the scalars out of its cache key).
+
+    @register_sharding(torch.ops.titan.linear_cross_entropy.default)
+    def _linear_cross_entropy_sharding(hidden, weight, labels, *scalars):
+        rep = Replicate()
+        return [([rep] * 4, [rep, rep, rep, *[None] * len(scalars)])]
+
+    @register_sharding(torch.ops.titan.linear_cross_entropy_backward.default)
+    def _linear_cross_entropy_backward_sharding(grad_loss, hidden, weight, labels, lse, *scalars):
+        rep = Replicate()
+        return [([rep, rep], [rep] * 5 + [None] * len(scalars))]
