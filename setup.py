@@ -27,10 +27,11 @@ setup(
         "tensorboard>=2.15",
         "pyarrow>=14",
         "psutil>=5.9",
+        "safetensors>=0.4",  # Hugging Face checkpoints (trainer.hf, trainer.convert)
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja", "transformers>=4.45"],
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],
     },

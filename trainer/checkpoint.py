@@ -4,6 +4,7 @@ Layout under the checkpoint folder (``<dump_folder>/<checkpoint.folder>``):
   step-<N>/            a complete checkpoint (DCP files + ``.metadata``), resumable
   .step-<N>.partial/   a checkpoint being written; renamed to step-<N> only once complete
   weights-step-<N>/    a model-weights-only export (``checkpoint.model_weights_only``), not resumed from
+  hf-step-<N>/         a Hugging Face Llama folder (``checkpoint.last_save_in_hf``; ``trainer.hf``)
 
 What a full checkpoint holds (keys of the DCP state dict):
   model         sharded parameters (DTensors under FSDP2), via ``get_model_state_dict``
@@ -12,7 +13,15 @@ What a full checkpoint holds (keys of the DCP state dict):
   dataloader    ``dp_rank_<r>``: each data-parallel rank's loader state (JSON); resharded on load
                 when the data-parallel degree changes
   train_state   step and tokens seen (JSON)
-A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) holds the model only.
+  model_args    the flavor and ModelArgs the model was built with (JSON), so that a checkpoint
+                converts (``python -m trainer.convert``) or is checked against a run without a flavor
+A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) and a weights-only export hold
+the model and model_args only.
+
+A run can also start from another checkpoint (``checkpoint.initial_load_path``, used only when
+the checkpoint folder has nothing to resume): a DCP checkpoint folder or step folder (the model
+only, or with ``initial_load_model_only false`` the whole training state), or a Hugging Face
+Llama folder (``initial_load_in_hf``), read tensor by tensor into the sharded model.
 
 Atomicity. Every rank writes into ``.step-<N>.partial``; DCP's coordinator writes ``.metadata``
 after all ranks' data is written (and fsynced), and only then does rank 0 rename the folder to
@@ -26,6 +35,7 @@ has finished; ``close()`` waits for the last one.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -123,6 +133,9 @@ class Checkpointer:
         async_mode: "disabled" or "async".
         load_step: -1 = the newest complete checkpoint; else that step.
         model_weights_only / export_dtype: the final save is a weights-only export in this dtype.
+    model_args / flavor: what the model was built with, recorded in every checkpoint.
+    last_save_in_hf: the final save is a Hugging Face folder ``hf-step-<N>`` (in export_dtype),
+        written at the last step even when ``enable`` is off.
     """
 
     def __init__(
@@ -141,6 +154,9 @@ class Checkpointer:
         load_step: int = -1,
         model_weights_only: bool = False,
         export_dtype: str = "float32",
+        model_args: Any = None,
+        flavor: str = "",
+        last_save_in_hf: bool = False,
     ) -> None:
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
@@ -156,6 +172,7 @@ class Checkpointer:
         self.enable, self.interval, self.keep_latest_k = enable, interval, keep_latest_k
         self.async_mode, self.load_step = async_mode, load_step
         self.model_weights_only, self.export_dtype = model_weights_only, _EXPORT_DTYPES[export_dtype]
+        self.model_args, self.flavor, self.last_save_in_hf = model_args, flavor, last_save_in_hf
         self.rank = _rank()
         self._pending: tuple[Future, Path, Path, bool] | None = None
         self._pg = None
@@ -168,8 +185,15 @@ class Checkpointer:
     def _model_sd(self) -> dict[str, Any]:
         return get_model_state_dict(self.model)
 
+    def _model_state(self, sd: dict[str, Any] | None = None) -> dict[str, Any]:
+        """``{"model": ..., "model_args": ...}``: the weights and, when known, what built them."""
+        state: dict[str, Any] = {"model": self._model_sd() if sd is None else sd}
+        if self.model_args is not None:
+            state["model_args"] = model_args_record(self.model_args, self.flavor)
+        return state
+
     def _full_state(self, step: int, tokens_seen: int) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self._model_sd()}
+        state = self._model_state()
         if self.optimizer is not None:
             state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer)
         if self.lr_scheduler is not None:
@@ -182,14 +206,19 @@ class Checkpointer:
     # -- saving --------------------------------------------------------------------------------
 
     def should_save(self, step: int, last_step: int) -> bool:
+        if self.last_save_in_hf and step == last_step:
+            return True
         return self.enable and (step % self.interval == 0 or step == last_step)
 
     def save(self, step: int, tokens_seen: int = 0, last: bool = False) -> Path | None:
-        """Save a checkpoint of ``step`` (a weights-only export instead if ``last`` and model_weights_only).
+        """Save a checkpoint of ``step`` (if ``last``: a Hugging Face folder with last_save_in_hf, a
+        weights-only export with model_weights_only).
 
         Returns the final path (in async mode it appears once the background write completes).
         """
         self.wait()  # one write in flight at a time
+        if last and self.last_save_in_hf:
+            return self.export_hf(step)
         if last and self.model_weights_only:
             return self.export_weights(step)
         state = self._full_state(step, tokens_seen)
@@ -197,13 +226,45 @@ class Checkpointer:
 
     def save_seed(self) -> Path:
         """Write the model (initial weights) as the step-0 seed checkpoint, synchronously."""
-        path = self._write({"model": self._model_sd()}, "step-0", force_sync=True)
+        path = self._write(self._model_state(), "step-0", force_sync=True)
         return path
 
     def export_weights(self, step: int) -> Path:
         """Write the model weights only, in ``export_dtype``, as ``weights-step-<step>`` (synchronously)."""
+        return self.export_weights_to(f"weights-step-{step}")
+
+    def export_hf(self, step: int) -> Path:
+        """Write the model as a Hugging Face Llama folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
+
+        Every rank writes its shards into a temporary DCP export (any layout, pipeline stages
+        included); rank 0 then streams it into safetensors shards (``trainer.convert.dcp_to_hf``,
+        one shard of memory at a time), publishes the folder by a rename and removes the export.
+        Needs ``model_args`` (the Hugging Face config is written from them).
+        """
+        if self.model_args is None:
+            raise CheckpointError("checkpoint.last_save_in_hf: the model arguments are unknown; cannot write config.json")
+        from trainer.convert import dcp_to_hf
+
+        tmp = self.export_weights_to(f".hf-step-{step}.dcp")  # a dot name: never taken for a step
+        final = self.folder / f"hf-step-{step}"
+        if self.rank == 0:
+            partial = self.folder / f".hf-step-{step}.partial"
+            if partial.exists():
+                shutil.rmtree(partial)
+            dcp_to_hf(tmp, partial)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(partial, final)
+            _fsync_dir(self.folder)
+            shutil.rmtree(tmp, ignore_errors=True)
+            logger.info("saved Hugging Face checkpoint %s", final)
+        _barrier()
+        return final
+
+    def export_weights_to(self, name: str) -> Path:
+        """The model weights (and model_args) in ``export_dtype`` as the DCP folder ``name``, synchronously."""
         sd = {k: v.to(self.export_dtype) for k, v in self._model_sd().items()}
-        return self._write({"model": sd}, f"weights-step-{step}", force_sync=True, purge=False)
+        return self._write(self._model_state(sd), name, force_sync=True, purge=False)
 
     def _write(self, state: dict[str, Any], name: str, force_sync: bool = False, purge: bool = True) -> Path:
         final = self.folder / name
@@ -285,20 +346,84 @@ class Checkpointer:
         if step is None:
             return 0, 0
         path = self.folder / f"step-{step}"
-        keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-        has = lambda prefix: any(k == prefix or k.startswith(prefix + ".") for k in keys)  # noqa: E731
-        if not has("optimizer"):
+        keys = self._checked_keys(path)
+        if not _has(keys, "optimizer"):
             if step != 0:
                 raise CheckpointError(
                     f"checkpoint {path} holds model weights only; only step-0 (a seed) may; "
                     f"choose another --checkpoint.load_step or folder"
                 )
-            state = {"model": self._model_sd()}
-            dcp.load(state, checkpoint_id=str(path))
-            set_model_state_dict(self.model, state["model"])
+            self._load_model(path)
             logger.info("loaded seed checkpoint %s (model weights)", path)
             return 0, 0
+        step, tokens = self._load_all(path, keys)
+        logger.info("resumed from checkpoint %s", path)
+        return step, tokens
+
+    def _checked_keys(self, path: Path) -> set[str]:
+        """The state dict keys of the DCP checkpoint ``path``, after checking its model_args against ours."""
+        keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        if self.model_args is not None and "model_args" in keys:
+            from trainer.hf import HFCheckpointError, check_compatible
+
+            saved, flavor = read_model_args(path)
+            try:
+                check_compatible(saved, self.model_args, f"checkpoint {path} (flavor {flavor!r})",
+                                 f"this run's flavor {self.flavor!r}" if self.flavor else "this run's model")
+            except HFCheckpointError as exc:
+                raise CheckpointError(str(exc)) from None
+        return keys
+
+    def _load_model(self, path: Path) -> None:
+        state = {"model": self._model_sd()}
+        dcp.load(state, checkpoint_id=str(path))
+        set_model_state_dict(self.model, state["model"])
+
+    def initial_load(self, path: str | os.PathLike, model_only: bool = True, in_hf: bool = False) -> tuple[int, int]:
+        """Start from another checkpoint (``checkpoint.initial_load_path``); returns ``(step, tokens_seen)``.
+
+        ``path``: a Hugging Face Llama folder (``in_hf``; weights only), a DCP step folder (holding
+        ``.metadata``) or a checkpoint folder (its newest complete step). ``model_only``: load the
+        weights only and start at step 0; else also the optimizer, scheduler, data loader and step
+        (as a resume from that folder). Raises CheckpointError (one line) for a folder that is not
+        such a checkpoint or whose shapes do not match the model.
+        """
+        path = Path(path)
+        if in_hf:
+            from trainer.hf import HFCheckpoint, HFCheckpointError, check_compatible, load_into_model
+
+            if not model_only:
+                raise CheckpointError("checkpoint.initial_load_in_hf: a Hugging Face checkpoint holds weights only; "
+                                      "set --checkpoint.initial_load_model_only true")
+            try:
+                ckpt = HFCheckpoint(path)
+                if self.model_args is not None:
+                    check_compatible(ckpt.args, self.model_args, f"{path} (Hugging Face Llama)",
+                                     f"flavor {self.flavor!r}" if self.flavor else "the model")
+                n = load_into_model(self.model, ckpt)
+            except HFCheckpointError as exc:
+                raise CheckpointError(f"checkpoint.initial_load_path: {exc}") from None
+            logger.info("loaded Hugging Face checkpoint %s (%d tensors)", path, n)
+            return 0, 0
+        step_dir = resolve_step_folder(path)
+        keys = self._checked_keys(step_dir)
+        if not _has(keys, "model"):
+            raise CheckpointError(f"checkpoint.initial_load_path: {step_dir} holds no model weights")
+        if model_only:
+            self._load_model(step_dir)
+            logger.info("loaded model weights from %s", step_dir)
+            return 0, 0
+        if not _has(keys, "optimizer"):
+            raise CheckpointError(f"checkpoint.initial_load_path: {step_dir} holds model weights only; set "
+                                  f"--checkpoint.initial_load_model_only true to start from them")
+        step, tokens = self._load_all(step_dir, keys)
+        logger.info("started from checkpoint %s (step %d)", step_dir, step)
+        return step, tokens
+
+    def _load_all(self, path: Path, keys: set[str]) -> tuple[int, int]:
+        """Model, optimizer, scheduler, loader and train state from the full checkpoint ``path``."""
         state = self._full_state(0, 0)
+        state.pop("model_args", None)
         if self.optimizer is None:
             state.pop("optimizer", None)
         if self.dataloader is not None:
@@ -319,8 +444,53 @@ class Checkpointer:
             except ValueError as exc:
                 raise CheckpointError(f"checkpoint {path}: {exc}") from None
         train_state = json.loads(state["train_state"])
-        logger.info("resumed from checkpoint %s", path)
         return int(train_state["step"]), int(train_state["tokens_seen"])
+
+
+def _has(keys: set[str], prefix: str) -> bool:
+    return any(k == prefix or k.startswith(prefix + ".") for k in keys)
+
+
+def model_args_record(args: Any, flavor: str = "") -> str:
+    """The ``model_args`` entry of a checkpoint: JSON of the flavor name and the ModelArgs fields."""
+    return json.dumps({"flavor": flavor, "model_args": dataclasses.asdict(args)})
+
+
+def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
+    """``(ModelArgs, flavor)`` recorded in the DCP checkpoint folder ``path``.
+
+    Raises CheckpointError when the checkpoint does not record them (written before they were).
+    """
+    from trainer.models.llama import ModelArgs
+
+    path = Path(path)
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    if "model_args" not in keys:
+        raise CheckpointError(f"checkpoint {path} does not record its model arguments (written by an older "
+                              f"version); pass --flavor to say which flavor it is")
+    state = {"model_args": ""}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)  # a local read: may run on one rank only
+    rec = json.loads(state["model_args"])
+    return ModelArgs(**rec["model_args"]), rec.get("flavor", "")
+
+
+def resolve_step_folder(path: str | os.PathLike, what: str = "checkpoint.initial_load_path") -> Path:
+    """A DCP checkpoint folder: ``path`` itself if it holds ``.metadata``, else its newest ``step-<N>``.
+
+    Raises CheckpointError if it is neither.
+    """
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    if not path.is_dir():
+        raise CheckpointError(f"{what}: no such folder: {path}")
+    steps = complete_steps(path)
+    if not steps:
+        hint = " (it has a config.json: a Hugging Face folder? add --checkpoint.initial_load_in_hf)" if (
+            path / "config.json").is_file() else ""
+        raise CheckpointError(f"{what}: {path} is not a DCP checkpoint (no .metadata) and "
+                              f"holds no complete step-<N> folder{hint}")
+    return path / f"step-{steps[-1]}"
 
 
 def reshard_loader_state(states: list[dict[str, Any]], dp_rank: int, dp_world_size: int) -> dict[str, Any]:

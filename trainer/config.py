@@ -190,6 +190,21 @@ class Checkpoint:
     create_seed_checkpoint: bool = _opt(
         False, "Write the initial weights as step 0 on one process, then exit."
     )
+    initial_load_path: str = _opt(
+        "", "Start from this checkpoint when the checkpoint folder has none to resume: a DCP checkpoint or "
+        "step folder, or a Hugging Face Llama folder (with initial_load_in_hf)."
+    )
+    initial_load_model_only: bool = _opt(
+        True, "From initial_load_path take the model weights only (start at step 0); false = the whole "
+        "training state (DCP only)."
+    )
+    initial_load_in_hf: bool = _opt(
+        False, "initial_load_path is a Hugging Face Llama folder (safetensors + config.json)."
+    )
+    last_save_in_hf: bool = _opt(
+        False, "The final save is a Hugging Face Llama folder hf-step-<N> (in export_dtype) that "
+        "transformers' LlamaForCausalLM.from_pretrained loads."
+    )
 
 
 @dataclass
@@ -415,6 +430,13 @@ class JobConfig:
         need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", c.keep_latest_k, "an integer >= 0 (0 = keep all)")
         need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
         need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
+        if c.initial_load_path and not pathlib.Path(c.initial_load_path).expanduser().is_dir():
+            raise ConfigError(f"--checkpoint.initial_load_path: no such folder: {c.initial_load_path!r}")
+        need(not c.initial_load_in_hf or bool(c.initial_load_path), "checkpoint.initial_load_in_hf",
+             c.initial_load_in_hf, "false without --checkpoint.initial_load_path")
+        need(not c.initial_load_in_hf or c.initial_load_model_only, "checkpoint.initial_load_model_only",
+             c.initial_load_model_only, "true with --checkpoint.initial_load_in_hf (a Hugging Face folder holds "
+             "weights only)")
         need(self.metrics.log_freq >= 1, "metrics.log_freq", self.metrics.log_freq, "an integer >= 1")
         _validate_validation(self.validation, t, p)
         _validate_profiling(self.profiling)

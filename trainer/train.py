@@ -400,7 +400,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             model.to_empty(device="cpu")
             model.init_weights(cfg_t.seed)
             folder = Path(config.job.dump_folder) / cfg_ckpt.folder
-            path = Checkpointer(folder, model).save_seed()
+            path = Checkpointer(folder, model, model_args=args, flavor=config.model.flavor).save_seed()
             logger.info("seed checkpoint written to %s", path)
             return 0
 
@@ -432,14 +432,19 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             ckpt_folder, model, optimizer, scheduler, loader, dp_rank, enable=cfg_ckpt.enable,
             interval=cfg_ckpt.interval, keep_latest_k=cfg_ckpt.keep_latest_k, async_mode=cfg_ckpt.async_mode,
             load_step=cfg_ckpt.load_step, model_weights_only=cfg_ckpt.model_weights_only,
-            export_dtype=cfg_ckpt.export_dtype,
+            export_dtype=cfg_ckpt.export_dtype, model_args=args, flavor=config.model.flavor,
+            last_save_in_hf=cfg_ckpt.last_save_in_hf,
         )
         start_step, tokens_seen = 0, 0
-        if cfg_ckpt.enable:
-            try:
+        try:
+            # A run to resume wins; the initial checkpoint only starts a fresh one.
+            if cfg_ckpt.enable and checkpointer.resolve_load_step() is not None:
                 start_step, tokens_seen = checkpointer.load()
-            except CheckpointError as exc:
-                raise TrainingError(str(exc)) from None
+            elif cfg_ckpt.initial_load_path:
+                start_step, tokens_seen = checkpointer.initial_load(
+                    cfg_ckpt.initial_load_path, cfg_ckpt.initial_load_model_only, cfg_ckpt.initial_load_in_hf)
+        except CheckpointError as exc:
+            raise TrainingError(str(exc)) from None
         if start_step >= cfg_t.steps:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", start_step, cfg_t.steps)
             checkpointer.close()

@@ -435,6 +435,11 @@ def _rename(key: str, table: dict[str, str]) -> str:
     return table[pattern].format(m.group(1)) if m else table[pattern]
 
 
+def hf_key(key: str) -> str:
+    """Our parameter name -> its Hugging Face ``LlamaForCausalLM`` name. Raises KeyError if it has none."""
+    return _rename(key, HF_KEY_MAP)
+
+
 def _interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of wq/wk from rotary pairs (2i, 2i+1) per head to halves (i, i + head_dim/2) per head."""
     out_dim, in_dim = w.shape

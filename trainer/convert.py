@@ -1,0 +1,172 @@
+"""Convert checkpoints between our DCP format and Hugging Face Llama folders.
+
+    python -m trainer.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
+    python -m trainer.convert hf-to-dcp HF_DIR OUT_DIR [--dtype bfloat16]
+
+CHECKPOINT_DIR is a DCP step folder (``step-<N>``, ``weights-step-<N>``; anything holding
+``.metadata``) or a checkpoint folder (its newest complete step). Only the model weights are
+converted; the model arguments come from the checkpoint itself (``model_args``, recorded by every
+save), so no flavor is needed (``--flavor`` names one for checkpoints older than that record).
+The output of dcp-to-hf loads with ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)``;
+the output of hf-to-dcp is a DCP folder for ``--checkpoint.initial_load_path`` (or, placed as
+``<dump_folder>/checkpoint/step-0``, a seed checkpoint).
+
+Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
+the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
+Exit codes: 0 done; 1 the input is not a usable checkpoint (a one-line message).
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from trainer.checkpoint import CheckpointError, read_model_args, resolve_step_folder
+from trainer.hf import DEFAULT_MAX_SHARD_SIZE, HFCheckpoint, HFCheckpointError, HFWriter, expected_keys, parse_size
+from trainer.models.llama import LLAMA3_FLAVORS, ModelArgs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _model_tensors(path: Path) -> dict[str, object]:
+    """Our parameter name -> DCP TensorStorageMetadata, for the ``model.*`` entries of checkpoint ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    md = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    return {k[len("model."):]: v for k, v in md.items()
+            if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+
+
+def _args_for(path: Path, tensors: dict[str, object], flavor: str | None) -> ModelArgs:
+    try:
+        args, _ = read_model_args(path)
+        return args
+    except CheckpointError:
+        if flavor is None:
+            raise
+    if flavor not in LLAMA3_FLAVORS:
+        raise CheckpointError(f"--flavor: expected one of {', '.join(LLAMA3_FLAVORS)}, got {flavor!r}")
+    emb = tensors.get("tok_embeddings.weight")
+    if emb is None:
+        raise CheckpointError(f"checkpoint {path}: holds no model.tok_embeddings.weight; not a Llama checkpoint")
+    return LLAMA3_FLAVORS[flavor].replace(vocab_size=int(emb.size[0]))
+
+
+def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None,
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, flavor: str | None = None) -> Path:
+    """Write the model of DCP checkpoint ``src`` as a Hugging Face Llama folder ``out``.
+
+    ``dtype``: of the written tensors (default: as stored). Reads one output shard's tensors at a
+    time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size``.
+    Raises CheckpointError (one line) when ``src`` is not a DCP checkpoint of a Llama model.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.hf import expected_shape
+
+    path = resolve_step_folder(src, what="CHECKPOINT_DIR")
+    tensors = _model_tensors(path)
+    args = _args_for(path, tensors, flavor)
+    keys = expected_keys(args)
+    missing = [k for k in keys if k not in tensors]
+    extra = sorted(set(tensors) - set(keys))
+    if missing or extra:
+        what = f"lacks model.{missing[0]}" if missing else f"has model.{extra[0]}, not a Llama parameter"
+        raise CheckpointError(f"checkpoint {path}: {what}; not a Llama checkpoint of its recorded model arguments")
+    for k in keys:
+        if tuple(tensors[k].size) != expected_shape(args, k):
+            raise CheckpointError(f"checkpoint {path}: model.{k} has shape {tuple(tensors[k].size)}, expected "
+                                  f"{expected_shape(args, k)} from its model arguments")
+    stored = {tensors[k].properties.dtype for k in keys}
+    out_dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
+    writer = HFWriter(out, args, out_dtype, max_shard_size)
+    # Groups of about one shard: load, convert, hand to the writer, free.
+    group, group_bytes = [], 0
+    for i, k in enumerate(keys):
+        group.append(k)
+        group_bytes += tensors[k].size.numel() * out_dtype.itemsize
+        if group_bytes >= max_shard_size or i == len(keys) - 1:
+            state = {"model": {g: torch.empty(tuple(tensors[g].size), dtype=tensors[g].properties.dtype)
+                               for g in group}}
+            # A local read (no collectives): export_hf runs this on rank 0 while the others wait.
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            writer.add_all((g, state["model"][g]) for g in group)
+            group, group_bytes = [], 0
+    return writer.close()
+
+
+def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write the Hugging Face Llama folder ``src`` as a DCP checkpoint folder ``out`` (model + model_args).
+
+    ``dtype``: of the written tensors (default: as stored). The folder is written as
+    ``.<name>.partial`` and renamed when complete. Raises HFCheckpointError (one line) for a folder
+    that is not a Llama checkpoint or whose tensors do not match its config.json.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    from trainer.checkpoint import model_args_record
+
+    ckpt = HFCheckpoint(src)
+    ckpt.check_names()
+    sd = {}
+    for k in expected_keys(ckpt.args):
+        t = ckpt.our_tensor(k)
+        sd[k] = t.to(dtype) if dtype is not None else t
+    ckpt.close()
+    out = Path(out)
+    if (out / ".metadata").exists():
+        raise CheckpointError(f"{out}: already holds a DCP checkpoint; choose another OUT_DIR")
+    partial = out.with_name(f".{out.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    dcp.save({"model": sd, "model_args": model_args_record(ckpt.args, ckpt.flavor)}, checkpoint_id=str(partial))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not any(out.iterdir()):
+        out.rmdir()
+    partial.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.convert", description="Convert checkpoints between DCP and Hugging Face Llama.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (safetensors shards + config.json)")
+    a.add_argument("checkpoint_dir", help="a step-<N> folder or a checkpoint folder (its newest step)")
+    a.add_argument("out_dir")
+    a.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="tensor dtype (default: as stored)")
+    a.add_argument("--max_shard_size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    a.add_argument("--flavor", default=None, help="only for a checkpoint that does not record its model arguments")
+    b = sub.add_parser("hf-to-dcp", help="Hugging Face Llama folder -> DCP checkpoint folder")
+    b.add_argument("hf_dir")
+    b.add_argument("out_dir")
+    b.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="tensor dtype (default: as stored)")
+    ns = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+    dtype = _DTYPES[ns.dtype] if ns.dtype else None
+    try:
+        if ns.cmd == "dcp-to-hf":
+            try:
+                size = parse_size(ns.max_shard_size)
+            except ValueError as exc:
+                parser.error(str(exc))
+            out = dcp_to_hf(ns.checkpoint_dir, ns.out_dir, dtype, size, ns.flavor)
+            files = sorted(p.name for p in out.iterdir())
+            print(f"wrote {out}: {', '.join(files)}")
+        else:
+            out = hf_to_dcp(ns.hf_dir, ns.out_dir, dtype)
+            _, flavor = read_model_args(out)
+            print(f"wrote DCP checkpoint {out} (flavor {flavor})")
+    except (CheckpointError, HFCheckpointError) as exc:
+        print(f"python -m trainer.convert: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
