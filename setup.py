@@ -25,6 +25,7 @@ setup(
         "tiktoken>=0.7",
         "sentencepiece>=0.2",
         "tensorboard>=2.15",
+        "matplotlib>=3.7",  # metrics.png at the end of a run, python -m trainer.plot
         "pyarrow>=14",
         "psutil>=5.9",
         "safetensors>=0.4",  # Hugging Face checkpoints (trainer.hf, trainer.convert)

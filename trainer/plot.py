@@ -68,8 +68,8 @@ def _series(records: dict[int, dict], key: str) -> tuple[list[int], list[float]]
     return steps, values
 
 
-def plot_runs(folders: list[str | os.PathLike], out: str | os.PathLike, labels: list[str] | None = None) -> Path:
-    """Draw the runs in ``folders`` (overlaid) to the PNG ``out``; returns its path.
+def build_figure(folders: list[str | os.PathLike], labels: list[str] | None = None):
+    """The matplotlib figure of the runs in ``folders`` (overlaid): one axis per ``PANELS`` entry.
 
     Raises PlotError (no metrics in a folder) and ImportError (matplotlib missing).
     """
@@ -86,7 +86,7 @@ def plot_runs(folders: list[str | os.PathLike], out: str | os.PathLike, labels: 
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, ((train, val), label) in enumerate(zip(runs, labels)):
         color = colors[i % len(colors)]
-        for ax, (key, title) in zip(axes.flat, PANELS):
+        for ax, (key, _) in zip(axes.flat, PANELS):
             steps, values = _series(train, key)
             if steps:
                 ax.plot(steps, values, color=color, label=f"{label} train" if key == "loss" else label,
@@ -104,6 +104,17 @@ def plot_runs(folders: list[str | os.PathLike], out: str | os.PathLike, labels: 
         if ax.lines:
             ax.legend(fontsize="small")
     fig.suptitle(" vs ".join(labels) if len(labels) > 1 else labels[0])
+    return fig
+
+
+def plot_runs(folders: list[str | os.PathLike], out: str | os.PathLike, labels: list[str] | None = None) -> Path:
+    """Draw the runs in ``folders`` (overlaid, ``build_figure``) to the PNG ``out`` (1200 x 750); returns its path.
+
+    Raises PlotError (no metrics in a folder) and ImportError (matplotlib missing).
+    """
+    fig = build_figure(folders, labels)  # selects the Agg backend first
+    import matplotlib.pyplot as plt
+
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=100)

@@ -31,7 +31,7 @@ SEQ_LEN = 32
 GLOBAL_BATCH = 4
 COMMON = ["--training.seq_len", str(SEQ_LEN), "--training.steps", str(STEPS), "--lr_scheduler.warmup_steps", "2",
           "--optimizer.lr", "3e-3", "--metrics.log_freq", "1", "--metrics.enable_color", "false",
-          "--training.global_batch_size", str(GLOBAL_BATCH)]
+          "--training.global_batch_size", str(GLOBAL_BATCH), "--metrics.save_plot", "false"]  # no matplotlib per run
 LOSS_TOL = 1e-4
 NORM_RTOL = 1e-4
 

@@ -19,7 +19,7 @@ from tests.distributed.layouts import GLOBAL_BATCH, assert_same, reference, reco
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
-VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2", "--metrics.save_plot", "false"]
+VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "2"]
 VAL_STEPS = [2, 4, 5]
 
 
