@@ -132,6 +132,17 @@ def _attention(head_dim, varlen, part):
     return drive
 
 
+def _cross_entropy(out_dtype):
+    def drive(T):
+        import torch
+
+        z, tgt = torch.randn(64, 128256), torch.randint(0, 128256, (64,))  # Llama 3 vocabulary
+        T.softmax_stats(z, tgt)
+        T.softmax_grad_(z, torch.rand(64), tgt, torch.ones(64), getattr(torch, out_dtype))
+
+    return drive
+
+
 def _swiglu(backward=False):
     def drive(T):
         g, u = _t(64, 14336), _t(64, 14336)
@@ -174,6 +185,9 @@ KERNELS: list[Row] = [
     # SwiGLU at the Llama 3 8B FFN width.
     Row("swiglu.fwd 14336", "titan_kernels.triton.swiglu", _swiglu()),
     Row("swiglu.bwd 14336", "titan_kernels.triton.swiglu", _swiglu(backward=True)),
+    # Linear cross-entropy's two passes over a chunk of logits at the Llama 3 vocabulary (bf16 and fp32 g).
+    Row("cross_entropy.stats+grad V128256 bf16", "titan_kernels.triton.cross_entropy", _cross_entropy("bfloat16")),
+    Row("cross_entropy.stats+grad V128256 fp32", "titan_kernels.triton.cross_entropy", _cross_entropy("float32")),
 ]
 
 
