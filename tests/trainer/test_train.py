@@ -97,7 +97,7 @@ def test_clip_grad_norm_matches_torch():
 def _run(folder, *overrides):
     argv = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "6",
             "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--job.dump_folder", str(folder),
-            "--metrics.enable_color", "false", *overrides]
+            "--metrics.enable_color", "false", "--metrics.save_plot", "false", *overrides]
     rc = train.main(parse_args(argv))
     path = Path(folder) / "metrics.jsonl"
     recs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
@@ -233,3 +233,113 @@ def test_compiled_blocks_and_loss_match_eager(tmp_path):
     assert rc == 0
     for x, y in zip(eager, compiled):
         assert abs(x["loss"] - y["loss"]) <= 1e-5 * x["loss"], x["step"]
+
+
+# ---- host syncs, non-finite policy, progress ---------------------------------------------------
+
+
+def test_no_float_tensor_is_read_on_the_host_between_log_steps(tmp_path, monkeypatch):
+    """Only log steps read the loss, the gradient norm or the non-finite flag (each read would wait for
+    the device on a GPU). The one read left on other steps is the label count of the CPU batches (int64)."""
+    import sys
+
+    trainer_dir = str(Path(train.__file__).parent)
+    reads, current = [], {"step": 0}
+
+    def wrap(name):
+        orig = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(trainer_dir):
+                reads.append((current["step"], name, self.dtype, self.device.type, caller.co_name))
+            return orig(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, wrap(name))
+    forward_backward = train.forward_backward
+
+    def counting(*args, **kwargs):
+        current["step"] += 1
+        return forward_backward(*args, **kwargs)
+
+    monkeypatch.setattr(train, "forward_backward", counting)
+    rc, recs = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "4")
+    assert rc == 0 and [r["step"] for r in recs] == [1, 4, 8]
+    for step in (2, 3, 5, 6, 7):
+        mine = [r for r in reads if r[0] == step]
+        assert mine and all(r[2] == torch.int64 and r[4] in ("forward_backward", "<genexpr>") for r in mine), mine
+    for step in (1, 4, 8):  # the log steps do read (the wrapper sees them)
+        assert any(r[0] == step and r[2].is_floating_point for r in reads), step
+
+
+def test_non_finite_step_is_caught_at_the_next_check_before_a_checkpoint(tmp_path, monkeypatch, capsys):
+    """A non-finite gradient norm at step 4 (between checks) stops the run at the log step 5, before
+    its update; the checkpoint of step 3 stays the newest, and step 6's is never written."""
+    clip = train.clip_grad_norm_
+    calls = []
+
+    def clip_with_a_bad_step(*args, **kwargs):
+        norm = clip(*args, **kwargs)
+        calls.append(1)
+        return norm * float("nan") if len(calls) == 4 else norm
+
+    monkeypatch.setattr(train, "clip_grad_norm_", clip_with_a_bad_step)
+    rc, recs = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--checkpoint.enable",
+                    "--checkpoint.interval", "3")
+    err = capsys.readouterr().err
+    assert rc == 1 and len(calls) == 5
+    assert "step 4 (found at the check of step 5): non-finite loss or gradient" in err and "gradient norm nan" in err
+    assert "stopping before the optimizer step of step 5" in err and "the last good checkpoint is step-3" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert [r["step"] for r in recs] == [1]
+    assert sorted(p.name for p in (tmp_path / "checkpoint").iterdir()) == ["step-3"]
+
+
+def test_a_bad_step_before_a_checkpoint_step_is_never_saved(tmp_path, monkeypatch, capsys):
+    clip = train.clip_grad_norm_
+    calls = []
+
+    def clip_with_a_bad_step(*args, **kwargs):
+        calls.append(1)
+        norm = clip(*args, **kwargs)
+        return norm * float("inf") if len(calls) == 2 else norm
+
+    monkeypatch.setattr(train, "clip_grad_norm_", clip_with_a_bad_step)
+    rc, _ = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "10", "--checkpoint.enable",
+                 "--checkpoint.interval", "3")
+    assert rc == 1 and len(calls) == 3  # checked at step 3, the checkpoint step, before saving it
+    assert "step 2 (found at the check of step 3)" in capsys.readouterr().err
+    assert not (tmp_path / "checkpoint").exists() or not any((tmp_path / "checkpoint").iterdir())
+
+
+def test_progress_elapsed_eta_outputs_and_the_summary_after_a_resume(tmp_path, capsys):
+    ckpt = ["--training.steps", "6", "--checkpoint.enable", "--checkpoint.interval", "3"]
+    rc, recs = _run(tmp_path, *ckpt)
+    out = capsys.readouterr().out
+    assert rc == 0
+    elapsed = [r["elapsed_s"] for r in recs]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0  # cumulative since training started
+    assert recs[0]["eta_s"] is None and recs[-1]["eta_s"] == 0.0 and all(r["eta_s"] >= 0 for r in recs[1:])
+    assert all(" elapsed " in line and " eta " in line for line in out.splitlines() if line.startswith("step"))
+    assert f"metrics {tmp_path / 'metrics.jsonl'}" in out and f"checkpoints {tmp_path / 'checkpoint'}" in out
+    assert "TensorBoard off (--metrics.enable_tensorboard)" in out
+    assert "summary: 6 steps in" in out
+    import shutil
+
+    shutil.rmtree(tmp_path / "checkpoint" / "step-6")
+    rc, recs = _run(tmp_path, *ckpt)  # resumes from step 3
+    out = capsys.readouterr().out
+    assert rc == 0 and "summary: 3 steps (4..6, resumed) in" in out
+
+
+def test_python_warnings_print_on_rank_zero_only():
+    import warnings
+
+    for rank, expected in ((0, 1), (1, 0)):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with train._rank_zero_warnings(rank):
+                warnings.warn("the same on every rank")
+        assert len(seen) == expected, rank
