@@ -9,7 +9,9 @@ Timing: on CUDA, ``triton.testing.do_bench`` (CUDA events, L2 flushed between ru
 on the CPU, pytest-benchmark's own timer (median of rounds). Inputs are random, never zeros.
 
 The session summary (bench/conftest.py) prints the table and, when ``BENCH_OUT`` is set, writes
-``$BENCH_OUT.json`` and ``$BENCH_OUT.md`` with the device, date and library versions.
+``$BENCH_OUT.json`` and ``$BENCH_OUT.md`` with the device, date and library versions. Missing
+folders on the way are created; a ``BENCH_OUT`` that is a folder (existing, or ending in ``/``)
+gets ``<date>-<device kind>.json/.md`` inside it.
 """
 from __future__ import annotations
 
@@ -205,8 +207,20 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def save(prefix: str, rows: list[Row]) -> None:
-    """Write ``prefix.json`` and ``prefix.md`` with the environment and the rows."""
+def output_prefix(out: str) -> str:
+    """The file prefix for ``BENCH_OUT``: itself, or ``<folder>/<date>-<cpu|gpu>`` for a folder; its
+    parent folders are created (a missing folder must not lose a finished benchmark run)."""
+    if out.endswith(os.sep) or os.path.isdir(out):
+        kind = "gpu" if on_cuda() else "cpu"
+        out = os.path.join(out, f"{datetime.date.today().isoformat()}-{kind}")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    return out
+
+
+def save(prefix: str, rows: list[Row]) -> str:
+    """Write ``prefix.json`` and ``prefix.md`` with the environment and the rows; returns the prefix
+    used (``output_prefix``: folders created, a folder gets a dated file name)."""
+    prefix = output_prefix(prefix)
     env = environment()
     with open(prefix + ".json", "w") as f:
         json.dump({"environment": env, "rows": [asdict(r) for r in with_ratios(rows)]}, f, indent=1)
@@ -214,3 +228,4 @@ def save(prefix: str, rows: list[Row]) -> None:
         f.write("# Benchmark results\n\n")
         f.write("\n".join(f"- {k}: {v}" for k, v in env.items()) + "\n\n")
         f.write(table(rows) + "\n")
+    return prefix

@@ -11,5 +11,5 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(common.table(common.ROWS))
     out = os.environ.get("BENCH_OUT")
     if out:
-        common.save(out, common.ROWS)
+        out = common.save(out, common.ROWS)
         terminalreporter.write_line(f"saved {out}.json and {out}.md")
