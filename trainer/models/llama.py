@@ -236,7 +236,13 @@ def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 class FeedForward(nn.Module):
-    """SwiGLU feed-forward (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; x (..., dim) -> (..., dim)."""
+    """SwiGLU feed-forward (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``; x (..., dim) -> (..., dim).
+
+    ``silu(.) * .`` is one fused titan op (forward and backward one kernel each). w1 and w3 stay two
+    matmuls: one fused (2·hidden, dim) matmul measured no faster at the debugmodel's shape on the
+    CPU (bench/bench_swiglu.py, ``ffn_variants``), and separate w1/w3 keep the checkpoint names and
+    the tensor-parallel plan.
+    """
 
     def __init__(self, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -245,7 +251,7 @@ class FeedForward(nn.Module):
         self.w3 = nn.Linear(dim, hidden_dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(titan_kernels.swiglu(self.w1(x), self.w3(x)))
 
 
 class AddRMSNorm(RMSNorm):
