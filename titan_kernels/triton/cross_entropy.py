@@ -77,10 +77,9 @@ def _config(n_rows: int, n_cols: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_V, num_warps). GPU: one row per program, 4096-column tiles (a memory-bound
     pass; Liger's cross-entropy kernel also runs a row per program). Interpreter: many rows per
     program, since its cost is per program and per tile."""
-    bv = min(triton.next_power_of_2(max(n_cols, 1)), 4096 if not triton_interpret() else 1024)
     if triton_interpret():
-        return min(32, triton.next_power_of_2(max(n_rows, 1))), bv, 4
-    return 1, bv, 8
+        return min(64, triton.next_power_of_2(max(n_rows, 1))), min(triton.next_power_of_2(max(n_cols, 1)), 8192), 4
+    return 1, min(triton.next_power_of_2(max(n_cols, 1)), 4096), 8
 
 
 def softmax_stats(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
