@@ -232,10 +232,18 @@ class NonFiniteWatch:
         )
 
 
-def _data_error(exc: Exception, section: str = "training") -> TrainingError:
-    """A one-line error for a data source that failed; the message names the key when it knows it."""
+def _data_error(exc: Exception, key: str) -> TrainingError:
+    """A one-line error for a data source that failed, naming the key (``key`` unless the message does)."""
     msg = str(exc)
-    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.")) else f"--{section}.dataset: {msg}")
+    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.")) else f"--{key}: {msg}")
+
+
+def _dataset_key(config: JobConfig, section: str) -> str:
+    """The config key of the source a ``section`` reads (validation's held-out part: training's)."""
+    v, t = config.validation, config.training
+    if section == "validation" and (v.dataset_path or v.dataset):
+        return "validation.dataset_path" if v.dataset_path else "validation.dataset"
+    return "training.dataset_path" if t.dataset_path else "training.dataset"
 
 
 def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
@@ -371,7 +379,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             loader = build_dataloader(config, tokenizer, dp_rank, dims.dp_size)
             loader.check()
         except (ValueError, RuntimeError, OSError) as exc:
-            raise _data_error(exc) from None
+            raise _data_error(exc, _dataset_key(config, "training")) from None
         if config.validation.enable:
             from trainer.validate import build_validation_loader
 
@@ -379,7 +387,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 val_loader = build_validation_loader(config, tokenizer, dp_rank, dims.dp_size)
                 val_loader.check()
             except (ValueError, RuntimeError, OSError) as exc:
-                raise _data_error(exc, "validation") from None
+                raise _data_error(exc, _dataset_key(config, "validation")) from None
 
     stack = contextlib.ExitStack()
     if config.kernels.backend != "auto":
@@ -501,7 +509,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                     try:
                         batches.append(next(data_iter))
                     except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
-                        raise _data_error(exc) from None
+                        raise _data_error(exc, _dataset_key(config, "training")) from None
                     data_wait += time.perf_counter() - t0
                 loss = forward_backward(model, loss_fn, batches, device, dp_size=pm.grad_scale,
                                         dp_group=dp_group if distributed else False,

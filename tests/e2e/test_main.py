@@ -40,6 +40,24 @@ def test_short_run_on_the_embedded_corpus_learns(tmp_path):
     assert abs(losses[0] - math.log(258)) < 0.3  # starts at ln(vocab)
     assert sum(losses[-5:]) / 5 < losses[0] - 2.0
     assert "summary: 40 steps" in proc.stdout and "Traceback" not in proc.stderr
+    assert f"metrics {tmp_path / 'metrics.jsonl'}" in proc.stdout  # where the outputs go, said at the start
+    assert " elapsed " in proc.stdout and " eta " in proc.stdout
+    png = (tmp_path / "metrics.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\n \n\n", "has no text to train on"),
+    (b"GIF89a\x01\x00\x01\x00\x80\x00\x00", "is not a text file: a NUL byte at byte offset 7"),
+])  # (non-UTF-8 text and more: tests/trainer/test_data.py)
+def test_a_bad_dataset_is_a_one_line_error_before_the_model_is_built(tmp_path, content, message):
+    data = tmp_path / "data.txt"
+    data.write_bytes(content)
+    proc, _ = _trainer("--training.dataset_path", str(data), "--job.dump_folder", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr  # one line
+    assert proc.stderr.startswith("python -m trainer: error: --training.dataset_path: ") and message in proc.stderr
+    assert "Traceback" not in proc.stderr and "model llama3" not in proc.stdout
 
 
 def test_tinyshakespeare_with_a_tokenizer_json(tmp_path, shared_data):
