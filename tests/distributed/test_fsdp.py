@@ -82,7 +82,8 @@ def test_fsdp_checkpoint_resume_and_layout_change(tmp_path):
     straight = _records(tmp_path)
     shutil.rmtree(tmp_path / "checkpoint" / "step-10")
     (tmp_path / "metrics.jsonl").unlink()
-    _torchrun(2, tmp_path, *ckpt)  # resumes from the sharded step-5 checkpoint
+    proc = _torchrun(2, tmp_path, *ckpt)  # resumes from the sharded step-5 checkpoint
+    assert "summary: 5 steps (6..10, resumed)" in proc.stdout  # the steps this run did, not the last step
     resumed = _records(tmp_path)
     assert sorted(resumed) == list(range(6, STEPS + 1))
     for s in resumed:
@@ -106,3 +107,11 @@ def test_hsdp_two_by_two_equals_one_process(tmp_path, single_process):
     _torchrun(4, tmp_path, "--training.local_batch_size", "1", "--parallelism.data_parallel_replicate_degree", "2",
               "--parallelism.data_parallel_shard_degree", "2")
     _assert_same(_records(tmp_path), single_process)
+
+
+def test_warnings_print_once_under_torchrun(tmp_path):
+    """Every rank meets the same warning; only rank 0 prints it (errors still come from any rank)."""
+    proc = _torchrun(2, tmp_path, "--training.local_batch_size", "2", "--training.steps", "2",
+                     "--lr_scheduler.warmup_steps", "5", "--metrics.save_plot", "false")
+    out = proc.stdout + proc.stderr
+    assert out.count("warming up over all 2 steps") == 1, out[-3000:]
