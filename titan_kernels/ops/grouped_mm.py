@@ -1,0 +1,394 @@
+"""Grouped GEMM over experts: ``torch.ops.titan.grouped_mm`` and its backward
+``torch.ops.titan.grouped_mm_backward``.
+
+x (T, K) holds tokens sorted by expert, w (E, K, N) one weight per expert, offsets (E,) int32 the
+cumulative group ends: group e is rows [offsets[e-1], offsets[e]) (offsets[-1] = 0 before it), and
+y[group e] = x[group e] @ w[e]. Rows past offsets[E-1] belong to no group and come out zero (padding
+a caller keeps for alignment). Math and backward: ``titan_kernels.reference.moe``.
+
+Backends (``BACKENDS``), the choice made once per (device, dtype, K, N, with-backward) key and cached:
+  aten       ``torch._grouped_mm`` (CPU in torch >= 2.11: fp32/bf16/fp16; CUDA: bf16 on sm_90). It
+             refuses row strides that are not a multiple of 16 bytes (K and N here), float64 and,
+             on CUDA, other dtypes and architectures; whether it takes a key is asked once, by a
+             tiny call of every form the op needs (forward, dx, dw), and the refusal is kept as the
+             reason. The backward is aten too: dx = grouped_mm(dy, w^T) and dw with the 2-D x 2-D
+             -> 3-D "offs" form.
+  triton     ours (``titan_kernels.triton.grouped_mm``): persistent, one tile queue over every group,
+             TMA descriptors on sm_90; every float dtype but float64, any K/N. CPU only under
+             TRITON_INTERPRET=1 (tests).
+  reference  float32 PyTorch math, one matmul per group (a host loop over the offsets).
+Automatic order, fastest first: CPU aten > reference (aten measured 3x faster than the per-expert
+loop at (4096, 256) x 16 x (256, 192) fp32, bench/bench_moe.py); CUDA aten > triton > reference
+(cuBLAS/CUTLASS grouped kernels are strong on sm_90; bench/bench_moe.py times both on the GPU
+stage of bench/run_gpu.sh and the order follows its numbers). Overrides: ``use_backend`` /
+``TITAN_KERNELS_BACKEND`` with "reference", "triton", or "cpu"/"cuda" (aten's native kernel of that
+device); a requested backend that cannot take the case raises RuntimeError with the reason.
+
+One autograd definition: the eager fast path (``_GroupedMMFn``) and the op's ``register_autograd``
+call the same ``_forward``, ``_setup`` and ``_grads``; the forward's backend is handed to the
+backward op (its ``backend`` argument). Double backward is refused with a RuntimeError naming the op.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.reference import moe as _ref
+
+OP = "grouped_mm"
+BACKENDS = ("aten", "triton", "reference")
+AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("aten", "reference")}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _dt(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+def _zero_tail(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows past the last group: zero (aten leaves them uninitialized)."""
+    if y.device.type == "cpu":  # a host read of a host tensor: no sync
+        y[int(offsets[-1]):].zero_()
+        return y
+    from titan_kernels.triton.grouped_mm import zero_rows_from
+
+    zero_rows_from(y, offsets)
+    return y
+
+
+def _aten_b(w: torch.Tensor) -> torch.Tensor:
+    # aten takes each expert's matrix row- or column-major with 16-byte strides.
+    if w.stride(-1) == 1 or w.stride(-2) == 1:
+        return w
+    return w.contiguous()
+
+
+def _aten_fwd(x, w, offsets):
+    if x.shape[0] == 0:
+        return x.new_empty((0, w.shape[2]))
+    y = torch._grouped_mm(x.contiguous(), _aten_b(w), offs=offsets)
+    return _zero_tail(y, offsets)
+
+
+def _aten_bwd(dy, x, w, offsets, need_dx, need_dw):
+    dy = dy.contiguous()
+    dx = dw = None
+    if need_dx:
+        if x.shape[0] == 0:
+            dx = x.new_empty(x.shape)
+        else:
+            dx = _zero_tail(torch._grouped_mm(dy, _aten_b(w).transpose(-2, -1), offs=offsets), offsets)
+    if need_dw:
+        if x.shape[0] == 0:
+            dw = w.new_zeros(w.shape)
+        else:
+            # (K, T) x (T, N) -> (E, K, N), the groups cut along T; rows past the last group ignored.
+            dw = torch._grouped_mm(x.contiguous().t(), dy, offs=offsets).to(w.dtype)
+    return dx, dw
+
+
+def _triton_fwd(x, w, offsets):
+    from titan_kernels.triton import grouped_mm as _tri
+
+    return _tri.grouped_mm_fwd(x, w, offsets)
+
+
+def _triton_bwd(dy, x, w, offsets, need_dx, need_dw):
+    from titan_kernels.triton import grouped_mm as _tri
+
+    return _tri.grouped_mm_bwd(dy, x, w, offsets, need_dx, need_dw)
+
+
+_IMPLS = {
+    "aten": (_aten_fwd, _aten_bwd),
+    "triton": (_triton_fwd, _triton_bwd),
+    "reference": (_ref.grouped_mm_fwd, _ref.grouped_mm_bwd),
+}
+
+
+# ----------------------------------------------------------------------------- capabilities (cached per key)
+
+
+@functools.lru_cache(maxsize=None)
+def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, n: int, backward: bool) -> str | None:
+    """None when backend ``name`` takes grouped_mm for this key, else the reason (asked once per key)."""
+    dt = getattr(torch, dtype)
+    if name == "reference":
+        return None
+    if name == "triton":
+        st = _backend.backend_status("triton", device_type)
+        if not st.available:
+            return st.reason
+        if dt == torch.float64:
+            return "takes float32/bfloat16/float16, not float64"
+        try:
+            import titan_kernels.triton.grouped_mm  # noqa: F401
+        except ImportError as e:
+            return f"the Triton kernel does not import: {e}"
+        return None
+    assert name == "aten", name
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._grouped_mm"
+    if device_type not in ("cpu", "cuda"):
+        return f"runs on cpu/cuda tensors, not {device_type}"
+    es = dt.itemsize
+    for dim, size in (("K", k), ("N", n)):
+        if size * es % 16:
+            return f"{dim} = {size} ({_dt(dt)}) is not a multiple of 16 bytes, as torch._grouped_mm's strides must be"
+    # The forms the op runs, on tiny tensors of this key (torch's own checks answer: dtype, arch, ...).
+    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    try:
+        x = torch.zeros(4, k, dtype=dt, device=dev)
+        w = torch.zeros(2, k, n, dtype=dt, device=dev)
+        offs = torch.tensor([1, 3], dtype=torch.int32, device=dev)
+        torch._grouped_mm(x, w, offs=offs)
+        if backward:
+            dy = torch.zeros(4, n, dtype=dt, device=dev)
+            torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
+            torch._grouped_mm(x.t(), dy, offs=offs)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        return f"torch._grouped_mm refuses it: {str(e).splitlines()[0]}"
+    return None
+
+
+def _requested(dev: str) -> str | None:
+    req = _backend.requested_backend()
+    if req in ("cpu", "cuda"):
+        if req != dev:
+            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} on {dev} tensors")
+        return "aten"
+    return req
+
+
+@torch.compiler.assume_constant_result
+def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
+    """The backend of a grouped_mm call (one of ``BACKENDS``): the request (use_backend /
+    TITAN_KERNELS_BACKEND) or the first of the automatic order that takes the key. Under
+    torch.compile it is decided once, when the graph is traced. ``index`` -1: no device index."""
+    idx = None if index < 0 else index
+    req = _requested(device_type)
+    if req is not None:
+        why = why_not(req, device_type, idx, dtype, k, n, backward)
+        if why is not None:
+            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} ({dtype}, K {k}, N {n}) on {device_type}: {why}")
+        return req
+    for name in AUTO_ORDER.get(device_type, ("reference",)):
+        if why_not(name, device_type, idx, dtype, k, n, backward) is None:
+            return name
+    return "reference"
+
+
+def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+    d = x.device
+    return choose(d.type, -1 if d.index is None else d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+
+
+def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
+    """(the backend grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
+    name = _choose_for(x, w, backward)
+    d = x.device
+    skipped = {}
+    for cand in AUTO_ORDER.get(d.type, ()) if _backend.requested_backend() is None else ():
+        if cand == name:
+            break
+        why = why_not(cand, d.type, d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+        if why:
+            skipped[cand] = why
+    return name, skipped
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(x, w, offsets) -> None:
+    check_float(x, "x", DTYPES)
+    check_float(w, "w", DTYPES)
+    check_tensor(offsets, "offsets")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected 2 dims (tokens T, K), got shape {tuple(x.shape)}")
+    if w.dim() != 3:
+        raise ValueError(f"w: expected 3 dims (experts E, K, N), got shape {tuple(w.shape)}")
+    if w.dtype != x.dtype:
+        raise TypeError(f"w: expected dtype {_dt(x.dtype)} (the dtype of x), got {_dt(w.dtype)}")
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w: expected shape (E, {x.shape[1]}, N) (K = x.shape[1]), got {tuple(w.shape)}")
+    if w.shape[0] < 1:
+        raise ValueError(f"w: expected at least one expert, got shape {tuple(w.shape)}")
+    if offsets.dtype != torch.int32:
+        raise TypeError(f"offsets: expected dtype int32 (cumulative group ends), got {_dt(offsets.dtype)}")
+    if offsets.dim() != 1 or offsets.shape[0] != w.shape[0]:
+        raise ValueError(f"offsets: expected shape ({w.shape[0]},) (one end per expert), got {tuple(offsets.shape)}")
+    check_same_device({"x": x, "w": w, "offsets": offsets})
+
+
+def _validate_values(x, offsets) -> None:
+    """Group ends non-decreasing in [0, T]: checked where it costs no device sync (eager, CPU)."""
+    if offsets.device.type != "cpu" or offsets.numel() == 0:
+        return
+    o = offsets.tolist()
+    if o[0] < 0 or any(b < a for a, b in zip(o, o[1:])) or o[-1] > x.shape[0]:
+        raise ValueError(f"offsets: expected non-decreasing group ends in [0, {x.shape[0]}] (T), got {o}")
+
+
+# ----------------------------------------------------------------------------- forward / backward functions
+# The only functions that run kernels; the ops and the eager fast path call them.
+
+
+def _forward(x, w, offsets, backend: str) -> torch.Tensor:
+    return _IMPLS[backend][0](x, w, offsets)
+
+
+def _backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend: str):
+    return _IMPLS[backend][1](dy, x, w, offsets, need_dx, need_dw)
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("titan::grouped_mm", mutates_args=())
+def grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+    """y (T, N) in x.dtype: y[group e] = x[group e] @ w[e], rows past offsets[-1] zero. x (T, K), w
+    (E, K, N) of one float dtype, offsets (E,) int32 cumulative group ends. ``backend``: one of
+    BACKENDS (None: the automatic choice). See ``titan_kernels.grouped_mm``."""
+    if backend is None:
+        backend = _choose_for(x, w, False)
+    return _forward(x, w, offsets, backend)
+
+
+@grouped_mm_op.register_fake
+def _(x, w, offsets, backend=None):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("titan::grouped_mm_backward", mutates_args=())
+def grouped_mm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
+    need_dx: bool, need_dw: bool, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of titan::grouped_mm: dx (T, K) = dy[group e] @ w[e]^T per group (rows past the last
+    group zero) and dw (E, K, N) = x[group e]^T @ dy[group e] (zero for an empty group), float32
+    accumulation. A gradient not asked for comes back as an empty (T, 0) / (E, K, 0) tensor.
+    ``backend``: the forward's (None: the automatic choice)."""
+    if backend is None:
+        backend = _choose_for(x, w, True)
+    dx, dw = _backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend)
+    if dx is None:
+        dx = x.new_empty((x.shape[0], 0))
+    if dw is None:
+        dw = w.new_empty((w.shape[0], w.shape[1], 0))
+    return dx, dw
+
+
+@grouped_mm_backward_op.register_fake
+def _(dy, x, w, offsets, need_dx, need_dw, backend=None):
+    return (
+        x.new_empty((x.shape[0], x.shape[1] if need_dx else 0)),
+        w.new_empty((w.shape[0], w.shape[1], w.shape[2] if need_dw else 0)),
+    )
+
+
+# ----------------------------------------------------------------------------- autograd (one definition)
+
+
+def _setup(ctx, inputs, output):
+    x, w, offsets, backend = inputs
+    ctx.save_for_backward(x, w, offsets)
+    # The forward's choice, handed to the backward (a direct op call with None resolves it here).
+    ctx.backend = backend if backend is not None else _choose_for(x, w, True)
+
+
+def _grads(ctx, dy, fast: bool):
+    if torch.is_grad_enabled() and dy.requires_grad:
+        raise RuntimeError(
+            "titan::grouped_mm: double backward (create_graph=True through grouped_mm) is not implemented"
+        )
+    x, w, offsets = ctx.saved_tensors
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if fast:
+        dx, dw = _backward_kernel(dy, x, w, offsets, need_dx, need_dw, ctx.backend)
+    else:
+        dx, dw = torch.ops.titan.grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, ctx.backend)
+    return (dx if need_dx else None), (dw if need_dw else None)
+
+
+def _backward(ctx, dy):
+    dx, dw = _grads(ctx, dy, fast=False)
+    return dx, dw, None, None
+
+
+def _refuse_double_backward(ctx, ddx, ddw):
+    raise RuntimeError("titan::grouped_mm_backward: double backward of titan::grouped_mm is not implemented")
+
+
+def _setup_bwd(ctx, inputs, output):
+    pass
+
+
+grouped_mm_op.register_autograd(_backward, setup_context=_setup)
+grouped_mm_backward_op.register_autograd(_refuse_double_backward, setup_context=_setup_bwd)
+
+
+class _GroupedMMFn(torch.autograd.Function):
+    """The eager fast path of titan::grouped_mm: the same ``_forward``, ``_setup`` and ``_grads``."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, backend):
+        y = _forward(x, w, offsets, backend)
+        _setup(ctx, (x, w, offsets, backend), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = _grads(ctx, dy, fast=True)
+        return dx, dw, None, None
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Grouped GEMM over experts: ``y[group e] = x[group e] @ w[e]``, one launch for all groups.
+
+    Same result as ``torch._grouped_mm(x, w, offs=offsets)`` (whose layout it takes), computed with
+    float32 accumulation, on any K/N/dtype (cases aten refuses run on our Triton kernel or the
+    reference), with zeros in rows past the last group and the gradients of x and w.
+
+    Args:
+        x: (T, K) tokens sorted by expert, float32/bfloat16/float16 (float64: reference only); T = 0 allowed.
+        w: (E, K, N) expert weights of x's dtype, row- or column-major per expert.
+        offsets: (E,) int32 cumulative group ends: group e is rows [offsets[e-1], offsets[e]) with
+            offsets[-1] = 0 before the first; non-decreasing, offsets[E-1] <= T; empty groups allowed.
+
+    Returns:
+        (T, N) in x.dtype; rows >= offsets[E-1] are zero.
+
+    Raises:
+        TypeError: x/w not float tensors or of different dtypes, offsets not int32.
+        ValueError: wrong ranks or shapes, no experts, mixed devices, offsets not non-decreasing
+            in [0, T] (checked in eager mode on CPU, where it costs no device sync).
+        RuntimeError: a requested backend cannot take the case (the reason is given), or
+            create_graph=True through the backward (double backward is not implemented).
+
+    Gradients: dx[group e] = dy[group e] @ w[e]^T, dw[e] = x[group e]^T @ dy[group e].
+    Source: the grouped GEMM of MoE training (torchtitan's ``torch._grouped_mm`` experts; Gale et
+    al. 2022, "MegaBlocks", block-sparse grouped matmul).
+    """
+    _validate(x, w, offsets)
+    grad = _needs_grad(x, w)
+    backend = _choose_for(x, w, grad)
+    if eager_fast_path(x, w, offsets):
+        _validate_values(x, offsets)
+        if grad:
+            return _GroupedMMFn.apply(x, w, offsets, backend)
+        return _forward(x, w, offsets, backend)
+    return torch.ops.titan.grouped_mm(x, w, offsets, backend)
