@@ -28,6 +28,7 @@ unusable checkpoint, data errors), with a one-line (or, for memory, a short) mes
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
@@ -314,7 +315,7 @@ def main(config: JobConfig) -> int:
 def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
     from trainer.metrics import MetricsLogger
-    from trainer.models.llama import build_model, cross_entropy_loss, model_args
+    from trainer.models.llama import build_model, cross_entropy_loss, linear_cross_entropy_loss, model_args
     from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.parallel.compile import compile_loss
     from trainer.parallel.parallel_dims import ParallelDims
@@ -419,9 +420,18 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 convert_model_to_float8(model, config.float8)
             except RuntimeError as exc:  # --float8.impl torchao without torchao
                 raise TrainingError(str(exc)) from None
-        loss_fn = cross_entropy_loss
-        if config.compile.enable and "loss" in config.compile.components:
-            loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
+        # The loss is the fused output projection + cross-entropy (vocab-parallel under TP): the last
+        # stage returns hidden states, the logits are never materialized, and the loss needs no
+        # loss_parallel() context. It is one op, so there is nothing for compile to fuse. The logits
+        # path stays for --parallelism.disable_loss_parallel under TP and a float8 output layer.
+        fused_loss = not (dims.tp_enabled and p.disable_loss_parallel) and type(model.output) in (torch.nn.Linear, type(None))
+        if fused_loss:
+            model.return_hidden = True
+            loss_fn = functools.partial(linear_cross_entropy_loss, model)
+        else:
+            loss_fn = cross_entropy_loss
+            if config.compile.enable and "loss" in config.compile.components:
+                loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
         try:
             pm = parallelize_llama(
                 model, config, dims, mesh, device, use_fsdp=use_fsdp,
@@ -431,6 +441,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
         except ValueError as exc:  # the model does not fit the layout
             raise ConfigError(str(exc)) from None
         model = pm.model
+        loss_context = contextlib.nullcontext if fused_loss else pm.loss_context
 
         optimizer = build_optimizer(model, config.optimizer)
         scheduler = build_lr_scheduler(optimizer, _schedule(config))
@@ -480,7 +491,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 lambda inputs, labels, pos: micro_batch_loss(model, loss_fn, inputs, labels, pos),
                 dp_group=dp_group if distributed else False, distributed=distributed,
                 document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
-                loss_context=pm.loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
+                loss_context=loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
             )
             logger.info("validation: %s, %s every %d steps and at the end", val_loader.source.name,
                         "the whole split" if config.validation.steps == -1 else f"{config.validation.steps} batches",
@@ -514,7 +525,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 loss = forward_backward(model, loss_fn, batches, device, dp_size=pm.grad_scale,
                                         dp_group=dp_group if distributed else False,
                                         document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
-                                        loss_context=pm.loss_context, pipeline=pm.pipeline)
+                                        loss_context=loss_context, pipeline=pm.pipeline)
                 reduce_partial_grads(pm.partial_grads)
                 grad_norm = clip_grad_norm_(params, cfg_t.max_norm, pp_group=pp_norm_group(mesh and mesh["pp"]))
                 watch.update(step, loss, grad_norm)

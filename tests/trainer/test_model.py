@@ -12,6 +12,7 @@ from trainer.models.llama import (
     build_model,
     cross_entropy_loss,
     from_hf_state_dict,
+    linear_cross_entropy_loss,
     model_args,
     to_hf_state_dict,
 )
@@ -211,6 +212,28 @@ def test_cross_entropy_loss_is_a_float32_sum_skipping_ignored():
     ref = F.cross_entropy(logits.double().flatten(0, 1)[keep], labels.flatten()[keep], reduction="sum")
     assert got.dtype == torch.float32
     assert abs(got.item() - ref.item()) / ref.item() < 1e-5
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_loss_on_hidden_states_equals_the_logits_loss(tied):
+    # return_hidden: forward stops at the final norm; the fused loss applies the output weight (or
+    # the tied embedding) and gives the loss and every parameter gradient of the logits path.
+    args = TINY.replace(tie_word_embeddings=tied)
+    tokens, labels = torch.randint(0, 101, (2, 9)), torch.randint(0, 101, (2, 9))
+    labels[1, :4] = -100
+    unfused, fused = _tiny_model(args), _tiny_model(args)
+    loss_ref = cross_entropy_loss(unfused(tokens), labels)
+    loss_ref.backward()
+    fused.return_hidden = True
+    hidden = fused(tokens)
+    assert hidden.shape == (2, 9, args.dim)
+    loss = linear_cross_entropy_loss(fused, hidden, labels)
+    loss.backward()
+    assert loss.dtype == torch.float32 and abs(loss.item() - loss_ref.item()) <= 1e-5 * loss_ref.item()
+    ref_grads = dict(unfused.named_parameters())
+    for name, p in fused.named_parameters():
+        assert _rel(p.grad, ref_grads[name].grad) < 1e-5, name
+    assert fused.output_weight() is (fused.tok_embeddings.weight if tied else fused.output.weight)
 
 
 # --------------------------------------------------------------------------------------------

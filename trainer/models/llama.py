@@ -292,6 +292,9 @@ class Transformer(nn.Module):
     """Llama 3. ``forward(tokens (batch, seq) int64, position_ids=None) -> logits (batch, seq, vocab_size)``.
 
     Logits come in the parameters' (compute) dtype; compute the loss in float32 (``cross_entropy_loss``).
+    With ``return_hidden = True`` (the trainer's default) the forward stops after the final norm and
+    returns its hidden states (batch, seq, dim): the loss applies the output projection itself
+    (``linear_cross_entropy_loss`` with ``output_weight()``), so the logits are never materialized.
     Layers live in a ModuleDict keyed "0".."n-1" so that parameter names stay the same when a
     pipeline stage drops some of them. A pipeline stage without ``tok_embeddings`` takes the hidden
     states (batch, seq, dim) of the stage before; one without ``norm`` and ``output`` returns its
@@ -313,6 +316,12 @@ class Transformer(nn.Module):
         self.rope = RotaryEmbedding(
             args.head_dim, args.max_seq_len, args.rope_theta, args.rope_scaling, interleaved=True
         )
+        # The last stage returns the final-norm hidden states instead of the logits (class docstring).
+        self.return_hidden = False
+
+    def output_weight(self) -> torch.Tensor:
+        """The output projection's weight (vocab_size, dim): ``output.weight``, or the embedding when tied."""
+        return self.output.weight if self.output is not None else self.tok_embeddings.weight
 
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.tok_embeddings is None:  # a later pipeline stage: hidden states in
@@ -330,6 +339,8 @@ class Transformer(nn.Module):
         if self.norm is None:  # not the last pipeline stage
             return h
         h = self.norm(h)
+        if self.return_hidden:
+            return h
         if self.output is None:
             return F.linear(h, self.tok_embeddings.weight)
         return self.output(h)
@@ -409,6 +420,23 @@ def cross_entropy_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index:
     """
     return F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(0, 1), ignore_index=ignore_index, reduction="sum"
+    )
+
+
+def linear_cross_entropy_loss(
+    model: Transformer, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> torch.Tensor:
+    """``cross_entropy_loss`` of the logits ``model.output_weight()`` would give, without making them.
+
+    hidden (batch, seq, dim): the final-norm hidden states of ``model`` (or of its last pipeline
+    stage) with ``return_hidden``; labels (batch, seq) int64, ``ignore_index`` skipped. Read right
+    after that forward, while the output weight is gathered (FSDP2 keeps the root's parameters from
+    forward to backward). Returns the float32 SUM over tokens, computed chunk by chunk by
+    ``titan_kernels.linear_cross_entropy``; under tensor parallel (the output weight split on the
+    vocabulary) its vocab-parallel loss, a replicated DTensor.
+    """
+    return titan_kernels.linear_cross_entropy(
+        hidden, model.output_weight(), labels, ignore_index=ignore_index, reduction="sum"
     )
 
 

@@ -36,7 +36,9 @@ def apply_fsdp(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    # The root (embedding, final norm, output) stays gathered from forward to backward: the fused
+    # loss reads output.weight after the forward (trainer.models.llama.linear_cross_entropy_loss).
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):

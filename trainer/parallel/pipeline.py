@@ -6,8 +6,10 @@ stages take one more when it does not divide), or at ``pipeline_parallel_split_p
 layer of each stage after the first, e.g. ``["layers.3"]``. The first stage also holds the token
 embedding, the last the final norm and the output projection. A stage is a ``Transformer`` holding
 only its layers (their names unchanged, so checkpoints are layout-free); it takes token ids (first
-stage) or the hidden states of the stage before, and returns hidden states or, on the last stage,
-the logits.
+stage) or the hidden states of the stage before, and returns hidden states: on the last stage
+those after the final norm when the model has ``return_hidden`` (the trainer's default), and the
+loss (``loss_fn``, the fused ``linear_cross_entropy_loss``) applies the output weight itself, or
+else the logits.
 
 Schedules (``pipeline_parallel_schedule``):
   GPipe, 1F1B                 one stage per rank;
@@ -164,6 +166,7 @@ def split_model(model: nn.Module, plan: StagePlan) -> tuple[nn.Module, list[nn.M
         stage.norm = model.norm if s == last else None
         stage.output = model.output if s == last else None
         stage.rope = model.rope
+        stage.return_hidden = model.return_hidden
         stages.append(stage)
     return model, stages
 
@@ -177,7 +180,8 @@ class PipelineRunner:
         pp_mesh: the 1-D ``pp`` mesh.
         schedule: a name in ``SCHEDULES``.
         n_microbatches: micro-batches per schedule step (local_batch_size / microbatch size).
-        loss_fn: ``loss_fn(logits, labels, ignore_index) -> summed token loss``.
+        loss_fn: ``loss_fn(output, labels, ignore_index) -> summed token loss`` of the last stage's
+            output (the hidden states with ``return_hidden``, else the logits).
         device: where the stages run.
 
     Raises ValueError (naming ``parallelism.pipeline_parallel_microbatch_size``) for a micro-batch
