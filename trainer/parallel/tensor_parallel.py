@@ -15,11 +15,17 @@ The plan, per transformer block, on a 1-D ``tp`` mesh:
 
 Around the blocks: ``tok_embeddings`` is split on the vocabulary (rowwise: each rank looks up its
 own rows, the Partial sum is reduce-scattered onto the sequence); ``norm`` is sequence parallel;
-``output`` is colwise (split on the vocabulary). With loss parallel (the default) the logits stay
-vocab-sharded (``Shard(-1)``) and the cross-entropy runs under ``loss_parallel()``: each rank
-computes its part of the log-sum-exp and the target logit, and only (batch, seq)-sized values are
-reduced, never the (batch, seq, vocab) logits. With ``disable_loss_parallel`` the logits are
-all-gathered instead.
+``output`` is colwise (its weight split on the vocabulary, ``Shard(0)``). Loss parallel (the
+default) is the trainer's fused loss: the model returns the final norm's sequence-sharded hidden
+states and ``titan_kernels.linear_cross_entropy`` takes them with the vocab-split output weight
+(``trainer.models.llama.linear_cross_entropy_loss``): hidden is all-gathered (as ``output``'s
+colwise input would be), each rank computes the logits of its own vocabulary rows chunk by chunk,
+and only token-sized max / sum-exp / target-logit values are all-reduced, never the (batch, seq,
+vocab) logits, which are not even materialized; hidden's gradient is reduce-scattered back onto
+the sequence. ``output``'s own forward is then unused; called (logits wanted), it returns them
+vocab-sharded (``Shard(-1)``), for a cross-entropy under ``loss_parallel()``
+(``loss_parallel_context``). With ``disable_loss_parallel`` the logits are all-gathered and the
+loss is the plain cross-entropy.
 
 Between modules the hidden states are plain local tensors holding this rank's sequence shard (as
 in torchtitan), so the residual adds are local and pipeline stages pass plain tensors.
@@ -149,7 +155,8 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
 
 
 def loss_parallel_context(enabled: bool):
-    """``loss_parallel()`` when the logits are vocab-sharded DTensors, else a no-op context."""
+    """``loss_parallel()`` when the logits are vocab-sharded DTensors, else a no-op context (the
+    logits path; the fused loss needs no context)."""
     import contextlib
 
     return loss_parallel() if enabled else contextlib.nullcontext()
