@@ -151,6 +151,22 @@ def _swiglu(backward=False):
     return drive
 
 
+def _moe_permute(combine=False, weighted=False):
+    def drive(T):
+        import torch
+
+        tokens, top_k, d = 256, 8, 4096
+        if combine:
+            dst = torch.randint(0, tokens * top_k, (tokens, top_k))
+            T.combine_rows(_t(tokens * top_k, d), dst, torch.rand(tokens, top_k) if weighted else None)
+        else:
+            src = torch.randint(-1, tokens * top_k, (tokens * top_k + 64,))
+            w = torch.rand(tokens, top_k) if weighted else None
+            T.permute_rows(_t(tokens, d), src, top_k, w, _t(tokens * top_k + 64, d) if weighted else None)
+
+    return drive
+
+
 _TC = {"wgmma"}
 KERNELS: list[Row] = [
     # RMSNorm: Llama hidden sizes one pass (hot); 32k columns take the two-pass loop (reported).
@@ -188,6 +204,9 @@ KERNELS: list[Row] = [
     # Linear cross-entropy's two passes over a chunk of logits at the Llama 3 vocabulary (bf16 and fp32 g).
     Row("cross_entropy.stats+grad V128256 bf16", "titan_kernels.triton.cross_entropy", _cross_entropy("bfloat16")),
     Row("cross_entropy.stats+grad V128256 fp32", "titan_kernels.triton.cross_entropy", _cross_entropy("float32")),
+    # MoE token permute / combine, top-8 at dim 4096 (weighted: the scores' forward and gradient).
+    *[Row(f"moe_permute.{kind}{' weighted' if w else ''} d4096", "titan_kernels.triton.moe_permute",
+          _moe_permute(combine=kind == "combine", weighted=w)) for kind in ("permute", "combine") for w in (False, True)],
 ]
 
 
