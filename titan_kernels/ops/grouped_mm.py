@@ -304,11 +304,12 @@ def _setup(ctx, inputs, output):
 
 
 def _grads(ctx, dy, fast: bool):
-    if torch.is_grad_enabled() and dy.requires_grad:
+    x, w, offsets = ctx.saved_tensors
+    # Grad mode is on inside a backward only under create_graph=True.
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (dy, x, w)):
         raise RuntimeError(
             "titan::grouped_mm: double backward (create_graph=True through grouped_mm) is not implemented"
         )
-    x, w, offsets = ctx.saved_tensors
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     if fast:
         dx, dw = _backward_kernel(dy, x, w, offsets, need_dx, need_dw, ctx.backend)

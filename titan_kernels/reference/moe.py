@@ -17,7 +17,7 @@ placed at row dst[t, j] of the permuted buffer, ordered by expert, slots of one 
 (a stable sort). With ``align`` > 1 every group is padded with zero rows to a multiple of align
 (grouped GEMM kernels want whole tiles); the buffer has T * top_k + E * (align - 1) rows (a bound
 that does not depend on the routing) and the rows past the last group are zero too.
-    permute:    xp[dst[t, j]] = x[t]                       (other rows 0)
+    permute:    xp[dst[t, j]] = x[t]  (other rows 0; computed per row r from src, the inverse of dst)
     unpermute:  out[t] = sum_j scores[t, j] * yp[dst[t, j]]
 Backward:  dx[t] = sum_j dxp[dst[t, j]];   dyp[dst[t, j]] = scores[t, j] * dout[t] (other rows 0);
            dscores[t, j] = <dout[t], yp[dst[t, j]]>.
@@ -82,6 +82,8 @@ def routing_index(expert_indices: torch.Tensor, num_experts: int, align: int = 1
 
     expert_indices: (T, top_k) integer, values in [0, num_experts). Returns
       dst (T, top_k) int64: the row of the permuted buffer of each slot;
+      src (R,) int64, R = padded_rows(T * top_k, E, align): the slot t * top_k + j in each row, -1
+          for a padding row (the inverse of dst);
       offsets (E,) int32: cumulative (padded) group ends;
       counts (E,) int64: tokens routed to each expert (unpadded).
     """
@@ -98,23 +100,37 @@ def routing_index(expert_indices: torch.Tensor, num_experts: int, align: int = 1
     e_sorted = flat[order]
     dst = torch.empty(n, dtype=torch.int64, device=flat.device)
     dst[order] = starts_padded[e_sorted] + (rank - starts[e_sorted])
-    return dst.view(expert_indices.shape), ends.to(torch.int32), counts
+    src = torch.full((padded_rows(n, num_experts, align),), -1, dtype=torch.int64, device=flat.device)
+    src[dst] = rank
+    return dst.view(expert_indices.shape), src, ends.to(torch.int32), counts
 
 
-def scatter_rows(x: torch.Tensor, dst: torch.Tensor, n_rows: int, weights: torch.Tensor | None = None):
-    """out (n_rows, D) in x.dtype, zero but out[dst[t, j]] = weights[t, j] * x[t] (weights None: 1).
-    The permute forward (weights None) and the unpermute backward (weights = scores)."""
-    top_k = dst.shape[1]
+def permute_rows(x, src, top_k: int, weights=None, dot_with=None):
+    """out (R, D) in x.dtype: out[r] = weights[s] * x[s // top_k] for s = src[r] >= 0, else 0
+    (weights None: 1). The permute forward (weights None) and the unpermute backward (weights =
+    scores, the incoming gradient as x). With ``dot_with`` (R, D) also returns the per-slot dot
+    products <x[s // top_k], dot_with[r]> as a (T, top_k) float32 tensor (the scores' gradient)."""
     acc = acc_dtype(x)
-    src = x.to(acc).repeat_interleave(top_k, dim=0) if top_k != 1 else x.to(acc)
+    if x.shape[0] * top_k == 0:  # no slot at all: every row is padding
+        dots = x.new_zeros((x.shape[0], top_k), dtype=acc) if dot_with is not None else None
+        return x.new_zeros((src.shape[0], x.shape[1])), dots
+    valid = src >= 0
+    s = src.clamp_min(0)
+    rows = x.to(acc).index_select(0, s // top_k)
+    out = rows
     if weights is not None:
-        src = src * weights.reshape(-1, 1).to(acc)
-    out = x.new_zeros((n_rows, x.shape[1]), dtype=acc)
-    out.index_copy_(0, dst.reshape(-1), src)
-    return out.to(x.dtype)
+        out = out * weights.reshape(-1).to(acc).index_select(0, s).unsqueeze(1)
+    out = torch.where(valid.unsqueeze(1), out, 0).to(x.dtype)
+    if dot_with is None:
+        return out, None
+    n = x.shape[0] * top_k
+    d = (rows * dot_with.to(acc)).sum(1)
+    dots = torch.zeros(n, dtype=acc, device=x.device)
+    dots.index_copy_(0, src[valid], d[valid])
+    return out, dots.view(x.shape[0], top_k)
 
 
-def gather_rows(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor | None = None):
+def combine_rows(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor | None = None):
     """out (T, D) in y.dtype: out[t] = sum_j weights[t, j] * y[dst[t, j]] (weights None: 1), float32
     accumulation. The unpermute forward (weights = scores) and the permute backward (weights None)."""
     acc = acc_dtype(y)
@@ -122,10 +138,3 @@ def gather_rows(y: torch.Tensor, dst: torch.Tensor, weights: torch.Tensor | None
     if weights is not None:
         g = g * weights.to(acc).unsqueeze(-1)
     return g.sum(1).to(y.dtype)
-
-
-def gather_dot(dout: torch.Tensor, y: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
-    """dscores (T, top_k) float32 (float64 for float64): <dout[t], y[dst[t, j]]>."""
-    acc = acc_dtype(y)
-    g = y.to(acc).index_select(0, dst.reshape(-1)).view(dst.shape[0], dst.shape[1], y.shape[1])
-    return (g * dout.to(acc).unsqueeze(1)).sum(-1)
