@@ -1,0 +1,431 @@
+"""Stage 3 of bench/run_gpu.sh: every op on every backend of the device against float64, a few shapes each.
+
+    python -m bench.gpu_correctness PREFIX [--dry-run]
+
+The fast subset of the kernel tests (tests/kernels/ has the full ones; on a GPU they take far longer,
+mostly compiling kernels for their many shapes): forward and gradients of each op on each backend
+that runs on the device, compared with float64 math written out here (not with another backend),
+at one to three awkward shapes (odd row counts, a transposed input, GQA, Llama widths) in bf16 and
+fp32. The relative-norm tolerances are the team's (fp32 1e-5, bf16 1e-2, float8 e4m3 7e-2, e5m2
+1.2e-1). Ops: rms_norm, add_rms_norm, apply_rotary_emb (both layouts), fp8_quantize (three
+granularities), fp8_gemm (tensorwise, rowwise), fp8_linear (three recipes), flash_attn (every
+attention backend, causal and not, plus varlen), and swiglu / linear_cross_entropy when
+``titan_kernels`` has them. A backend that cannot take a case is listed with the reason, not failed.
+
+Writes the ``correctness`` section of PREFIX.json after each op (a time-out loses only the rest) and
+exits 1 if any check is outside its tolerance. ``--dry-run``: the CPU backends (reference, csrc cpu,
+Triton in the interpreter) at tiny shapes. Autotuning: the first config only
+(``TITAN_KERNELS_AUTOTUNE=0``, set by run_gpu.sh), as correctness does not depend on the tile.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+BF16_TOL, FP32_TOL, E4M3_TOL, E5M2_TOL = 1e-2, 1e-5, 7e-2, 1.2e-1
+
+
+@dataclass
+class Checks:
+    prefix: str
+    rows: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def add(self, op, backend, case, quantity, got, want, tol) -> None:
+        err = rel_err(got, want) if not isinstance(got, float) else got
+        ok = math.isfinite(err) and err <= tol
+        self.rows.append({"op": op, "backend": backend, "case": case, "quantity": quantity, "err": err,
+                          "tol": tol, "ok": ok})
+        if not ok:
+            print(f"  FAIL {op} [{backend}] {case} {quantity}: rel. error {err:.3e} > {tol:.0e}", flush=True)
+
+    def skip(self, what: str) -> None:
+        self.skipped.append(what)
+        print(f"  not run: {what}", flush=True)
+
+    def save(self) -> None:
+        from bench import gpu_report
+
+        gpu_report.update(self.prefix, "correctness", {"rows": self.rows, "skipped": self.skipped})
+
+
+def rel_err(a, b) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if b.numel() == 0:
+        return 0.0
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _tol(dtype) -> float:
+    import torch
+
+    return FP32_TOL if dtype == torch.float32 else BF16_TOL
+
+
+def _randn(*shape, dtype, dev, scale=1.0, shift=0.0):
+    import torch
+
+    return (torch.randn(*shape, dtype=torch.float64) * scale + shift).to(dtype).to(dev)
+
+
+def _backends(op: str, dev) -> list[str]:
+    from titan_kernels import backend
+
+    return [b for b in backend.implemented_backends(op) if backend.backend_status(b, dev).available]
+
+
+def _grad(y, inputs, g):
+    import torch
+
+    return torch.autograd.grad(y, inputs, g)
+
+
+# ----------------------------------------------------------------------------- the ops
+
+
+def check_rms_norm(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+
+    def f64(h, w, eps):
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    for be in _backends("rms_norm", dev):
+        for (m, n), dtype, transposed in S.rms:
+            base = _randn(n, m, dtype=dtype, dev=dev, shift=0.1).t() if transposed else \
+                _randn(m, n, dtype=dtype, dev=dev, shift=0.1)
+            x = base.detach().requires_grad_()
+            w = _randn(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
+            g = _randn(m, n, dtype=dtype, dev=dev)
+            with tk.use_backend(be):
+                y = tk.rms_norm(x, w, 1e-6)
+                dx, dw = _grad(y, (x, w), g)
+            x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+            y64 = f64(x64, w64, 1e-6)
+            dx64, dw64 = _grad(y64, (x64, w64), g.double())
+            case = f"{m}x{n}{' transposed' if transposed else ''} {str(dtype)[6:]}"
+            for q, got, want in (("y", y, y64), ("dx", dx, dx64), ("dweight", dw, dw64)):
+                c.add("rms_norm", be, case, q, got, want, _tol(dtype))
+        (m, n), dtype = S.add_rms
+        x = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+        r = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+        w = _randn(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
+        gy, gh = _randn(m, n, dtype=dtype, dev=dev), _randn(m, n, dtype=dtype, dev=dev)
+        with tk.use_backend(be):
+            y, h = tk.add_rms_norm(x, r, w, 1e-6)
+            grads = _grad((y, h), (x, r, w), (gy, gh))
+        # h is rounded to the storage dtype before the norm, as the unfused code does.
+        h_round = (x.detach() + r.detach()).double()
+        x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
+        h64 = x64 + r64
+        y64 = f64(h64 + (h_round - h64).detach(), w64, 1e-6)
+        want = _grad((y64, h64), (x64, r64, w64), (gy.double(), gh.double()))
+        case = f"{m}x{n} {str(dtype)[6:]}"
+        c.add("add_rms_norm", be, case, "y", y, y64, _tol(dtype))
+        c.add("add_rms_norm", be, case, "h", h, h_round, _tol(dtype))
+        for q, got, ref in zip(("dx", "dresidual", "dweight"), grads, want):
+            c.add("add_rms_norm", be, case, q, got, ref, _tol(dtype))
+
+
+def check_rotary(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+
+    def f64(x, cos, sin, interleaved):
+        half = cos.shape[-1]
+        cos, sin = cos.double()[None, :, None, :], sin.double()[None, :, None, :]
+        if interleaved:
+            x1, x2 = x[..., 0:2 * half:2], x[..., 1:2 * half:2]
+            o1, o2 = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+            return torch.cat((torch.stack((o1, o2), -1).flatten(-2), x[..., 2 * half:]), -1)
+        x1, x2 = x[..., :half], x[..., half:2 * half]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), -1)
+
+    (b, s, h, hkv, d), dtype = S.rotary
+    for be in _backends("rotary", dev):
+        for interleaved in (False, True):
+            q = _randn(b, s, h, d, dtype=dtype, dev=dev).requires_grad_()
+            k = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+            cos, sin = tk.rope_cos_sin(d, s, 500000.0, device=dev)
+            gq, gk = _randn(b, s, h, d, dtype=dtype, dev=dev), _randn(b, s, hkv, d, dtype=dtype, dev=dev)
+            with tk.use_backend(be):
+                qo, ko = tk.apply_rotary_emb(q, k, cos, sin, interleaved=interleaved)
+                dq, dk = _grad((qo, ko), (q, k), (gq, gk))
+            q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
+            qo64, ko64 = f64(q64, cos, sin, interleaved), f64(k64, cos, sin, interleaved)
+            dq64, dk64 = _grad((qo64, ko64), (q64, k64), (gq.double(), gk.double()))
+            case = f"b{b} s{s} h{h}/{hkv} d{d} {'interleaved' if interleaved else 'half-split'} {str(dtype)[6:]}"
+            for qn, got, want in (("q", qo, qo64), ("k", ko, ko64), ("dq", dq, dq64), ("dk", dk, dk64)):
+                c.add("rotary", be, case, qn, got, want, _tol(dtype))
+
+
+def check_fp8_quantize(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+    from titan_kernels.reference.fp8 import AMAX_EPS, FP8_MAX
+
+    (m, n), dtype = S.fp8
+    e4m3 = torch.float8_e4m3fn
+    for be in _backends("fp8_quantize", dev):
+        for gran in ("tensorwise", "rowwise", "colwise"):
+            x = _randn(m, n, dtype=dtype, dev=dev, scale=3.0)
+            with tk.use_backend(be):
+                codes, scale = tk.fp8_quantize(x, dtype=e4m3, granularity=gran)
+            x64 = x.double()
+            dims = {"tensorwise": None, "rowwise": 1, "colwise": 0}[gran]
+            amax = x64.abs().amax() if dims is None else x64.abs().amax(dims, keepdim=True)
+            scale64 = amax.clamp_min(AMAX_EPS) / FP8_MAX[e4m3]
+            codes64 = (x64 / scale64).clamp(-FP8_MAX[e4m3], FP8_MAX[e4m3]).to(e4m3).double()
+            case = f"{m}x{n} {gran} {str(dtype)[6:]}"
+            c.add("fp8_quantize", be, case, "scale", scale.reshape(scale64.shape), scale64, 1e-6)
+            mismatch = (codes.double() != codes64).double().mean().item()  # ties may round either way
+            c.add("fp8_quantize", be, case, "codes (share differing from f64 rounding)", mismatch, None, 1e-3)
+            c.add("fp8_quantize", be, case, "dequantized vs x", codes.double() * scale.double(), x64, E4M3_TOL)
+
+
+def check_fp8_gemm(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+    from titan_kernels.ops import fp8 as ops_fp8
+
+    (m, n, k), dtype = S.gemm
+    names = _backends("fp8_gemm", dev)
+    if ops_fp8.scaled_mm_available(dev):
+        names.append(dev.type)  # the native backend name routes the GEMM to torch._scaled_mm
+    else:
+        c.skip(f"fp8_gemm [{dev.type}]: this torch has no float8 torch._scaled_mm on {dev.type}")
+    for be in names:
+        label = f"{be} (_scaled_mm)" if be in ("cpu", "cuda") else be
+        for gran in ("tensorwise", "rowwise"):
+            a, sa = tk.fp8_quantize(_randn(m, k, dtype=dtype, dev=dev), granularity=gran)
+            b, sb = tk.fp8_quantize(_randn(n, k, dtype=dtype, dev=dev, scale=0.05), granularity=gran)
+            with tk.use_backend(be):
+                y = tk.fp8_gemm(a, b, sa, sb, out_dtype=dtype)
+            want = (a.double() * sa.double()) @ (b.double() * sb.double()).t()
+            c.add("fp8_gemm", label, f"{m}x{k}x{n} {gran} -> {str(dtype)[6:]}", "out", y, want, 2e-2)
+
+
+def check_fp8_linear(c: Checks, dev, S) -> None:
+    import titan_kernels as tk
+
+    (m, n, k), dtype = S.gemm
+    for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+        x = _randn(m, k, dtype=dtype, dev=dev).requires_grad_()
+        w = _randn(n, k, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+        g = _randn(m, n, dtype=dtype, dev=dev)
+        y = tk.fp8_linear(x, w, recipe)
+        dx, dw = _grad(y, (x, w), g)
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        y64 = x64 @ w64.t()
+        dx64, dw64 = _grad(y64, (x64, w64), g.double())
+        tol_dx = E5M2_TOL if recipe == "tensorwise" else E4M3_TOL
+        tol_dw = E5M2_TOL if recipe == "tensorwise" else (E4M3_TOL if recipe == "rowwise" else _tol(dtype))
+        case = f"{m}x{k}x{n} {recipe} {str(dtype)[6:]}"
+        c.add("fp8_linear", "auto", case, "y", y, y64, E4M3_TOL)
+        c.add("fp8_linear", "auto", case, "dx", dx, dx64, tol_dx)
+        c.add("fp8_linear", "auto", case, "dweight", dw, dw64, tol_dw)
+
+
+def _attention_f64(q, k, v, causal, cu=None):
+    import torch
+
+    group = q.shape[-2] // k.shape[-2]
+    k, v = k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
+    scale = q.shape[-1] ** -0.5
+
+    def dense(q, k, v):  # (S, H, D)
+        s = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if causal:
+            sq, sk = q.shape[0], k.shape[0]
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            s = s.masked_fill(~mask, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
+
+    if cu is None:
+        return torch.stack([dense(q[i], k[i], v[i]) for i in range(q.shape[0])])
+    bounds = cu.tolist()
+    return torch.cat([dense(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def check_flash_attn(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+    from titan_kernels.ops import attention as att
+
+    (b, s, h, hkv, d), dtype = S.attn
+    for be in att.ATTENTION_BACKENDS:
+        for causal in (True, False):
+            q = _randn(b, s, h, d, dtype=dtype, dev=dev).requires_grad_()
+            k = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+            v = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+            g = _randn(b, s, h, d, dtype=dtype, dev=dev)
+            case = f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {str(dtype)[6:]}"
+            try:
+                out = tk.flash_attn(q, k, v, causal=causal, backend=be)
+                dq, dk, dv = _grad(out, (q, k, v), g)
+            except RuntimeError as e:  # this backend cannot take the case here (the reason says why)
+                c.skip(f"flash_attn [{be}] {case}: {str(e).splitlines()[0][:160]}")
+                continue
+            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+            out64 = _attention_f64(q64, k64, v64, causal)
+            want = _grad(out64, (q64, k64, v64), g.double())
+            for qn, got, ref in (("out", out, out64), ("dq", dq, want[0]), ("dk", dk, want[1]), ("dv", dv, want[2])):
+                c.add("flash_attn", be, case, qn, got, ref, _tol(dtype))
+    # varlen: three documents packed in one sequence, on the automatic choice.
+    t_total = b * s
+    cu = torch.tensor([0, t_total // 3, t_total // 3 + 1, t_total], dtype=torch.int32, device=dev)
+    q = _randn(t_total, h, d, dtype=dtype, dev=dev).requires_grad_()
+    k = _randn(t_total, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+    v = _randn(t_total, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+    g = _randn(t_total, h, d, dtype=dtype, dev=dev)
+    maxlen = int((cu[1:] - cu[:-1]).max())
+    out = tk.flash_attn_varlen(q, k, v, cu, cu, maxlen, maxlen, causal=True)
+    dq, dk, dv = _grad(out, (q, k, v), g)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out64 = _attention_f64(q64, k64, v64, True, cu)
+    want = _grad(out64, (q64, k64, v64), g.double())
+    label = tk.attention_backend(q, k, v, causal=True, cu_seqlens_q=cu, max_seqlen_q=maxlen,
+                                 max_seqlen_k=maxlen).backend
+    for qn, got, ref in (("out", out, out64), ("dq", dq, want[0]), ("dk", dk, want[1]), ("dv", dv, want[2])):
+        c.add("flash_attn_varlen", str(label), f"{t_total} tokens, 3 documents h{h}/{hkv} d{d} causal", qn, got,
+              ref, _tol(dtype))
+
+
+def check_swiglu(c: Checks, dev, S) -> None:
+    import torch.nn.functional as F
+
+    import titan_kernels as tk
+
+    (m, n), dtype = S.swiglu
+    for be in _backends("swiglu", dev) or ["auto"]:
+        gate = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+        up = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+        g = _randn(m, n, dtype=dtype, dev=dev)
+        ctx = tk.use_backend(be) if be != "auto" else _nullcontext()
+        with ctx:
+            y = tk.swiglu(gate, up)
+            dg, du = _grad(y, (gate, up), g)
+        g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+        y64 = F.silu(g64) * u64
+        dg64, du64 = _grad(y64, (g64, u64), g.double())
+        case = f"{m}x{n} {str(dtype)[6:]}"
+        for qn, got, want in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
+            c.add("swiglu", be, case, qn, got, want, _tol(dtype))
+
+
+def check_linear_cross_entropy(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+
+    (m, d, vocab), dtype = S.lce
+    params = list(inspect.signature(tk.linear_cross_entropy).parameters)
+    hidden = _randn(m, d, dtype=dtype, dev=dev).requires_grad_()
+    weight = _randn(vocab, d, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+    target = torch.randint(0, vocab, (m,), device=dev)
+    target[::7] = -100  # ignored positions
+    loss = tk.linear_cross_entropy(hidden, weight, target)
+    if loss.dim() != 0:
+        c.skip(f"linear_cross_entropy: returns shape {tuple(loss.shape)} (parameters {params}); expected a mean loss")
+        return
+    dh, dw = _grad(loss, (hidden, weight), torch.ones((), device=dev))
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    loss64 = torch.nn.functional.cross_entropy(h64 @ w64.t(), target, ignore_index=-100)
+    dh64, dw64 = _grad(loss64, (h64, w64), torch.ones((), dtype=torch.float64, device=dev))
+    case = f"{m} tokens x {d} -> vocab {vocab} {str(dtype)[6:]}"
+    for qn, got, want in (("loss", loss, loss64), ("dhidden", dh, dh64), ("dweight", dw, dw64)):
+        c.add("linear_cross_entropy", "auto", case, qn, got, want, _tol(dtype))
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------- sizes and the run
+
+
+def sizes(cuda: bool):
+    import torch
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+
+    class S:
+        if cuda:
+            rms = [((257, 4096), bf16, False), ((33, 8192), bf16, True), ((64, 1000), fp32, False)]
+            add_rms = ((129, 4096), bf16)
+            rotary = ((2, 257, 32, 8, 128), bf16)
+            fp8 = ((1000, 4096), bf16)
+            gemm = ((1000, 1536, 4096), bf16)
+            attn = ((2, 1000, 16, 4, 128), bf16)
+            swiglu = ((1000, 14336), bf16)
+            lce = ((1000, 1024, 32000), bf16)
+        else:  # the dry run: tiny shapes, Triton in the interpreter
+            rms = [((7, 64), fp32, False), ((5, 40), bf16, True)]
+            add_rms = ((5, 40), fp32)
+            rotary = ((1, 9, 4, 2, 16), fp32)
+            fp8 = ((9, 64), fp32)
+            gemm = ((17, 32, 64), fp32)
+            attn = ((1, 17, 4, 2, 16), fp32)
+            swiglu = ((9, 40), fp32)
+            lce = ((9, 32, 100), fp32)
+
+    return S
+
+
+CHECKS = [("rms_norm", check_rms_norm), ("rotary", check_rotary), ("fp8_quantize", check_fp8_quantize),
+          ("fp8_gemm", check_fp8_gemm), ("fp8_linear", check_fp8_linear), ("flash_attn", check_flash_attn),
+          ("swiglu", check_swiglu), ("linear_cross_entropy", check_linear_cross_entropy)]
+OPTIONAL = {"swiglu", "linear_cross_entropy"}  # checked when titan_kernels has them (other issues)
+
+
+def main(argv: list[str]) -> int:
+    prefix = argv[0]
+    from bench import autotune_cap
+
+    autotune_cap.install()
+    import torch
+
+    import titan_kernels as tk
+    from bench import common
+
+    dev = common.device()
+    S = sizes(dev.type == "cuda")
+    c = Checks(prefix)
+    torch.manual_seed(0)
+    for name, check in CHECKS:
+        if name in OPTIONAL and not hasattr(tk, name):
+            c.skip(f"{name}: titan_kernels has no {name} yet")
+            c.save()
+            continue
+        t0 = time.perf_counter()
+        n0 = len(c.rows)
+        try:
+            check(c, dev, S)
+        except Exception as e:  # noqa: BLE001  (one broken op must not hide the others' results)
+            c.rows.append({"op": name, "backend": "?", "case": "raised", "quantity": type(e).__name__,
+                           "err": float("inf"), "tol": 0.0, "ok": False})
+            print(f"  FAIL {name}: raised {type(e).__name__}: {str(e)[:400]}", flush=True)
+        bad = sum(not r["ok"] for r in c.rows[n0:])
+        print(f"{name}: {len(c.rows) - n0} checks, {bad} outside tolerance ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
+        c.save()
+    bad = [r for r in c.rows if not r["ok"]]
+    print(f"correctness: {len(c.rows) - len(bad)} of {len(c.rows)} checks within tolerance, "
+          f"{len(c.skipped)} not run", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
