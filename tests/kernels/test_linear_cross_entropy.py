@@ -49,6 +49,13 @@ def inputs(n, d, v, dtype, ignore_every=0, seed=0):
     return h, w, y
 
 
+def set_chunk_rows(monkeypatch, rows, v):
+    """Chunks of ``rows`` tokens at vocabulary ``v`` (the budget and the floor patched)."""
+    monkeypatch.setitem(ref.CHUNK_BYTES, TEST_DEVICE, rows * v * 4)
+    monkeypatch.setitem(ref.MIN_CHUNK_ROWS, TEST_DEVICE, 1)
+    assert ref.chunk_rows(10**6, v, torch.device(TEST_DEVICE)) == rows
+
+
 def grad_output(reduction, n, seed=1):
     g = torch.Generator().manual_seed(seed)
     if reduction == "none":
@@ -93,8 +100,9 @@ AWKWARD = [pytest.param(be.values[0], dtype, reduction, marks=[*be.marks, *_inte
 
 
 @pytest.mark.parametrize("be,dtype,reduction", AWKWARD)
-def test_awkward_shape_matches_float64(be, dtype, reduction):
-    # N = 1000, D = 96, V = 5003 (prime), every 7th label ignored; several chunks of 208 rows.
+def test_awkward_shape_matches_float64(be, dtype, reduction, monkeypatch):
+    # N = 1000, D = 96, V = 5003 (prime), every 7th label ignored; chunks of 208 rows (the last of 168).
+    set_chunk_rows(monkeypatch, 208, 5003)
     check_against_float64(be, dtype, reduction, 1000, 96, 5003, ignore_every=7)
 
 
@@ -102,7 +110,7 @@ def test_awkward_shape_matches_float64(be, dtype, reduction):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_smaller_shape_all_cases_match_float64(be, dtype, reduction, monkeypatch):
-    monkeypatch.setitem(ref.CHUNK_BYTES, TEST_DEVICE, 64 * 1001 * 4)  # 64-row chunks: 5, the last of 44
+    set_chunk_rows(monkeypatch, 64, 1001)  # 5 chunks, the last of 44 rows
     check_against_float64(be, dtype, reduction, 300, 40, 1001, ignore_every=5)
 
 
@@ -124,9 +132,8 @@ def check_against_float64(be, dtype, reduction, n, d, v, ignore_every):
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_many_chunks_and_remainder(be, reduction, monkeypatch):
-    # A 1 KiB budget: 16 rows of 61 columns per chunk, the last one partial (100 = 6 * 16 + 4).
-    monkeypatch.setitem(ref.CHUNK_BYTES, TEST_DEVICE, 16 * 61 * 4)
-    assert ref.chunk_rows(100, 61, torch.device(TEST_DEVICE)) == 16
+    # 16 rows of 61 columns per chunk, the last one partial (100 = 6 * 16 + 4).
+    set_chunk_rows(monkeypatch, 16, 61)
     h, w, y = inputs(100, 9, 61, torch.float32, ignore_every=5)
     gout = grad_output(reduction, 100)
     loss, dh, dw = run(be, h, w, y, reduction, gout)
@@ -162,6 +169,15 @@ def test_zero_tokens(be, reduction):
     else:
         assert torch.equal(loss, ref_loss)
     assert dh.shape == (0, 8) and torch.equal(dw, torch.zeros_like(dw))
+
+
+def test_chunk_rows_budget_and_floor():
+    cpu = torch.device("cpu")
+    assert ref.chunk_rows(8192, 32000, cpu) == 256  # 32 MiB of fp32 logits
+    assert ref.chunk_rows(8192, 128256, cpu) == 256  # the floor: the dW GEMM needs rows
+    assert ref.chunk_rows(100_000, 258, cpu) == 32512  # a small vocabulary: large chunks
+    assert ref.chunk_rows(37, 32000, cpu) == 37 and ref.chunk_rows(0, 5, cpu) == 1
+    assert ref.chunk_rows(100_000, 128256, torch.device("cuda")) == 512
 
 
 @pytest.mark.parametrize("be", BACKENDS)

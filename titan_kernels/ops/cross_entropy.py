@@ -60,7 +60,9 @@ def _register_triton() -> None:
         from titan_kernels.triton import cross_entropy as _tri
     except ImportError:  # triton not installed: the backend reports itself unavailable
         return
-    kernels = _ref.Kernels(_tri.softmax_stats, _tri.softmax_grad_)
+    # The Triton statistics pass leaves the logits as they are: the gradient pass reads them again.
+    kernels = _ref.Kernels(_tri.softmax_stats, lambda z, m, lse, *rest: _tri.softmax_grad_(z, lse, *rest),
+                           _tri.softmax_grad_)
 
     def fwd(*args):
         return _ref.linear_cross_entropy_fwd(*args, kernels=kernels)
