@@ -167,6 +167,22 @@ def _moe_permute(combine=False, weighted=False):
     return drive
 
 
+def _grouped_mm(backward=False, use_tma=True, dtype="bfloat16"):
+    def drive(T):
+        import torch
+
+        # Qwen3-30B-A3B expert shapes (dim 2048, expert hidden 768), 8 of its 128 experts, uneven groups.
+        e, k, n = 8, 2048, 768
+        x, w = _t(1024, k, dtype=dtype), _t(e, k, n, dtype=dtype)
+        offsets = torch.tensor([0, 100, 300, 301, 600, 700, 1000, 1000], dtype=torch.int32)
+        if backward:
+            T.grouped_mm_bwd(_t(1024, n, dtype=dtype), x, w, offsets, True, True, use_tma=use_tma)
+        else:
+            T.grouped_mm_fwd(x, w, offsets, use_tma=use_tma)
+
+    return drive
+
+
 _TC = {"wgmma"}
 KERNELS: list[Row] = [
     # RMSNorm: Llama hidden sizes one pass (hot); 32k columns take the two-pass loop (reported).
@@ -207,6 +223,16 @@ KERNELS: list[Row] = [
     # MoE token permute / combine, top-8 at dim 4096 (weighted: the scores' forward and gradient).
     *[Row(f"moe_permute.{kind}{' weighted' if w else ''} d4096", "titan_kernels.triton.moe_permute",
           _moe_permute(combine=kind == "combine", weighted=w)) for kind in ("permute", "combine") for w in (False, True)],
+    # MoE grouped GEMM at Qwen3-30B-A3B expert shapes: the persistent TMA kernel (forward; dx reads w^T),
+    # the pointer kernel, the dw kernel and the tail-zeroing kernel; bf16 on tensor cores, fp32 IEEE.
+    Row("grouped_mm.fwd tma 2048x768 bf16", "titan_kernels.triton.grouped_mm", _grouped_mm(),
+        needs={"_gmm_tma_kernel": {"wgmma", "tma"}}),
+    Row("grouped_mm.bwd tma 2048x768 bf16", "titan_kernels.triton.grouped_mm", _grouped_mm(backward=True),
+        needs={"_gmm_tma_kernel": {"wgmma", "tma"}, "_gmm_dw_kernel": _TC}),
+    Row("grouped_mm.fwd pointer 2048x768 bf16", "titan_kernels.triton.grouped_mm", _grouped_mm(use_tma=False),
+        needs={"_gmm_kernel": _TC}),
+    Row("grouped_mm.bwd pointer 2048x768 fp32", "titan_kernels.triton.grouped_mm",
+        _grouped_mm(backward=True, use_tma=False, dtype="float32"), hot=False),
 ]
 
 

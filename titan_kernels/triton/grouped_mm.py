@@ -240,7 +240,7 @@ def zero_rows_from(y: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Zero the rows of y (T, N) at and past offsets[-1], in place, reading offsets on the device."""
     t, n = y.shape
     if t and n:
-        bm, bn = 64, min(1024, max(16, triton.next_power_of_2(n)))
+        bm, bn = 64, min(256, max(16, triton.next_power_of_2(n)))
         _zero_rows_kernel[(triton.cdiv(t, bm),)](y, offsets, offsets.shape[0], t, n, y.stride(0), BLOCK_M=bm, BLOCK_N=bn)
     return y
 
