@@ -103,10 +103,25 @@ def _tail(path: pathlib.Path, n: int = 20) -> list[str]:
     return [line[:300] for line in path.read_text(errors="replace").splitlines()[-n:]]
 
 
+_running: list = []
+
+
+def _on_term(*_):
+    # The stage's `timeout` ends this process: end the test run too (its own session) and the builds.
+    for proc in _running:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    stop()
+    sys.exit(143)
+
+
 def _run(cmd: list[str], timeout: float, env: dict) -> tuple[int | str, list[str]]:
     print(f"native: {' '.join(cmd)}", flush=True)
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    _running.append(proc)
     try:
         out, _ = proc.communicate(timeout=max(timeout, 1))
         rc: int | str = proc.returncode
@@ -171,6 +186,7 @@ def main(argv: list[str]) -> int:
     if cmd == "stop":
         return stop()
     if cmd == "finish":
+        signal.signal(signal.SIGTERM, _on_term)
         return finish(argv[1], dry)
     raise SystemExit(f"gpu_native: unknown command {cmd!r} (start, finish, stop)")
 
