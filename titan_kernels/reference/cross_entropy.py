@@ -125,22 +125,31 @@ TORCH_KERNELS = Kernels(softmax_stats_, softmax_grad_after_stats_, softmax_grad_
 
 
 @functools.lru_cache(maxsize=None)
-def _fp32_output_gemm(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether aten's bf16/fp16 GEMMs with a float32 output (``mm.dtype``, ``addmm.dtype_out``
-    accumulating in place; CUDA, torch >= 2.8) run and agree with float32 math here. Decided once
-    per (device type, dtype), on a tiny problem."""
+def fp32_output_gemms(device_type: str, dtype: torch.dtype) -> tuple[bool, bool]:
+    """Whether aten's bf16/fp16 GEMMs with a float32 output run and agree with float32 math here:
+    (``mm.dtype``, ``addmm.dtype_out`` accumulating in place into its float32 input). CUDA with
+    torch >= 2.8 has both. Decided once per (device type, dtype), on a tiny problem."""
     if device_type != "cuda":
-        return False
+        return False, False
+    a = torch.randn(8, 16, device=device_type).to(dtype)
+    b = torch.randn(16, 8, device=device_type).to(dtype)
+    want = a.float() @ b.float()
     try:
-        a = torch.randn(8, 16, device=device_type).to(dtype)
-        b = torch.randn(16, 8, device=device_type).to(dtype)
-        want = a.float() @ b.float()
-        got = torch.ops.aten.mm.dtype(a, b, torch.float32)
+        mm_ok = bool(torch.allclose(torch.ops.aten.mm.dtype(a, b.t().contiguous().t(), torch.float32), want, atol=1e-3))
+    except (RuntimeError, AttributeError, TypeError):
+        return False, False
+    try:
         acc = torch.ones(8, 8, device=device_type)
         torch.ops.aten.addmm.dtype_out(acc, a, b, torch.float32, out=acc)
-        return bool(torch.allclose(got, want, atol=1e-3) and torch.allclose(acc, want + 1, atol=1e-3))
+        addmm_ok = bool(torch.allclose(acc, want + 1, atol=1e-3))
     except (RuntimeError, AttributeError, TypeError):
-        return False
+        addmm_ok = False
+    return mm_ok, addmm_ok
+
+
+# Vocabulary rows per block when dW += g^T h has no in-place float32-output GEMM (a float32
+# (rows, D) temporary per block instead of one of the whole weight).
+_DW_BLOCK_ROWS = 8192
 
 
 class _Gemms:
@@ -150,7 +159,9 @@ class _Gemms:
     bf16 backward). Elsewhere (CPU) the weight is converted to float32 once per call."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.native = weight.dtype == torch.float32 or _fp32_output_gemm(weight.device.type, weight.dtype)
+        mm_ok, self.addmm_ok = (True, True) if weight.dtype == torch.float32 else fp32_output_gemms(
+            weight.device.type, weight.dtype)
+        self.native = mm_ok
         self.w = weight if self.native else weight.float()
         self.g_dtype = weight.dtype if self.native else torch.float32
 
@@ -172,9 +183,12 @@ class _Gemms:
     def dweight_acc(self, acc: torch.Tensor, g: torch.Tensor, h: torch.Tensor) -> None:
         h = self._h(h)
         if g.dtype == torch.float32:
-            acc.addmm_(g.t(), h.float() if h.dtype != torch.float32 else h)
-        else:
+            acc.addmm_(g.t(), h)
+        elif self.addmm_ok:
             torch.ops.aten.addmm.dtype_out(acc, g.t(), h, torch.float32, out=acc)
+        else:
+            for v in range(0, acc.shape[0], _DW_BLOCK_ROWS):
+                acc[v:v + _DW_BLOCK_ROWS].add_(torch.ops.aten.mm.dtype(g[:, v:v + _DW_BLOCK_ROWS].t(), h, torch.float32))
 
 
 # ----------------------------------------------------------------------------- labels
