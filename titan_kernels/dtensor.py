@@ -219,3 +219,80 @@ if torch.distributed.is_available():
     def _linear_cross_entropy_backward_sharding(grad_loss, hidden, weight, labels, lse, *scalars):
         rep = Replicate()
         return [([rep, rep], [rep] * 5 + [None] * len(scalars))]
+
+import titan_kernels.ops.grouped_mm  # noqa: E402,F401  (defines the grouped_mm ops)
+import titan_kernels.ops.moe_permute  # noqa: E402,F401  (defines the MoE routing ops)
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- grouped_mm (MoE experts)
+    # y[group e] = x[group e] @ w[e] is a matmul per group: tensor parallel on the experts runs locally.
+    # Colwise (w1/w3: w split on N) -> y split on its last dim; rowwise (w2: x and w split on K) -> y
+    # Partial; a Partial x (or w) with the other replicated -> y Partial (linear). The groups are rows
+    # of x, so the offsets stay replicated; a split token dim would cut groups: DTensor gathers it.
+    # Expert parallel (w split on E with each rank's own token groups) is not a placement of x: the
+    # trainer's all-to-all hands each rank local tensors and calls the op on them.
+    # Backward: colwise -> dx Partial, dw Shard(2); rowwise -> dx Shard(1), dw Shard(1). A gradient not
+    # asked for is an empty (T, 0) / (E, K, 0) tensor, for which the same placements hold (the rules
+    # must not depend on the bool flags or the backend string, left out of DTensor's cache key).
+
+    @register_sharding(torch.ops.titan.grouped_mm.default)
+    def _grouped_mm_sharding(x, w, offsets, *backend):
+        rep, flags = Replicate(), [None] * len(backend)
+        return [
+            ([rep], [rep, rep, rep, *flags]),
+            ([Shard(1)], [rep, Shard(2), rep, *flags]),
+            ([Partial()], [Shard(1), Shard(1), rep, *flags]),
+            ([Partial()], [Partial(), rep, rep, *flags]),
+            ([Partial()], [rep, Partial(), rep, *flags]),
+        ]
+
+    @register_sharding(torch.ops.titan.grouped_mm_backward.default)
+    def _grouped_mm_backward_sharding(dy, x, w, offsets, need_dx, need_dw, *backend):
+        rep, flags = Replicate(), [None, None] + [None] * len(backend)
+        return [
+            ([rep, rep], [rep, rep, rep, rep, *flags]),
+            ([Partial(), Shard(2)], [Shard(1), rep, Shard(2), rep, *flags]),
+            ([Shard(1), Shard(1)], [rep, Shard(1), Shard(1), rep, *flags]),
+        ]
+
+    # ------------------------------------------------------------------------- moe_permute / moe_unpermute
+    # Rows move whole: tokens split on the hidden dim (dim 1) permute and combine locally with the
+    # routing indices (and scores) replicated. Both are linear in the moved rows: a Partial buffer
+    # (after a rowwise w2) combines to a Partial result, reduced after the (smaller) combine, and the
+    # Partial gradient of a colwise GEMM's input goes back through the permute still Partial.
+    # The unpermute backward on split columns (or of a Partial buffer) gives each rank a share of the
+    # scores' gradient: Partial.
+
+    @register_sharding(torch.ops.titan.moe_permute.default)
+    def _moe_permute_sharding(x, src, dst, *backend):
+        rep, flags = Replicate(), [None] * len(backend)
+        return [([rep], [rep, rep, rep, *flags]), ([Shard(1)], [Shard(1), rep, rep, *flags]),
+                ([Partial()], [Partial(), rep, rep, *flags])]
+
+    @register_sharding(torch.ops.titan.moe_permute_backward.default)
+    def _moe_permute_backward_sharding(dxp, dst, *backend):
+        rep, flags = Replicate(), [None] * len(backend)
+        return [([rep], [rep, rep, *flags]), ([Shard(1)], [Shard(1), rep, *flags]),
+                ([Partial()], [Partial(), rep, *flags])]
+
+    @register_sharding(torch.ops.titan.moe_unpermute.default)
+    def _moe_unpermute_sharding(yp, src, dst, scores, *backend):
+        rep, flags = Replicate(), [None] * len(backend)
+        s = rep if scores is not None else None
+        return [
+            ([rep], [rep, rep, rep, s, *flags]),
+            ([Shard(1)], [Shard(1), rep, rep, s, *flags]),
+            ([Partial()], [Partial(), rep, rep, s, *flags]),
+        ]
+
+    @register_sharding(torch.ops.titan.moe_unpermute_backward.default)
+    def _moe_unpermute_backward_sharding(dout, yp, src, dst, scores, need_dscores, *backend):
+        rep, flags = Replicate(), [None] + [None] * len(backend)
+        s = rep if scores is not None else None
+        return [
+            ([rep, rep], [rep, rep, rep, rep, s, *flags]),
+            ([Shard(1), Partial()], [Shard(1), Shard(1), rep, rep, s, *flags]),
+            # A Partial buffer (the forward combined it unreduced): dyp = scores * dout needs only
+            # dout, and <dout, sum of shares> is the sum of the per-rank dots: dscores Partial.
+            ([rep, Partial()], [rep, Partial(), rep, rep, s, *flags]),
+        ]

@@ -184,9 +184,25 @@ def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: b
     return "reference"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor's kernel runs on its local shard: capabilities (16-byte rows) are those of the shard.
+    return getattr(t, "_local_tensor", t)
+
+
 def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+    x, w = _local(x), _local(w)
     d = x.device
     return choose(d.type, -1 if d.index is None else d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+
+
+def replicate_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a replicated DTensor on ``ref``'s mesh when ``ref`` is a DTensor and ``t`` is not (index
+    tensors such as the offsets are the same on every rank), else ``t``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(ref, DTensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim, run_check=False)
+    return t
 
 
 def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
@@ -392,4 +408,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
         if grad:
             return _GroupedMMFn.apply(x, w, offsets, backend)
         return _forward(x, w, offsets, backend)
+    if torch.distributed.is_available():
+        offsets = replicate_like(x, offsets)
     return torch.ops.titan.grouped_mm(x, w, offsets, backend)

@@ -114,7 +114,9 @@ def moe_routing(expert_indices: torch.Tensor, num_experts: int, align: int = 1) 
         lo, hi = int(expert_indices.min()), int(expert_indices.max())
         if lo < 0 or hi >= num_experts:
             raise ValueError(f"expert_indices: expected values in [0, {num_experts}) (num_experts), got [{lo}, {hi}]")
-    dst, src, offsets, counts = _ref.routing_index(expert_indices, num_experts, align)
+    # Replicated indices (DTensor): the same routing on every rank, computed on the local copy.
+    dst, src, offsets, counts = _ref.routing_index(getattr(expert_indices, "_local_tensor", expert_indices),
+                                                   num_experts, align)
     return MoERouting(offsets, counts, dst, src)
 
 
@@ -343,7 +345,12 @@ def moe_permute(
         if _needs_grad(x):
             return _PermuteFn.apply(x, routing.src, routing.dst, backend), routing
         return _permute(x, routing.src, routing.dst.shape[1], backend), routing
-    return torch.ops.titan.moe_permute(x, routing.src, routing.dst, backend), routing
+    src, dst = routing.src, routing.dst
+    if torch.distributed.is_available():  # a DTensor x (split on dim): the indices are replicated
+        from titan_kernels.ops.grouped_mm import replicate_like
+
+        src, dst = replicate_like(x, src), replicate_like(x, dst)
+    return torch.ops.titan.moe_permute(x, src, dst, backend), routing
 
 
 def moe_unpermute(yp: torch.Tensor, routing: MoERouting, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -381,4 +388,10 @@ def moe_unpermute(yp: torch.Tensor, routing: MoERouting, scores: torch.Tensor | 
         if _needs_grad(yp, scores):
             return _UnpermuteFn.apply(yp, routing.src, routing.dst, scores, backend)
         return _unpermute(yp, routing.dst, scores, backend)
-    return torch.ops.titan.moe_unpermute(yp, routing.src, routing.dst, scores, backend)
+    src, dst = routing.src, routing.dst
+    if torch.distributed.is_available():
+        from titan_kernels.ops.grouped_mm import replicate_like
+
+        src, dst = replicate_like(yp, src), replicate_like(yp, dst)
+        scores = replicate_like(yp, scores) if scores is not None else None
+    return torch.ops.titan.moe_unpermute(yp, src, dst, scores, backend)
