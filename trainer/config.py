@@ -63,16 +63,27 @@ class Job:
 class Model:
     """Which model to build."""
 
-    name: str = _opt("llama3", "Model family.", choices=("llama3",))
+    name: str = _opt("llama3", "Model family: llama3, or qwen3 (dense and mixture-of-experts).",
+                     choices=("llama3", "qwen3"))
     flavor: str = _opt(
         "debugmodel",
-        "Model size: debugmodel, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1). Also --flavor.",
+        "Model size: debugmodel, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1); for qwen3: debugmodel, "
+        "debugmodel_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B (trainer/configs/qwen3_<flavor>.toml). "
+        "Also --flavor.",
     )
     tokenizer_path: str = _opt(
         "",
         "Tokenizer file: a Hugging Face tokenizer.json, a tiktoken BPE file (Llama 3's tokenizer.model) "
         "or a SentencePiece .model, detected from the file. Empty = the built-in byte-level tokenizer.",
     )
+    moe_load_balance: str = _opt(
+        "bias",
+        "MoE flavors: expert load balancing. bias = auxiliary-loss-free (per-expert routing bias moved after "
+        "each step from the token counts); aux_loss = sequence-wise auxiliary loss; none.",
+        choices=("bias", "aux_loss", "none"),
+    )
+    moe_bias_update_rate: float = _opt(1e-3, "MoE flavors, load_balance bias: the bias step per optimizer step.")
+    moe_aux_loss_coeff: float = _opt(1e-3, "MoE flavors, load_balance aux_loss: the weight of the loss.")
 
 
 @dataclass
@@ -170,6 +181,10 @@ class Parallelism:
     )
     context_parallel_degree: int = _opt(
         1, "Context parallel degree: every sequence is split over this many ranks (ring attention)."
+    )
+    expert_parallel_degree: int = _opt(
+        1, "Expert parallel degree (MoE flavors): the experts split over this many data-parallel ranks, tokens "
+        "sent to them by all-to-all; must divide data_parallel_shard_degree.",
     )
 
 
@@ -389,7 +404,7 @@ class JobConfig:
                 raise ConfigError(f"--{key}: expected {expected}, got {value!r}")
 
         t, o, s, p, c = self.training, self.optimizer, self.lr_scheduler, self.parallelism, self.checkpoint
-        flavors = available_flavors()
+        flavors = available_flavors(self.model.name)
         if flavors and self.model.flavor not in flavors:
             raise ConfigError(_choice_message("model.flavor", self.model.flavor, flavors))
         need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
@@ -504,7 +519,7 @@ def _validate_profiling(pr: Profiling) -> None:
 def _validate_parallelism(p: Parallelism, t: Training) -> None:
     """The layout checks that need no model or world size (those are in trainer.parallel)."""
     for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
-                "pipeline_parallel_microbatch_size"):
+                "pipeline_parallel_microbatch_size", "expert_parallel_degree"):
         value = getattr(p, key)
         if value < 1:
             raise ConfigError(f"--parallelism.{key}: expected an integer >= 1, got {value!r}")
@@ -542,17 +557,31 @@ def _validate_parallelism(p: Parallelism, t: Training) -> None:
             "--parallelism.context_parallel_degree: training.document_masking is not supported with context "
             "parallel (ring attention is dense causal)"
         )
+    if p.expert_parallel_degree > 1 and (cp > 1 or p.data_parallel_replicate_degree > 1):
+        raise ConfigError(
+            "--parallelism.expert_parallel_degree: not supported with context_parallel_degree > 1 or "
+            "data_parallel_replicate_degree > 1 yet (expert parallel borrows data_parallel_shard ranks only)"
+        )
 
 
-def available_flavors() -> tuple[str, ...]:
-    """Flavor names that have a TOML file in ``trainer/configs/``."""
-    return tuple(sorted((p.stem for p in CONFIG_DIR.glob("*.toml")), key=_flavor_sort_key))
+def available_flavors(model_name: str = "llama3") -> tuple[str, ...]:
+    """Flavor names of ``model_name`` that have a TOML file in ``trainer/configs/``: ``<flavor>.toml``
+    for llama3, ``<family>_<flavor>.toml`` for the other families (qwen3)."""
+    prefixes = tuple(f"{n}_" for n in _FAMILIES if n != "llama3")
+    if model_name == "llama3":
+        stems = [p.stem for p in CONFIG_DIR.glob("*.toml") if not p.stem.startswith(prefixes)]
+    else:
+        stems = [p.stem[len(model_name) + 1:] for p in CONFIG_DIR.glob(f"{model_name}_*.toml")]
+    return tuple(sorted(stems, key=_flavor_sort_key))
 
 
 def _flavor_sort_key(name: str) -> tuple[float, str]:
     # debugmodel first, then by size: 1B < 3B < 8B < 70B < 405B.
-    digits = name[:-1]
-    return (float(digits), name) if name.endswith("B") and digits.isdigit() else (-1.0, name)
+    digits = name.split("-")[0][:-1]  # 30B-A3B sorts as 30B
+    try:
+        return (float(digits), name) if name.split("-")[0].endswith("B") else (-1.0, name)
+    except ValueError:
+        return (-1.0, name)
 
 
 def _toml_value(value: Any) -> str:
@@ -721,9 +750,12 @@ def _check_toml_value(key: str, value: Any, hint: Any, where: str) -> Any:
 # TOML files
 
 
-def flavor_config_path(flavor: str) -> pathlib.Path:
-    """``trainer/configs/<flavor>.toml``."""
-    return CONFIG_DIR / f"{flavor}.toml"
+_FAMILIES = ("llama3", "qwen3")
+
+
+def flavor_config_path(flavor: str, model_name: str = "llama3") -> pathlib.Path:
+    """``trainer/configs/<flavor>.toml`` (llama3) or ``trainer/configs/<model_name>_<flavor>.toml``."""
+    return CONFIG_DIR / (f"{flavor}.toml" if model_name == "llama3" else f"{model_name}_{flavor}.toml")
 
 
 def apply_toml(config: JobConfig, path: str | pathlib.Path) -> JobConfig:
@@ -829,7 +861,9 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     if wants_help:
         argv = [a for a in argv if a not in ("--help", "-h")]
     config_file, flavor, items = _split_argv(argv)
-    config = _base_config(config_file, flavor)
+    # The family picks the flavor's file (qwen3_<flavor>.toml), so it is read before the TOML layer.
+    name = next((raw for key, raw in items if key == "model.name" and raw is not None), None)
+    config = _base_config(config_file, flavor, name)
     if wants_help:
         print(help_text(config))
         raise SystemExit(0)
@@ -842,13 +876,14 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     return config
 
 
-def _base_config(config_file: str | None, flavor: str | None) -> JobConfig:
-    """Defaults overridden by the TOML layer: ``config_file``, else the flavor's own file."""
+def _base_config(config_file: str | None, flavor: str | None, model_name: str | None = None) -> JobConfig:
+    """Defaults overridden by the TOML layer: ``config_file``, else the flavor's own file (of the
+    family ``model_name``, default llama3)."""
     config = JobConfig()
     if config_file is not None:
         apply_toml(config, config_file)
     else:
-        path = flavor_config_path(flavor or config.model.flavor)
+        path = flavor_config_path(flavor or config.model.flavor, model_name or config.model.name)
         if path.is_file():
             apply_toml(config, path)
         # A flavor without a file is reported by validate() with the list of known flavors.

@@ -200,11 +200,14 @@ class MetricsLogger:
         loss: torch.Tensor | float | None = None,
         grad_norm: torch.Tensor | float | None = None,
         lr: float | None = None,
+        extra=None,
     ) -> dict | None:
         """Account one finished step; at logging steps, write and return the record (else None).
 
         ``tokens``: tokens this device processed in the step. ``loss``/``grad_norm`` may stay tensors
-        (only read, forcing a device sync, at logging steps).
+        (only read, forcing a device sync, at logging steps). ``extra``: a callable returning more
+        ``{name: float}`` for the record (e.g. the MoE expert loads), called at logging steps only;
+        each goes to TensorBoard as ``train/<name>``.
         """
         if loss is not None:
             loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
@@ -239,6 +242,8 @@ class MetricsLogger:
         }
         if math.isnan(record["eta_s"]):
             record["eta_s"] = None
+        if extra is not None:
+            record.update(extra())
         if self.peak is not None:
             record["mfu"] = 100.0 * record["tps"] * self.flops_per_token / self.peak
         s = self.summary
@@ -266,7 +271,8 @@ class MetricsLogger:
             f"{c.red}step {r['step']:>{width}}  {c.green}loss {r['loss']:8.4f}  {c.yellow}grad_norm {r['grad_norm']:7.4f}  "
             f"{c.cyan}lr {r['lr']:.3e}  {c.blue}tps {r['tps']:,.0f}  {c.magenta}mfu {mfu}  "
             f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%  "
-            f"elapsed {format_duration(r['elapsed_s'])}  eta {eta}{c.reset}",
+            f"elapsed {format_duration(r['elapsed_s'])}  eta {eta}"
+            + (f"  moe max/mean load {r['moe_max_load']:.2f}" if "moe_max_load" in r else "") + f"{c.reset}",
             flush=True,
         )
         self._jsonl.write(json.dumps(r) + "\n")
@@ -274,6 +280,9 @@ class MetricsLogger:
         if self._tb is not None:
             for key in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "data_wait"):
                 if r[key] is not None:
+                    self._tb.add_scalar(f"train/{key}", r[key], r["step"])
+            for key in r:
+                if key.startswith("moe_"):  # expert load: max / mean tokens per expert, per layer
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             self._tb.flush()
 

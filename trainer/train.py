@@ -127,15 +127,29 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_gr
     shard alike. With pipeline parallel (``pp_group``) each rank holds other layers: the squared
     norms of the stages add up over the group.
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # Gradients on different meshes (expert parallel: experts on the ep mesh, the rest on the data-
+    # parallel one) cannot meet in one foreach call: one norm per mesh, combined as squares.
+    groups: dict = {}
+    for prm in parameters:
+        if prm.grad is not None:
+            key = prm.grad.device_mesh if isinstance(prm.grad, DTensor) else None
+            groups.setdefault(key, []).append(prm)
+    total = None
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm([q.grad for q in group], norm_type=2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        total = norm if len(groups) == 1 else (norm**2 if total is None else total + norm**2)
+    if total is None:
+        total = torch.zeros(())
+    elif len(groups) > 1:
+        total = total.sqrt()
     if pp_group is not None:
         total = total**2
         dist.all_reduce(total, group=pp_group)
         total = total.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(parameters, max_norm, total, foreach=True)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
     return total
 
 
@@ -315,7 +329,9 @@ def main(config: JobConfig) -> int:
 def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
     from trainer.metrics import MetricsLogger
-    from trainer.models.llama import build_model, cross_entropy_loss, linear_cross_entropy_loss, model_args
+    from trainer.models.common import build_model, format_params, model_args
+    from trainer.models.llama import cross_entropy_loss, linear_cross_entropy_loss
+    from trainer.models.moe import load_metrics, moe_modules, update_load_balance
     from trainer.optim import build_lr_scheduler, build_optimizer
     from trainer.parallel.compile import compile_loss
     from trainer.parallel.parallel_dims import ParallelDims
@@ -334,7 +350,8 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     p = config.parallelism
     try:
         dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size,
-                            tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, cp=p.context_parallel_degree)
+                            tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, cp=p.context_parallel_degree,
+                            ep=p.expert_parallel_degree)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     grad_accum = config.grad_accum_steps(dims.dp_size)
@@ -350,7 +367,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
 
     tokenizer = _build_tokenizer(config)
     try:
-        args = model_args(config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len)
+        args = model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len, config.model)
     except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
         raise TrainingError(f"--model.tokenizer_path: {exc}") from None
 
@@ -396,10 +413,14 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     with stack:
         model = build_model(args, device="meta")
         n_params = args.num_params()
+        moe = getattr(args, "moe", None)
         logger.info(
-            "model llama3 %s: %s parameters (dim %d, %d layers, %d heads, %d kv heads, ffn %d, vocab %d); "
-            "%.3g FLOPs/token", config.model.flavor, f"{n_params:,}", args.dim, args.n_layers, args.n_heads,
-            args.kv_heads, args.ffn_hidden_dim, args.vocab_size, args.flops_per_token(cfg_t.seq_len))
+            "model %s %s: %s = %s (dim %d, %d layers, %d heads, %d kv heads, %s, vocab %d); "
+            "%.3g FLOPs/token", config.model.name, config.model.flavor, f"{n_params:,}", format_params(args), args.dim,
+            args.n_layers, args.n_heads, args.kv_heads,
+            f"ffn {args.ffn_hidden_dim}" if moe is None else
+            f"{moe.num_experts} experts of {moe.hidden_dim}, top-{moe.top_k}, balance {moe.load_balance}",
+            args.vocab_size, args.flops_per_token(cfg_t.seq_len))
         logger.info(
             "device %s, %s, compute %s, %d micro-batch(es) of %d x %d tokens per step and rank",
             device, dims.describe(), str(compute_dtype).replace("torch.", ""), grad_accum, cfg_t.local_batch_size,
@@ -480,6 +501,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             time.perf_counter() - t_start)
 
         params = [p for p in model.parameters() if p.requires_grad]
+        moe_mods = moe_modules(model)
         dp_group = dims.dp_group(mesh)
         distributed = dist.is_initialized() and world_size > 1
         validator = None
@@ -532,6 +554,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                                         document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
                                         loss_context=loss_context, pipeline=pm.pipeline)
                 reduce_partial_grads(pm.partial_grads)
+                pm.scale_expert_grads()
                 grad_norm = clip_grad_norm_(params, cfg_t.max_norm, pp_group=pp_norm_group(mesh and mesh["pp"]))
                 watch.update(step, loss, grad_norm)
                 saving = checkpointer.should_save(step, cfg_t.steps)
@@ -541,11 +564,14 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
+                # MoE: the step's tokens per expert (over the data-parallel ranks) move the routing bias.
+                moe_load = update_load_balance(moe_mods, dp_group if distributed else None)
                 n_step_tokens = grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
                 tokens_seen += n_step_tokens * dims.dp_size
                 # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
                 metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
-                             grad_norm=grad_norm, lr=lr)
+                             grad_norm=grad_norm, lr=lr,
+                             extra=(lambda: load_metrics(moe_mods, moe_load)) if moe_mods else None)
                 if validator is not None and (step % config.validation.freq == 0 or step == cfg_t.steps):
                     result = validator.evaluate()
                     metrics.exclude(result["val_time_s"])

@@ -59,6 +59,11 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # QK-norm (Qwen3, ``args.qk_norm``): one RMSNorm over head_dim, shared by the heads, on q and k
+        # before the rotary. None for Llama (no parameters, same state dict).
+        qk_norm = getattr(args, "qk_norm", False)
+        self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if qk_norm else None
         # Set by trainer.parallel.context_parallel: this rank holds part of every sequence; it gives
         # the rotary positions of the local tokens and runs causal attention over the whole sequence.
         self.context_parallel = None
@@ -75,6 +80,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.context_parallel is not None:
             q, k = rope(q, k, self.context_parallel.position_ids(seq, q.device))
             return self.wo(self.context_parallel(q, k, v).reshape(bsz, seq, -1))
@@ -141,7 +148,14 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = AddRMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
+        # Shared by the families: a mixture of experts where the args say so (Qwen3 MoE), same call.
+        moe_layer = getattr(args, "moe_layer", None)
+        if moe_layer is not None and moe_layer(layer_id):
+            from trainer.models.moe import MoE
+
+            self.feed_forward = MoE(args.dim, args.moe)
+        else:
+            self.feed_forward = FeedForward(args.dim, args.ffn_hidden_dim)
 
     def forward(
         self,
@@ -218,7 +232,9 @@ class Transformer(nn.Module):
         """Init standard deviation of parameter ``name``; None for norm weights (ones)."""
         if name.endswith("norm.weight"):
             return None
-        m = re.match(r"layers\.(\d+)\.(attention\.wo|feed_forward\.w2)\.weight$", name)
+        # Residual output projections: attention.wo, the FFN's (or MoE shared experts') w2, the routed experts' w2.
+        m = re.match(r"layers\.(\d+)\.(attention\.wo\.weight|feed_forward\.(shared_experts\.)?w2\.weight|"
+                     r"feed_forward\.experts\.w2)$", name)
         if m:
             depth = 2 * (int(m.group(1)) + 1) if self.args.depth_init else 2 * self.args.n_layers
             return self.args.init_std / math.sqrt(depth)
@@ -254,6 +270,9 @@ class Transformer(nn.Module):
                 full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
             param.copy_(full)
         self.rope.reset_parameters()
+        for module in self.modules():  # buffers of other modules, e.g. the MoE load-balancing bias
+            if hasattr(module, "reset_buffers"):
+                module.reset_buffers()
 
 
 def _trunc_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:

@@ -24,6 +24,8 @@ def apply_fsdp(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     reshard_after_forward: bool = True,
+    expert_mesh: DeviceMesh | None = None,
+    expert_params: list[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Shard ``model`` (a Transformer with ``model.layers``) in place with FSDP2 and return it.
 
@@ -34,11 +36,23 @@ def apply_fsdp(
     if not hasattr(model, "layers"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Expert parallel: the routed experts (DTensors on the ep mesh) are their own FSDP unit over the
+    # ranks that hold the same experts (``expert_mesh``, dp_shard_mod_ep); with none left over
+    # (ep = dp_shard) FSDP2 leaves them alone (nothing to shard or average).
+    experts = {id(p) for p in expert_params or ()}
+    ignored: set[nn.Parameter] = set()
     for block in model.layers.values():
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        ff = getattr(block, "feed_forward", None)
+        if experts and hasattr(ff, "experts") and id(ff.experts.w1) in experts:
+            if expert_mesh is not None and expert_mesh.size() > 1:
+                fully_shard(ff.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+            else:
+                ignored.update(ff.experts.parameters())
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                    ignored_params=ignored or None)
     # The root (embedding, final norm, output) stays gathered from forward to backward: the fused
     # loss reads output.weight after the forward (trainer.models.llama.linear_cross_entropy_loss).
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
     if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):

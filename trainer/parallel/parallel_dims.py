@@ -19,6 +19,13 @@ Flattened dims for the components that span several (``DeviceMesh._flatten``):
   dp_shard_cp  (dp_shard, cp): what FSDP2 shards over. CP ranks hold the same parameters and their
                gradients must be summed, so FSDP2 treats them as more data-parallel ranks;
   dp_cp        (dp_replicate, dp_shard, cp): ranks whose token losses add up to the global loss.
+
+Expert parallel (``ep``, MoE models) borrows data-parallel ranks: ``dp_shard = dp_shard_mod_ep *
+ep``. With ep > 1 the mesh has ``dp_shard_mod_ep`` and ``ep`` in place of ``dp_shard`` (which is
+then their flattening, so everything above is unchanged): the routed experts are split over ``ep``
+(tokens reach them by all-to-all, ``trainer.parallel.expert_parallel``) and FSDP2 shards each rank's
+experts over the remaining ``dp_shard_mod_ep`` ranks; every other parameter is sharded over
+``dp_shard_cp`` as usual. The ep ranks read different data, like any data-parallel ranks.
 """
 from __future__ import annotations
 
@@ -38,6 +45,7 @@ CONFIG_KEYS = {
     "cp": "parallelism.context_parallel_degree",
     "tp": "parallelism.tensor_parallel_degree",
     "pp": "parallelism.pipeline_parallel_degree",
+    "ep": "parallelism.expert_parallel_degree",
 }
 
 
@@ -58,6 +66,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1:
@@ -86,6 +95,16 @@ class ParallelDims:
         if product != self.world_size:
             used = ["dp_replicate", "dp_shard"] + [n for n in ("cp", "tp", "pp") if getattr(self, n) > 1]
             raise ValueError(f"parallelism: {_product(self, used)}, expected the world size {self.world_size}")
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ValueError(f"{CONFIG_KEYS['ep']}: expected an integer >= 1, got {self.ep!r}")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"{CONFIG_KEYS['ep']}: {self.ep} does not divide data_parallel_shard_degree = {self.dp_shard} "
+                f"(expert parallel borrows data-parallel shard ranks)"
+            )
+        if self.ep > 1 and (self.cp > 1 or self.dp_replicate > 1):
+            raise ValueError(f"{CONFIG_KEYS['ep']}: not supported with context_parallel_degree > 1 or "
+                             f"data_parallel_replicate_degree > 1 yet")
 
     # -- degrees ---------------------------------------------------------------------------------
 
@@ -129,6 +148,15 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """Data-parallel shard ranks that hold the same experts (FSDP2 shards the experts over them)."""
+        return self.dp_shard // self.ep
+
     # -- mesh ------------------------------------------------------------------------------------
 
     def build_mesh(self, device_type: str, single_process: bool = False) -> DeviceMesh | None:
@@ -140,6 +168,16 @@ class ParallelDims:
         """
         if self.world_size == 1 and not single_process:
             return None
+        if self.ep > 1:
+            # dp_shard split into (dp_shard_mod_ep, ep), ep inner (module docstring).
+            names = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
+            sizes = (self.pp, self.dp_replicate, self.dp_shard_mod_ep, self.ep, self.cp, self.tp)
+            mesh = init_device_mesh(device_type, sizes, mesh_dim_names=names)
+            mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
+            mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
+            mesh["dp_shard_mod_ep", "ep", "cp"]._flatten("dp_shard_cp")
+            mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten("dp_cp")
+            return mesh
         mesh = init_device_mesh(device_type, tuple(self.degrees.values()), mesh_dim_names=_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
@@ -156,7 +194,11 @@ class ParallelDims:
         """This process's data-parallel rank in [0, dp_size): replicate-major, shard-minor."""
         if mesh is None:
             return 0
-        return mesh.get_local_rank("dp_replicate") * self.dp_shard + mesh.get_local_rank("dp_shard")
+        if self.ep > 1:
+            shard = mesh.get_local_rank("dp_shard_mod_ep") * self.ep + mesh.get_local_rank("ep")
+        else:
+            shard = mesh.get_local_rank("dp_shard")
+        return mesh.get_local_rank("dp_replicate") * self.dp_shard + shard
 
     def dp_group(self, mesh: DeviceMesh | None):
         """Process group over the ranks whose token losses make up the global loss: data parallel and
@@ -168,7 +210,7 @@ class ParallelDims:
 
     def describe(self) -> str:
         """E.g. ``dp_replicate=1 x dp_shard=2 x tp=2 (world 4)``: the data-parallel dims and every other dim > 1."""
-        shown = [n for n in _DIMS if n in ("dp_replicate", "dp_shard") or getattr(self, n) > 1]
+        shown = [n for n in (*_DIMS, "ep") if n in ("dp_replicate", "dp_shard") or getattr(self, n) > 1]
         return " x ".join(f"{n}={getattr(self, n)}" for n in shown) + f" (world {self.world_size})"
 
 

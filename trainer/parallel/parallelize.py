@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
+from trainer.parallel.expert_parallel import check_ep_divisibility, shard_experts
 from trainer.parallel.fsdp import apply_fsdp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE, PipelineRunner, plan_stages, split_model
@@ -49,6 +50,16 @@ class ParallelModel:
     loss_parallel: bool = False
     grad_scale: int = 1
     partial_grads: list[nn.Parameter] = field(default_factory=list)
+    expert_params: list[nn.Parameter] = field(default_factory=list)
+    ep: int = 1
+
+    def scale_expert_grads(self) -> None:
+        """Expert parallel: divide the routed experts' gradients by ep (``trainer.parallel.expert_parallel``:
+        they sum the tokens of all ep ranks, each scaled like the loss by dp / global tokens)."""
+        if self.ep > 1:
+            for prm in self.expert_params:
+                if prm.grad is not None:
+                    prm.grad.div_(self.ep)
 
     def loss_context(self):
         return loss_parallel_context(self.loss_parallel)
@@ -85,6 +96,7 @@ def parallelize_llama(
     p = config.parallelism
     args = model.args
     check_tp_divisibility(args, dims.tp)
+    check_ep_divisibility(args, dims.ep, dims.tp)
     if config.compile.enable and dims.tp_enabled:
         if device.type != "cuda":
             raise ValueError(
@@ -120,9 +132,11 @@ def parallelize_llama(
 
     loss_parallel = dims.tp_enabled and not p.disable_loss_parallel
     cp = None
+    expert_params: list[nn.Parameter] = []
     for stage in stages:
         if dims.tp_enabled:
             apply_tp(stage, mesh["tp"], loss_parallel=loss_parallel, async_tp=p.enable_async_tensor_parallel)
+        expert_params += shard_experts(stage, mesh, dims.ep, dims.tp)
         if dims.cp_enabled:
             cp = apply_cp(stage, mesh["cp"])
         apply_ac(stage, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
@@ -131,7 +145,8 @@ def parallelize_llama(
             apply_compile(stage, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
         if use_fsdp:
             apply_fsdp(stage, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       reshard_after_forward=not dims.pp_enabled)
+                       reshard_after_forward=not dims.pp_enabled,
+                       expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep_enabled else None, expert_params=expert_params)
     for stage in stages:
         stage.to_empty(device=device)
         stage.init_weights(config.training.seed)
@@ -144,7 +159,12 @@ def parallelize_llama(
     partial = []
     if dims.tp_enabled and not use_fsdp:
         partial = [prm for name, prm in model.named_parameters() if name.endswith("norm.weight")]
-    return ParallelModel(model, stages, pipeline, cp, loss_parallel, dims.fsdp_size if use_fsdp else 1, partial)
+    if expert_params:  # FSDP2 replaced the parameter objects: take them from the modules again
+        from trainer.models.moe import moe_modules
+
+        expert_params = [prm for _, moe in moe_modules(model) for prm in moe.experts.parameters()]
+    return ParallelModel(model, stages, pipeline, cp, loss_parallel, dims.fsdp_size if use_fsdp else 1, partial,
+                         expert_params, dims.ep)
 
 
 def reduce_partial_grads(params: list[nn.Parameter]) -> None:

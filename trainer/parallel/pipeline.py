@@ -171,6 +171,22 @@ def split_model(model: nn.Module, plan: StagePlan) -> tuple[nn.Module, list[nn.M
     return model, stages
 
 
+def _no_counting_in_metadata_forward(stage: PipelineStage) -> None:
+    """The schedule's first step runs each stage's forward once more to learn the shapes (torch's
+    private ``_forward_metadata_inference``, on real or empty tensors): that forward must not count
+    towards the MoE load balance (``trainer.models.moe``). A torch without it needs nothing."""
+    infer = getattr(stage, "_forward_metadata_inference", None)
+    if infer is None:
+        return
+    from trainer.models.moe import no_expert_counting
+
+    def wrapped(*args, **kwargs):
+        with no_expert_counting():
+            return infer(*args, **kwargs)
+
+    stage._forward_metadata_inference = wrapped
+
+
 class PipelineRunner:
     """The schedule of this rank's stages and one training step through it.
 
@@ -200,6 +216,8 @@ class PipelineRunner:
         self.pipeline_stages = [
             PipelineStage(m, s, plan.num_stages, device, group=self.group) for m, s in zip(stages, plan.local_stages)
         ]
+        for stage in self.pipeline_stages:
+            _no_counting_in_metadata_forward(stage)
         cls = SCHEDULES[schedule]
         arg = self.pipeline_stages[0] if schedule in SINGLE_STAGE else self.pipeline_stages
         try:

@@ -118,7 +118,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
         )
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, {
+        block_plan = {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(
                 input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
@@ -128,14 +128,54 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallelAll(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.w3": ColwiseParallel(),
-        })
+        }
+        if getattr(block.attention, "q_norm", None) is not None:
+            # QK-norm (Qwen3) over head_dim of this rank's heads: the heads dim (2) is the sharded one,
+            # the weight replicated; its gradient is summed over tp like the other norms'.
+            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        if hasattr(block.feed_forward, "router"):  # a MoE layer (trainer.models.moe)
+            block_plan.update(_moe_plan(block.feed_forward))
+        else:
+            block_plan.update({
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            })
+        parallelize_module(block, tp_mesh, block_plan)
+        if hasattr(block.feed_forward, "router"):
+            _replicate_router(block.feed_forward, tp_mesh)
     if async_tp:
         enable_async_tp(tp_mesh)
     return model
+
+
+def _moe_plan(moe: nn.Module) -> dict:
+    """A MoE layer under TP: its input all-gathered over the sequence into a plain tensor (every tp
+    rank routes all tokens alike); the shared experts split like the FeedForward. The routed
+    experts are split on their hidden size by ``trainer.parallel.expert_parallel.shard_experts`` and
+    the MoE reduce-scatters their partial output itself (``MoE.tp_mesh``)."""
+    plan = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)}
+    if moe.shared_experts is not None:
+        plan.update({
+            "feed_forward.shared_experts.w1": ColwiseParallel(),
+            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.shared_experts.w3": ColwiseParallel(),
+        })
+    return plan
+
+
+def _replicate_router(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """The router weight as a replicated DTensor on tp (each rank computes its full, identical
+    gradient from the all-gathered tokens), and the MoE told to reduce-scatter over tp."""
+    from torch.distributed.tensor import distribute_tensor
+
+    w = moe.router.gate.weight
+    moe.router.gate.weight = nn.Parameter(distribute_tensor(w.data, tp_mesh, [Replicate()], src_data_rank=None),
+                                          requires_grad=w.requires_grad)
+    moe.tp_mesh = tp_mesh
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -1,0 +1,285 @@
+"""Mixture-of-experts feed-forward: token-choice top-k router, routed SwiGLU experts over grouped
+GEMMs, optional shared experts, and load balancing (auxiliary-loss-free bias or sequence-wise loss).
+
+``MoE(dim, args)`` maps x (batch, seq, dim) -> (batch, seq, dim), like the dense FeedForward:
+
+1. Router: ``scores = softmax(x W_g)`` (or sigmoid) in float32, (tokens, E). Each token picks the
+   ``top_k`` experts of highest ``scores + expert_bias`` (the bias steers the choice only, Wang et
+   al. 2024, arXiv 2408.15664); its weights are the chosen *scores*, renormalised to sum to 1
+   (``route_norm``) and times ``route_scale``.
+2. Permute: the (token, expert) pairs sorted by expert (a stable sort), the token rows gathered in
+   that order; ``counts[e]`` pairs go to expert e.
+3. Experts: ``w2_e(silu(x w1_e) * x w3_e)`` for every expert at once: three grouped GEMMs
+   (``grouped_mm``: x (N, K) sorted by expert, w (E, K, N'), offsets = cumulative counts) and one
+   ``titan_kernels.swiglu``. Weights are stored (E, in, out), the layout grouped_mm takes.
+   Under expert parallel (``trainer.parallel.expert_parallel``) the rows travel by all-to-all to
+   the ranks holding their experts and back; this module does not change.
+4. Unpermute: every pair's output times its weight, summed back into its token (index_add).
+5. Shared experts (DeepSeek-V3): one SwiGLU every token goes through, added.
+
+Load balancing (``MoEArgs.load_balance``):
+  bias      the routed counts of every step accumulate in ``tokens_per_expert``; after each
+            optimizer step ``update_load_balance`` sums them over the data-parallel ranks and moves
+            ``expert_bias[e] += rate * sign(mean count - count[e])`` (the paper's update, rate 1e-3).
+            The bias is a persistent buffer (checkpointed), the same on every rank.
+  aux_loss  DeepSeek-V3's sequence-wise balance loss (sec. 2.1.2): per sequence,
+            ``alpha * sum_e f_e P_e`` with ``f_e = E / (k S) * (tokens of the sequence routed to e)``
+            and ``P_e`` the mean over its tokens of the scores normalised to sum 1; averaged over the
+            sequences. Its gradient is added in the backward (``_AddAuxLoss``) with weight 1 per
+            micro-batch forward, as if added to that micro-batch's loss.
+  none      neither.
+
+Tensor parallel (``trainer.parallel.tensor_parallel``): the input is all-gathered over the sequence,
+every tp rank routes all tokens alike (router weight replicated), the experts and shared experts
+are split on their hidden size; the routed output is a partial sum, reduce-scattered back onto the
+sequence here (``tp_mesh``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import titan_kernels
+from trainer.models.qwen3_args import MoEArgs
+
+
+_counting_paused = False
+
+
+@contextlib.contextmanager
+def no_expert_counting():
+    """Forwards inside do not count towards the load balance, e.g. the pipeline schedule's
+    metadata-inference forward of its first step (not a training forward)."""
+    global _counting_paused
+    before, _counting_paused = _counting_paused, True
+    try:
+        yield
+    finally:
+        _counting_paused = before
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out[rows of group e] = x[rows of group e] @ w[e]``: x (T, K) sorted by group, w (E, K, N),
+    offsets int32 (E,) cumulative group ends (offsets[-1] == T); returns (T, N) in x's dtype.
+
+    ``titan_kernels.grouped_mm`` when the package has it, else ``torch._grouped_mm`` (float32 /
+    bfloat16; on the CPU its row strides must be multiples of 16 bytes). The one place to switch.
+    """
+    op = getattr(titan_kernels, "grouped_mm", None)
+    if op is not None:
+        return op(x, w, offsets)
+    return torch._grouped_mm(x, w, offs=offsets)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor parameter (autograd-aware: its gradient is a DTensor with the
+    parameter's placements), or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts on rows sorted by expert: x (N, dim), counts (E,) rows per expert, w1/w3
+    (E, dim, hidden), w2 (E, hidden, dim) -> (N, dim). Weights are cast to x's dtype (mixed precision)."""
+    offsets = counts.cumsum(0).to(torch.int32)
+    w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
+    h = titan_kernels.swiglu(grouped_mm(x, w1, offsets), grouped_mm(x, w3, offsets))
+    return grouped_mm(h, w2, offsets)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts as three (E, ., .) parameters: w1, w3 (E, dim, hidden), w2 (E, hidden, dim).
+
+    ``forward(x (N, dim) sorted by expert, counts (E,) int64) -> (N, dim)``. ``expert_parallel``
+    (set by ``trainer.parallel.expert_parallel.apply_ep``) sends the rows to the ranks holding their
+    experts and back; the parameters are then DTensors split on the expert dimension.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.expert_parallel = None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        if self.expert_parallel is not None:
+            return self.expert_parallel(x, counts, lambda xs, cs: run_experts(xs, cs, w1, w2, w3))
+        return run_experts(x, counts, w1, w2, w3)
+
+
+class Router(nn.Module):
+    """Token-choice top-k router: ``forward(x (T, dim), expert_bias (E,) or None) -> (scores (T, E)
+    float32, top-k expert ids (T, k) int64, top-k weights (T, k) float32)`` (module docstring, step 1)."""
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
+        a = self.args
+        logits = F.linear(x, local(self.gate.weight).to(x.dtype)).float()
+        scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
+        choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+        idx = choice.topk(a.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        if a.route_norm and a.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if a.route_scale != 1.0:
+            weights = weights * a.route_scale
+        return scores, idx, weights
+
+
+def _sum_grad_over(t: torch.Tensor, mesh) -> torch.Tensor:
+    """Identity forward; the backward sums the gradient over ``mesh`` (all-reduce), via DTensor:
+    a replicated view whose local gradient is declared Partial."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on ``x``; the backward adds the gradient of ``aux`` (weight 1), so a balance loss
+    trains the router without being added to the reported loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def sequence_balance_loss(scores: torch.Tensor, idx: torch.Tensor, batch: int, top_k: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss without alpha: the mean over the ``batch`` sequences
+    of ``sum_e f_e P_e`` (module docstring). scores (batch*seq, E) float32, idx (batch*seq, k)."""
+    n_experts = scores.shape[-1]
+    s = scores.view(batch, -1, n_experts)
+    seq = s.shape[1]
+    p = (s / (s.sum(-1, keepdim=True) + 1e-20)).mean(1)  # (batch, E)
+    hits = torch.zeros(batch, n_experts, device=scores.device, dtype=scores.dtype)
+    hits.scatter_add_(1, idx.view(batch, -1), torch.ones_like(idx.view(batch, -1), dtype=scores.dtype))
+    f = hits * (n_experts / (top_k * seq))
+    return (f * p).sum(-1).mean()
+
+
+class MoE(nn.Module):
+    """The mixture-of-experts feed-forward (module docstring). x (batch, seq, dim) -> (batch, seq, dim).
+
+    Buffers: ``expert_bias`` (E,) float32, persistent; ``tokens_per_expert`` (E,) float32, the
+    routed (token, expert) pairs since the last ``update_load_balance`` (not checkpointed).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        if args.num_shared_experts:
+            from trainer.models.llama import FeedForward
+
+            self.shared_experts = FeedForward(dim, args.hidden_dim * args.num_shared_experts)
+        else:
+            self.shared_experts = None
+        self.register_buffer("expert_bias", torch.zeros(args.num_experts, dtype=torch.float32), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.num_experts, dtype=torch.float32),
+                             persistent=False)
+        self.tp_mesh = None  # set by tensor parallel: the routed output is reduce-scattered over it
+
+    def reset_buffers(self) -> None:
+        with torch.no_grad():
+            self.expert_bias.zero_()
+            self.tokens_per_expert.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        bsz, seq, dim = x.shape
+        tokens = x.reshape(-1, dim)
+        tp = self.tp_mesh
+        # Under TP every rank routes the same (all-gathered) tokens, but the experts' hidden size is
+        # split: the gradients reaching the experts' input rows and the routing weights are partial
+        # sums over tp. ``_sum_grad_over`` all-reduces them in the backward (Megatron's "f"), so the
+        # input gradient and the router's are whole and alike on every tp rank.
+        expert_in = _sum_grad_over(tokens, tp) if tp is not None else tokens
+        scores, idx, weights = self.router(tokens, self.expert_bias if a.load_balance == "bias" else None)
+        if tp is not None:
+            weights = _sum_grad_over(weights, tp)
+        flat = idx.flatten()
+        counts = torch.bincount(flat, minlength=a.num_experts)
+        # Count once per micro-batch: not in evaluation, nor when activation checkpointing recomputes
+        # this forward inside the backward (a graph task is running then).
+        if (self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                and not _counting_paused):
+            with torch.no_grad():
+                self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
+        # Permute: (token, expert) pairs in expert order; a stable sort keeps tokens in order within an expert.
+        order = flat.argsort(stable=True)
+        token_of = order // a.top_k
+        routed = self.experts(expert_in[token_of], counts)
+        # Unpermute: each pair's output, weighted, added back into its token.
+        routed = routed * weights.flatten()[order].to(routed.dtype).unsqueeze(1)
+        out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, token_of, routed).view(bsz, seq, dim)
+        if self.tp_mesh is not None:
+            from torch.distributed.tensor import DTensor, Partial, Shard
+
+            # Each tp rank summed over its part of the experts' hidden size: a partial sum, scattered
+            # onto the sequence like a rowwise layer's output.
+            out = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False).redistribute(
+                self.tp_mesh, [Shard(1)]).to_local()
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        if a.load_balance == "aux_loss" and self.training and torch.is_grad_enabled() and a.aux_loss_coeff > 0:
+            aux = a.aux_loss_coeff * sequence_balance_loss(scores, idx, bsz, a.top_k)
+            out = _AddAuxLoss.apply(out, aux)
+        return out
+
+
+def moe_modules(model: nn.Module) -> list[tuple[str, MoE]]:
+    """``(name, MoE)`` of every MoE layer in ``model``, in order."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_load_balance(modules: list[tuple[str, MoE]], group=None) -> torch.Tensor | None:
+    """After an optimizer step: sum the step's routed counts over ``group`` (the data-parallel ranks,
+    None = one process), move the bias of the layers that balance by bias (module docstring), reset
+    the counts. One all-reduce for all layers, no host synchronisation.
+
+    Returns the load of each layer, (layers,) float32 on the device: max count / mean count over its
+    experts (1.0 = perfectly balanced; ``load_metrics`` names them), or None without MoE layers.
+    """
+    if not modules:
+        return None
+    counts = torch.stack([m.tokens_per_expert for _, m in modules])  # (layers, E)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts, group=group)
+    mean = counts.mean(dim=1, keepdim=True)
+    for (_, m), c, mu in zip(modules, counts, mean):
+        if m.args.load_balance == "bias" and m.args.bias_update_rate > 0:
+            # No step without tokens moves the bias (sign(0 - 0) = 0 anyway).
+            m.expert_bias += m.args.bias_update_rate * torch.sign(mu - c)
+        m.tokens_per_expert.zero_()
+    return counts.max(dim=1).values / mean.squeeze(1).clamp_min(1e-20)
+
+
+def load_metrics(modules: list[tuple[str, MoE]], load: torch.Tensor | None) -> dict[str, float]:
+    """``{"moe_max_load": the largest layer load, "moe_load/<layer>": each layer's}`` from
+    ``update_load_balance``'s result (reads it on the host: call at log steps)."""
+    if load is None:
+        return {}
+    values = load.tolist()
+    out = {"moe_max_load": max(values)}
+    for (name, _), v in zip(modules, values):
+        out[f"moe_load/{name.removesuffix('.feed_forward')}"] = v
+    return out
