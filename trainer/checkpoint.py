@@ -453,7 +453,8 @@ def _has(keys: set[str], prefix: str) -> bool:
 
 def model_args_record(args: Any, flavor: str = "") -> str:
     """The ``model_args`` entry of a checkpoint: JSON of the flavor name and the ModelArgs fields."""
-    return json.dumps({"flavor": flavor, "model_args": dataclasses.asdict(args)})
+    # "model": the family (llama3, qwen3), so that read_model_args rebuilds the right args class.
+    return json.dumps({"flavor": flavor, "model": getattr(args, "name", "llama3"), "model_args": dataclasses.asdict(args)})
 
 
 def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
@@ -461,7 +462,7 @@ def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
 
     Raises CheckpointError when the checkpoint does not record them (written before they were).
     """
-    from trainer.models.llama import ModelArgs
+    from trainer.models.common import args_from_record
 
     path = Path(path)
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -471,7 +472,7 @@ def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
     state = {"model_args": ""}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)  # a local read: may run on one rank only
     rec = json.loads(state["model_args"])
-    return ModelArgs(**rec["model_args"]), rec.get("flavor", "")
+    return args_from_record(rec["model_args"], rec.get("model", "llama3")), rec.get("flavor", "")
 
 
 def resolve_step_folder(path: str | os.PathLike, what: str = "checkpoint.initial_load_path") -> Path:
