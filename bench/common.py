@@ -29,7 +29,8 @@ import torch
 
 ROWS: list["Row"] = []
 BASELINES = ("eager", "compile", "liger", "torchao", "sdpa", "_scaled_mm", "torch.mm",
-             "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "fa3", "fa2")
+             "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "fa3", "fa2",
+             "loop", "_grouped_mm")
 
 
 @dataclass
