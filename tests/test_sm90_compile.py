@@ -224,7 +224,7 @@ KERNELS: list[Row] = [
     *[Row(f"moe_permute.{kind}{' weighted' if w else ''} d4096", "titan_kernels.triton.moe_permute",
           _moe_permute(combine=kind == "combine", weighted=w)) for kind in ("permute", "combine") for w in (False, True)],
     # MoE grouped GEMM at Qwen3-30B-A3B expert shapes: the persistent TMA kernel (forward; dx reads w^T),
-    # the pointer kernel, the dw kernel and the tail-zeroing kernel; bf16 on tensor cores (wgmma).
+    # the pointer kernel, the dw kernel and the tail-zeroing kernel; bf16 on tensor cores (wgmma), fp32 IEEE.
     Row("grouped_mm.fwd tma 2048x768 bf16", "titan_kernels.triton.grouped_mm", _grouped_mm(),
         needs={"_gmm_tma_kernel": {"wgmma", "tma"}}),
     Row("grouped_mm.bwd tma 2048x768 bf16", "titan_kernels.triton.grouped_mm", _grouped_mm(backward=True),
@@ -233,6 +233,8 @@ KERNELS: list[Row] = [
         needs={"_gmm_kernel": _TC}),
     Row("grouped_mm.bwd pointer 2048x768 bf16", "titan_kernels.triton.grouped_mm",
         _grouped_mm(backward=True, use_tma=False), needs={"_gmm_kernel": _TC, "_gmm_dw_kernel": _TC}),
+    Row("grouped_mm.bwd pointer 2048x768 fp32", "titan_kernels.triton.grouped_mm",
+        _grouped_mm(backward=True, use_tma=False, dtype="float32")),  # IEEE fp32 products: no wgmma
 ]
 
 
