@@ -240,3 +240,28 @@ def gmm_tri():
     from titan_kernels.triton import grouped_mm
 
     return grouped_mm
+
+
+def test_measured_choice_orders_by_time(monkeypatch):
+    # The CUDA choice between aten and triton is timed once per key: here the timer is a stand-in
+    # that makes the later candidate faster, on CPU tensors, to check the ordering and the caching.
+    seen = []
+
+    def fake_time(fn, device, reps=10):
+        fn()  # the candidate really runs (forward and backward)
+        seen.append(device.type)
+        return 2.0 if len(seen) == 1 else 1.0
+
+    monkeypatch.setattr(gmm, "_time_call", fake_time)
+    gmm.measured_order.cache_clear()
+    order = gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 16, 8, True)
+    assert order == ("reference", "aten") and len(seen) == 2
+    assert gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 16, 8, True) == order
+    assert len(seen) == 2  # cached per key: not timed again
+
+    def broken(fn, device, reps=10):
+        raise RuntimeError("no timer")
+
+    monkeypatch.setattr(gmm, "_time_call", broken)
+    assert gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 32, 8, False) == ("aten", "reference")
+    gmm.measured_order.cache_clear()

@@ -17,10 +17,13 @@ Backends (``BACKENDS``), the choice made once per (device, dtype, K, N, with-bac
              TMA descriptors on sm_90; every float dtype but float64, any K/N. CPU only under
              TRITON_INTERPRET=1 (tests).
   reference  float32 PyTorch math, one matmul per group (a host loop over the offsets).
-Automatic order, fastest first: CPU aten > reference (aten measured 3x faster than the per-expert
-loop at (4096, 256) x 16 x (256, 192) fp32, bench/bench_moe.py); CUDA aten > triton > reference
-(cuBLAS/CUTLASS grouped kernels are strong on sm_90; bench/bench_moe.py times both on the GPU
-stage of bench/run_gpu.sh and the order follows its numbers). Overrides: ``use_backend`` /
+Automatic choice: CPU aten > reference (aten measured 3x faster than the per-expert loop at
+(4096, 256) x 16 x (256, 192) fp32, bench/bench_moe.py). CUDA: measured - when aten and triton both
+take a key, the first call of that key times both (forward, plus dx and dw when a gradient is
+needed) on a synthetic 16-expert problem of its K, N and dtype, and the faster one runs from then on
+(``measured_order``, cached per key; ``TITAN_KERNELS_GROUPED_MM_MEASURE=0`` keeps the static order
+aten > triton > reference; nothing is timed while tracing: then the static order). bench/bench_moe.py
+times every backend at Qwen3-30B-A3B shapes on the GPU stage of bench/run_gpu.sh. Overrides: ``use_backend`` /
 ``TITAN_KERNELS_BACKEND`` with "reference", "triton", or "cpu"/"cuda" (aten's native kernel of that
 device); a requested backend that cannot take the case raises RuntimeError with the reason.
 
@@ -157,6 +160,68 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, 
     return None
 
 
+MEASURE_ENV = "TITAN_KERNELS_GROUPED_MM_MEASURE"  # "0": the static order, no timing
+
+
+def _time_call(fn, device: torch.device, reps: int = 10) -> float:
+    """Median seconds of ``fn()`` on ``device`` (CUDA events; wall clock elsewhere)."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
+                   backward: bool) -> tuple[str, ...]:
+    """``cands`` (backends that take the key) fastest first, timed once per key on a synthetic MoE
+    problem: 16 experts of 512 rows (a 30B-A3B-like group size), forward (+ dx and dw with
+    ``backward``). Any failure keeps the given order."""
+    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    dt = getattr(torch, dtype)
+    try:
+        e, rows = 16, 512
+        x = torch.randn(e * rows, k, device=dev, dtype=dt)
+        w = torch.randn(e, k, n, device=dev, dtype=dt)
+        dy = torch.randn(e * rows, n, device=dev, dtype=dt)
+        offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * rows
+
+        def run(name):
+            def call():
+                _IMPLS[name][0](x, w, offs)
+                if backward:
+                    _IMPLS[name][1](dy, x, w, offs, True, True)
+            return call
+
+        times = {name: _time_call(run(name), dev) for name in cands}
+    except Exception:  # noqa: BLE001 - a failed measurement must not fail the op: keep the static order
+        return cands
+    return tuple(sorted(cands, key=lambda name: times[name]))
+
+
+def _may_measure(device_type: str) -> bool:
+    # Timed on CUDA, where aten and our kernel are close; never while tracing or under a fake/dispatch mode.
+    import os
+
+    return (device_type == "cuda" and os.environ.get(MEASURE_ENV, "1") != "0"
+            and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack())
+
+
 def _requested(dev: str) -> str | None:
     req = _backend.requested_backend()
     if req in ("cpu", "cuda"):
@@ -178,10 +243,12 @@ def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: b
         if why is not None:
             raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} ({dtype}, K {k}, N {n}) on {device_type}: {why}")
         return req
-    for name in AUTO_ORDER.get(device_type, ("reference",)):
-        if why_not(name, device_type, idx, dtype, k, n, backward) is None:
-            return name
-    return "reference"
+    cands = tuple(name for name in AUTO_ORDER.get(device_type, ("reference",))
+                  if why_not(name, device_type, idx, dtype, k, n, backward) is None)
+    fast = tuple(c for c in cands if c != "reference")  # the reference is the fallback, never timed
+    if len(fast) > 1 and _may_measure(device_type):
+        return measured_order(fast, device_type, idx, dtype, k, n, backward)[0]
+    return cands[0] if cands else "reference"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
