@@ -46,15 +46,16 @@ if torch.distributed.is_available():
         return rules
 
     @register_sharding(torch.ops.titan.rms_norm_backward.default)
-    def _rms_norm_backward_sharding(dy, x, weight, rstd, dresidual, compute_dweight):
-        w = Replicate() if weight is not None else None
+    def _rms_norm_backward_sharding(dy, x, weight, rstd, dresidual, compute_dweight, *backend):
+        # backend: the forward's request, a string (or None) passed on positionally when given.
+        w, flags = (Replicate() if weight is not None else None), [None] * (1 + len(backend))
         rules = [([Replicate(), Replicate()], [Replicate(), Replicate(), w, Replicate(),
-                                              Replicate() if dresidual is not None else None, None])]
+                                              Replicate() if dresidual is not None else None, *flags])]
         # With no weight, dweight is an empty placeholder: keep it Replicate (nothing to reduce).
         dw = Partial() if weight is not None else Replicate()
         for d in _row_dims(x):
             rules.append(([Shard(d), dw], [Shard(d), Shard(d), w, Shard(d),
-                                           Shard(d) if dresidual is not None else None, None]))
+                                           Shard(d) if dresidual is not None else None, *flags]))
         return rules
 
 
@@ -70,19 +71,20 @@ if torch.distributed.is_available():
     # (e.g. Replicate), or the call to run under ``implicit_replication()``.
 
     @register_sharding([torch.ops.titan.rotary.default, torch.ops.titan.rotary_backward.default])
-    def _rotary_sharding(q, k, cos, sin, position_ids, interleaved):
-        rep = Replicate()
+    def _rotary_sharding(q, k, cos, sin, position_ids, interleaved, *backend):
+        # backend: the request (a string or None), when passed positionally; no placement.
+        rep, flags = Replicate(), [None] * (1 + len(backend))
         pos = rep if position_ids is not None else None
         rules = [
-            ([rep, rep], [rep, rep, rep, rep, pos, None]),
-            ([Shard(2), Shard(2)], [Shard(2), Shard(2), rep, rep, pos, None]),
-            ([Shard(2), rep], [Shard(2), rep, rep, rep, pos, None]),
+            ([rep, rep], [rep, rep, rep, rep, pos, *flags]),
+            ([Shard(2), Shard(2)], [Shard(2), Shard(2), rep, rep, pos, *flags]),
+            ([Shard(2), rep], [Shard(2), rep, rep, rep, pos, *flags]),
         ]
         pos_batch = None if position_ids is None else (Shard(0) if position_ids.ndim == 2 else rep)
-        rules.append(([Shard(0), Shard(0)], [Shard(0), Shard(0), rep, rep, pos_batch, None]))
+        rules.append(([Shard(0), Shard(0)], [Shard(0), Shard(0), rep, rep, pos_batch, *flags]))
         if position_ids is not None:
             pos_seq = Shard(position_ids.ndim - 1)
-            rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, pos_seq, None]))
+            rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, pos_seq, *flags]))
         return rules
 
 
@@ -219,6 +221,7 @@ if torch.distributed.is_available():
     def _linear_cross_entropy_backward_sharding(grad_loss, hidden, weight, labels, lse, *scalars):
         rep = Replicate()
         return [([rep, rep], [rep] * 5 + [None] * len(scalars))]
+
 
 import titan_kernels.ops.grouped_mm  # noqa: E402,F401  (defines the grouped_mm ops)
 import titan_kernels.ops.moe_permute  # noqa: E402,F401  (defines the MoE routing ops)

@@ -18,22 +18,14 @@ from titan_kernels import backend
 from titan_kernels.ops import fp8 as ops_fp8
 from titan_kernels.reference import fp8 as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import backends_here
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMT = {E4M3: (3, -6), E5M2: (2, -14)}  # mantissa bits, smallest normal exponent
 GRANS = ("tensorwise", "rowwise", "colwise")
 
 
-def backends_here() -> list:
-    out = []
-    for name in ("reference", "triton"):
-        st = backend.backend_status(name, TEST_DEVICE)
-        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-BACKENDS = backends_here()
+BACKENDS = backends_here(names=("reference", "triton"))
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):

@@ -12,28 +12,9 @@ import titan_kernels as tk
 from titan_kernels import backend
 from titan_kernels.reference import rms_norm as ref
 from tests.conftest import TEST_DEVICE
-
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-
-
-def backends_here() -> list:
-    """Each backend, skipped with its reason when it cannot run on the CPU here."""
-    out = []
-    for name in ("reference", "triton", TEST_DEVICE):
-        st = backend.backend_status(name, TEST_DEVICE)
-        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
+from tests.kernels.helpers import TOL, backends_here, rel_err
 
 BACKENDS = backends_here()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def f64_rms_norm(x, w, eps, residual=None):

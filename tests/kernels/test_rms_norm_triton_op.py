@@ -29,31 +29,15 @@ import torch
 
 from titan_kernels import backend
 from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import TOL, backends_here, rel_err
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
-
-
-def _backends() -> list:
-    out = []
-    for name in ("reference", "triton", TEST_DEVICE):
-        st = backend.backend_status(name, TEST_DEVICE)
-        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-def rel_err(a, b) -> float:
-    a, b = a.double(), b.double()
-    return 0.0 if b.numel() == 0 else ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def f64_rms_norm(h, w, eps):
     h64 = h.double()
     return h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps) * w.double()
 
 
-@pytest.mark.parametrize("be", _backends())
+@pytest.mark.parametrize("be", backends_here())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(7, 40), (2, 3, 96), (0, 24)], ids=["2d", "3d", "empty"])
 def test_triton_op_matches_float64(be, dtype, shape):
@@ -73,7 +57,7 @@ def test_triton_op_matches_float64(be, dtype, shape):
         assert rel_err(ours, want) <= TOL[dtype], (name, rel_err(ours, want))
 
 
-@pytest.mark.parametrize("be", _backends())
+@pytest.mark.parametrize("be", backends_here())
 def test_add_triton_op_matches_float64_on_a_transposed_input(be):
     from titan_kernels.ops.rms_norm_triton_op import add_rms_norm_triton_op
 

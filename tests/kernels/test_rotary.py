@@ -18,36 +18,13 @@ from titan_kernels import backend
 from titan_kernels.nn import RotaryEmbedding
 from titan_kernels.reference import rotary as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import TOL, backends_here, rel_err
 
 DEV = torch.device(TEST_DEVICE)
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 LLAMA31 = dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
-
-def backends_here() -> list:
-    """Each backend, skipped with its reason when it cannot run on the test device or lacks rotary."""
-    out = []
-    for name in ("reference", "triton", DEV.type):
-        st = backend.backend_status(name, DEV)
-        why = None
-        if not st.available:
-            why = f"{name} backend unavailable: {st.reason}"
-        elif name not in backend.implemented_backends("rotary"):
-            why = f"{name} backend has no rotary kernel"
-        marks = [pytest.mark.skip(reason=why)] if why else []
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-BACKENDS = backends_here()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+BACKENDS = backends_here("rotary")
 
 
 def randn(*shape, dtype=torch.float32):

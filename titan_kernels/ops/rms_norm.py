@@ -11,6 +11,17 @@ through ``register_autograd`` (the backward is itself an op) and DTensor shardin
 backend directly through a ``torch.autograd.Function`` (``eager_fast_path``), which costs about a
 third of a ``custom_op`` call. On CUDA, traced code can use the ``triton_op`` variant instead
 (``rms_norm_triton_op.py``, ``TITAN_KERNELS_TRITON_OP=1``), which Inductor traces into.
+
+One autograd definition: the eager ``autograd.Function``s, the custom ops' ``register_autograd`` and
+the triton_op variant all save with ``_save`` and differentiate with ``_grads``. The backend request
+(``use_backend`` / ``TITAN_KERNELS_BACKEND``; None = automatic) is captured when the forward runs and
+handed to the backward (the ``backend`` argument of ``titan::rms_norm_backward``), so the backward
+runs on the forward's backend in every path, whatever context it runs in. Under torch.compile the
+request is captured when the graph is traced.
+
+Double backward (create_graph=True) is implemented: ``_grads`` then computes the gradients with the
+differentiable float32 reference math (``reference.rms_norm.rms_norm_bwd_differentiable``, which
+recomputes rstd from x) instead of the kernel, so second derivatives are exact in both paths.
 """
 from __future__ import annotations
 
@@ -48,8 +59,22 @@ for _name in ("cpu", "cuda"):
     _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
 
 
-def _impl(device: torch.device):
-    return _backend.get_impl(OP, device)
+def _impl(device: torch.device, backend: str | None = None):
+    return _backend.get_impl(OP, device, backend)
+
+
+# ----------------------------------------------------------------------------- forward / backward functions
+# The only functions that run kernels; the ops, the triton_op variant and the eager fast path call them.
+
+
+def _forward(x, residual, weight, eps, backend: str | None):
+    """(y, h or None, rstd) on ``backend`` (None: the automatic choice)."""
+    return _impl(x.device, backend)[0](x, residual, weight, eps)
+
+
+def _backward_kernel(dy, x, weight, rstd, dresidual, compute_dweight, backend: str | None):
+    """(dx, dweight or None) on ``backend``: the forward's request."""
+    return _impl(x.device, backend)[1](dy, x, weight, rstd, dresidual, compute_dweight)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -85,7 +110,7 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tup
     x: (..., N) float32/bf16/fp16; weight: (N,) or None. Returns y (..., N) in x.dtype and
     rstd (...,) float32 (saved for the backward).
     """
-    y, _, rstd = _impl(x.device)[0](x, None, weight, eps)
+    y, _, rstd = _forward(x, None, weight, eps, None)
     return y, rstd
 
 
@@ -99,7 +124,7 @@ def add_rms_norm_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = x + residual (in x.dtype); y = rms_norm(h). Returns (y, h, rstd); shapes as rms_norm."""
-    y, h, rstd = _impl(x.device)[0](x, residual, weight, eps)
+    y, h, rstd = _forward(x, residual, weight, eps, None)
     return y, h, rstd
 
 
@@ -120,20 +145,22 @@ def rms_norm_backward_op(
     rstd: torch.Tensor,
     dresidual: torch.Tensor | None,
     compute_dweight: bool,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of rms_norm. dy, x: (..., N); rstd: (...,) float32; dresidual: (..., N) or None,
     added to dx (the residual branch of add_rms_norm). Returns dx (..., N) in x.dtype, a fresh
     buffer (never an alias of dy or dresidual), and dweight (N,) in weight.dtype accumulated in
     float32, or an empty (0,) tensor when ``compute_dweight`` is False or weight is None.
+    ``backend``: the forward's request (None: the automatic choice).
     """
-    dx, dw = _impl(x.device)[1](dy, x, weight, rstd, dresidual, compute_dweight)
+    dx, dw = _backward_kernel(dy, x, weight, rstd, dresidual, compute_dweight, backend)
     if dw is None:
         dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
     return dx, dw
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, dresidual, compute_dweight):
+def _(dy, x, weight, rstd, dresidual, compute_dweight, backend=None):
     n = x.shape[-1] if (compute_dweight and weight is not None) else 0
     return (
         torch.empty(x.shape, dtype=x.dtype, device=x.device),
@@ -141,27 +168,50 @@ def _(dy, x, weight, rstd, dresidual, compute_dweight):
     )
 
 
-# ----------------------------------------------------------------------------- autograd (op path)
+# ----------------------------------------------------------------------------- the one autograd definition
 
 
-def _wants_dw(weight) -> bool:
-    return weight is not None and weight.requires_grad
+def _save(ctx, x, weight, rstd, eps, backend: str | None) -> None:
+    """x: the normalized input (h for add_rms_norm, an output there: double backward flows through it)."""
+    ctx.save_for_backward(x, weight, rstd)
+    ctx.eps = eps
+    ctx.backend = backend
+
+
+def _create_graph(*tensors) -> bool:
+    # Grad mode is on inside a backward only under create_graph=True.
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _grads(ctx, dy, dresidual, need_dw: bool, backward_op):
+    """(dx, dweight or None) from the saved state, on the forward's backend. ``backward_op()`` is the
+    op path's backward op (``titan::rms_norm_backward`` or the triton_op variant's); None on the eager
+    fast path, which calls the same kernel function without the dispatcher. Under create_graph the
+    differentiable reference math runs instead (double backward)."""
+    x, weight, rstd = ctx.saved_tensors
+    if dy is None:  # only h's gradient reached add_rms_norm (the op path does not materialize zeros)
+        dy = torch.zeros_like(x)
+    if _create_graph(dy, x, weight, dresidual):
+        dx, dw = _ref.rms_norm_bwd_differentiable(dy, x, weight, ctx.eps, dresidual, need_dw)
+    elif backward_op is None:
+        dx, dw = _backward_kernel(dy, x, weight, rstd, dresidual, need_dw, ctx.backend)
+    else:
+        dx, dw = backward_op()(dy, x, weight, rstd, dresidual, need_dw, ctx.backend)
+    return dx, (dw if need_dw else None)
 
 
 def _setup_rms_norm(ctx, inputs, output):
-    x, weight, _ = inputs
-    ctx.save_for_backward(x, weight, output[1])
-    ctx.compute_dw = _wants_dw(weight)
+    x, weight, eps = inputs
+    _save(ctx, x, weight, output[1], eps, _backend.requested_backend())
 
 
 def make_rms_norm_backward(backward_op):
-    """The autograd backward of rms_norm, calling ``backward_op()`` (the custom op, or the triton_op
-    variant's backward in ``rms_norm_triton_op``): one definition for both."""
+    """The autograd backward of rms_norm, calling ``backward_op()`` off the fast path (the custom op,
+    or the triton_op variant's backward in ``rms_norm_triton_op``): one definition for all."""
 
     def _backward_rms_norm(ctx, dy, _drstd):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = backward_op()(dy, x, weight, rstd, None, ctx.compute_dw)
-        return dx, (dw if ctx.compute_dw else None), None
+        dx, dw = _grads(ctx, dy, None, ctx.needs_input_grad[1], backward_op)
+        return dx, dw, None
 
     return _backward_rms_norm
 
@@ -174,19 +224,17 @@ rms_norm_op.register_autograd(make_rms_norm_backward(_backward_op), setup_contex
 
 
 def _setup_add_rms_norm(ctx, inputs, output):
-    _, _, weight, _ = inputs
-    ctx.save_for_backward(output[1], weight, output[2])
-    ctx.compute_dw = _wants_dw(weight)
+    _, _, weight, eps = inputs
+    _save(ctx, output[1], weight, output[2], eps, _backend.requested_backend())
 
 
 def make_add_rms_norm_backward(backward_op):
     """The autograd backward of add_rms_norm, calling ``backward_op()`` (see make_rms_norm_backward)."""
 
     def _backward_add_rms_norm(ctx, dy, dh, _drstd):
-        h, weight, rstd = ctx.saved_tensors
-        dx, dw = backward_op()(dy, h, weight, rstd, dh, ctx.compute_dw)
+        dx, dw = _grads(ctx, dy, dh, ctx.needs_input_grad[2], backward_op)
         # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
-        return dx, dx, (dw if ctx.compute_dw else None), None
+        return dx, dx, dw, None
 
     return _backward_add_rms_norm
 
@@ -198,37 +246,33 @@ add_rms_norm_op.register_autograd(make_add_rms_norm_backward(_backward_op), setu
 
 
 class _RMSNormFn(torch.autograd.Function):
+    """The eager fast path of titan::rms_norm: the same ``_forward``, ``_save`` and ``_grads``."""
+
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        fwd, bwd = _impl(x.device)
-        y, _, rstd = fwd(x, None, weight, eps)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.bwd = bwd
+    def forward(ctx, x, weight, eps, backend):
+        y, _, rstd = _forward(x, None, weight, eps, backend)
+        _save(ctx, x, weight, rstd, eps, backend)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        compute_dw = ctx.needs_input_grad[1]
-        dx, dw = ctx.bwd(dy, x, weight, rstd, None, compute_dw)
-        return (dx if ctx.needs_input_grad[0] else None), dw, None
+        dx, dw = _grads(ctx, dy, None, ctx.needs_input_grad[1], None)
+        return dx, dw, None, None
 
 
 class _AddRMSNormFn(torch.autograd.Function):
+    """The eager fast path of titan::add_rms_norm: the same ``_forward``, ``_save`` and ``_grads``."""
+
     @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        fwd, bwd = _impl(x.device)
-        y, h, rstd = fwd(x, residual, weight, eps)
-        ctx.save_for_backward(h, weight, rstd)
-        ctx.bwd = bwd
+    def forward(ctx, x, residual, weight, eps, backend):
+        y, h, rstd = _forward(x, residual, weight, eps, backend)
+        _save(ctx, h, weight, rstd, eps, backend)
         return y, h
 
     @staticmethod
     def backward(ctx, dy, dh):
-        h, weight, rstd = ctx.saved_tensors
-        compute_dw = ctx.needs_input_grad[2]
-        dx, dw = ctx.bwd(dy, h, weight, rstd, dh, compute_dw)
-        return dx, dx, dw, None
+        dx, dw = _grads(ctx, dy, dh, ctx.needs_input_grad[2], None)
+        return dx, dx, dw, None, None
 
 
 def _needs_grad(*tensors) -> bool:
@@ -273,9 +317,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     """
     eps = _validate(x, weight, eps)
     if eager_fast_path(x, weight):
-        if _needs_grad(x, weight):
-            return _RMSNormFn.apply(x, weight, eps)
-        return _impl(x.device)[0](x, None, weight, eps)[0]
+        if _needs_grad(x, weight):  # the request is captured only when a backward will need it
+            return _RMSNormFn.apply(x, weight, eps, _backend.requested_backend())
+        return _forward(x, None, weight, eps, None)[0]
     if _route_triton_op(x, weight):
         return torch.ops.titan.rms_norm_triton(x, weight, eps)[0]
     return torch.ops.titan.rms_norm(x, weight, eps)[0]
@@ -305,8 +349,8 @@ def add_rms_norm(
     eps = _validate(x, weight, eps, residual)
     if eager_fast_path(x, residual, weight):
         if _needs_grad(x, residual, weight):
-            return _AddRMSNormFn.apply(x, residual, weight, eps)
-        y, h, _ = _impl(x.device)[0](x, residual, weight, eps)
+            return _AddRMSNormFn.apply(x, residual, weight, eps, _backend.requested_backend())
+        y, h, _ = _forward(x, residual, weight, eps, None)
         return y, h
     if _route_triton_op(x, residual, weight):
         y, h, _ = torch.ops.titan.add_rms_norm_triton(x, residual, weight, eps)

@@ -41,10 +41,11 @@ from titan_kernels import backend as _backend
 from titan_kernels.ops import rms_norm as _rn
 
 
-def _launch_wrapper(device: torch.device):
-    """(fwd, bwd, wrap): the implementation chosen for ``device`` and whether its launches are wrapped."""
-    fwd, bwd = _rn._impl(device)
-    wrap = wrap_triton if _backend.resolve(_rn.OP, device) == "triton" else None
+def _launch_wrapper(device: torch.device, backend: str | None = None):
+    """(fwd, bwd, wrap): the implementation chosen for ``device`` (``backend``: the forward's request,
+    None: the current one) and whether its launches are wrapped."""
+    fwd, bwd = _rn._impl(device, backend)
+    wrap = wrap_triton if _backend.resolve(_rn.OP, device, backend) == "triton" else None
     return fwd, bwd, wrap
 
 
@@ -77,9 +78,10 @@ def rms_norm_backward_triton_def(
     rstd: torch.Tensor,
     dresidual: torch.Tensor | None,
     compute_dweight: bool,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """As ``titan::rms_norm_backward``: dx (..., N), and dweight (N,) or an empty (0,) tensor."""
-    _, bwd, wrap = _launch_wrapper(x.device)
+    _, bwd, wrap = _launch_wrapper(x.device, backend)
     if wrap is None:
         dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight)
     else:

@@ -9,6 +9,13 @@ Both ops are ``torch.library.custom_op``s whose real implementation picks the ba
 (``titan_kernels.backend``), with fake implementations, autograd through ``register_autograd`` (the
 backward is itself an op) and DTensor sharding rules (``titan_kernels.dtensor``). In plain eager mode
 ``apply_rotary_emb`` skips the dispatcher and calls the backend through a ``torch.autograd.Function``.
+
+One autograd definition: the eager ``autograd.Function``s and ``register_autograd`` run the same
+``_forward`` / ``_backward_kernel``, ``_save`` and ``_grads`` / ``_grads_of_backward``. The backend
+request (``use_backend`` / ``TITAN_KERNELS_BACKEND``, None = automatic) is captured when the forward
+runs and passed to the backward (the ``backend`` argument of both ops), so the backward runs on the
+forward's backend in both paths (under torch.compile both ops read the request when they run). Double backward is implemented, to any order: rotary is the linear
+map R(theta) of q and k, its backward is R(-theta) and the backward's adjoint is R(theta) again.
 """
 from __future__ import annotations
 
@@ -46,8 +53,18 @@ for _name in ("cpu", "cuda"):  # available only where the csrc extension is buil
     _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
 
 
-def _impl(device: torch.device):
-    return _backend.get_impl(OP, device)
+def _impl(device: torch.device, backend: str | None = None):
+    return _backend.get_impl(OP, device, backend)
+
+
+def _forward(q, k, cos, sin, position_ids, interleaved, backend: str | None):
+    """(q_out, k_out) = R(theta) (q, k) on ``backend`` (None: the automatic choice)."""
+    return _impl(q.device, backend)[0](q, k, cos, sin, position_ids, interleaved)
+
+
+def _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend: str | None):
+    """(dq_in, dk_in) = R(-theta) (dq, dk) on ``backend``."""
+    return _impl(dq.device, backend)[1](dq, dk, cos, sin, position_ids, interleaved)
 
 
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -155,15 +172,17 @@ def rotary_op(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
     interleaved: bool,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q (batch, seq, n_heads, head_dim) and k (batch, seq, n_kv_heads, head_dim)
     with cos/sin (max_positions, R) float32 at position_ids (None, (seq,) or (batch, seq) int).
-    Returns new contiguous (q_out, k_out) in the input dtype; see ``apply_rotary_emb``."""
-    return _impl(q.device)[0](q, k, cos, sin, position_ids, interleaved)
+    Returns new contiguous (q_out, k_out) in the input dtype; see ``apply_rotary_emb``. ``backend``:
+    the request (None: the current one)."""
+    return _forward(q, k, cos, sin, position_ids, interleaved, backend)
 
 
 @rotary_op.register_fake
-def _(q, k, cos, sin, position_ids, interleaved):
+def _(q, k, cos, sin, position_ids, interleaved, backend=None):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
 
 
@@ -175,70 +194,97 @@ def rotary_backward_op(
     sin: torch.Tensor,
     position_ids: torch.Tensor | None,
     interleaved: bool,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of titan::rotary with respect to q and k: (dq, dk) rotated by -theta. Shapes and
-    dtypes as titan::rotary; returns new contiguous tensors."""
-    return _impl(dq.device)[1](dq, dk, cos, sin, position_ids, interleaved)
+    dtypes as titan::rotary; returns new contiguous tensors. ``backend``: the forward's request."""
+    return _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend)
 
 
 @rotary_backward_op.register_fake
-def _(dq, dk, cos, sin, position_ids, interleaved):
+def _(dq, dk, cos, sin, position_ids, interleaved, backend=None):
     return (
         torch.empty(dq.shape, dtype=dq.dtype, device=dq.device),
         torch.empty(dk.shape, dtype=dk.dtype, device=dk.device),
     )
 
 
-# ----------------------------------------------------------------------------- autograd (op path)
+# ----------------------------------------------------------------------------- the one autograd definition
 
 
-def _setup_rotary(ctx, inputs, output):
-    _, _, cos, sin, position_ids, interleaved = inputs
+def _save(ctx, cos, sin, position_ids, interleaved, backend: str | None) -> None:
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.interleaved = interleaved
+    ctx.backend = backend
 
 
-def _backward_rotary(ctx, dq, dk):
+def _grads(ctx, dq, dk):
+    """Gradients of titan::rotary w.r.t. (q, k): R(-theta) (dq, dk), differentiable (double backward)."""
     cos, sin, position_ids = ctx.saved_tensors
-    dq_in, dk_in = torch.ops.titan.rotary_backward(dq, dk, cos, sin, position_ids, ctx.interleaved)
-    return dq_in, dk_in, None, None, None, None
+    return _rotate(dq, dk, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=True)
 
 
-def _backward_rotary_backward(ctx, ddq, ddk):
-    # rotary_backward is the linear map R(-theta); its adjoint is R(theta), i.e. the forward op.
+def _grads_of_backward(ctx, ddq, ddk):
+    """Gradients of titan::rotary_backward (the linear map R(-theta)): its adjoint R(theta)."""
     cos, sin, position_ids = ctx.saved_tensors
-    d2q, d2k = torch.ops.titan.rotary(ddq, ddk, cos, sin, position_ids, ctx.interleaved)
-    return d2q, d2k, None, None, None, None
+    return _rotate(ddq, ddk, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=False)
 
 
-rotary_op.register_autograd(_backward_rotary, setup_context=_setup_rotary)
-rotary_backward_op.register_autograd(_backward_rotary_backward, setup_context=_setup_rotary)
+def _setup(ctx, inputs, output):
+    _, _, cos, sin, position_ids, interleaved, backend = inputs
+    # A direct op call without a request: the one in force as the forward ran (read right after it).
+    _save(ctx, cos, sin, position_ids, interleaved, backend if backend is not None else _backend.requested_backend())
 
 
-# ----------------------------------------------------------------------------- eager fast path
+def _op_backward(ctx, dq, dk):
+    return (*_grads(ctx, dq, dk), None, None, None, None, None)
+
+
+def _op_backward_of_backward(ctx, ddq, ddk):
+    return (*_grads_of_backward(ctx, ddq, ddk), None, None, None, None, None)
+
+
+rotary_op.register_autograd(_op_backward, setup_context=_setup)
+rotary_backward_op.register_autograd(_op_backward_of_backward, setup_context=_setup)
 
 
 class _RotaryFn(torch.autograd.Function):
+    """The eager fast path of titan::rotary: the same ``_forward``, ``_save`` and ``_grads``."""
+
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, interleaved):
-        fwd, bwd = _impl(q.device)
-        ctx.save_for_backward(cos, sin, position_ids)
-        ctx.bwd = bwd
-        ctx.interleaved = interleaved
-        return fwd(q, k, cos, sin, position_ids, interleaved)
+    def forward(ctx, q, k, cos, sin, position_ids, interleaved, backend):
+        _save(ctx, cos, sin, position_ids, interleaved, backend)
+        return _forward(q, k, cos, sin, position_ids, interleaved, backend)
 
     @staticmethod
     def backward(ctx, dq, dk):
-        cos, sin, position_ids = ctx.saved_tensors
-        dq_in, dk_in = ctx.bwd(dq, dk, cos, sin, position_ids, ctx.interleaved)
-        return (
-            dq_in if ctx.needs_input_grad[0] else None,
-            dk_in if ctx.needs_input_grad[1] else None,
-            None,
-            None,
-            None,
-            None,
-        )
+        return _op_backward(ctx, dq, dk)
+
+
+class _RotaryBackwardFn(torch.autograd.Function):
+    """The eager fast path of titan::rotary_backward when its result needs a gradient (create_graph)."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, cos, sin, position_ids, interleaved, backend):
+        _save(ctx, cos, sin, position_ids, interleaved, backend)
+        return _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend)
+
+    @staticmethod
+    def backward(ctx, ddq, ddk):
+        return _op_backward_of_backward(ctx, ddq, ddk)
+
+
+def _rotate(a, b, cos, sin, position_ids, interleaved, backend, inverse: bool):
+    """R(-theta) (inverse) or R(theta) of (a, b) on ``backend``: the kernel on the eager fast path (an
+    autograd.Function when a gradient is needed), else the op."""
+    if eager_fast_path(a, b, cos, sin, position_ids):
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            fn = _RotaryBackwardFn if inverse else _RotaryFn
+            return fn.apply(a, b, cos, sin, position_ids, interleaved, backend)
+        run = _backward_kernel if inverse else _forward
+        return run(a, b, cos, sin, position_ids, interleaved, backend)
+    op = torch.ops.titan.rotary_backward if inverse else torch.ops.titan.rotary
+    return op(a, b, cos, sin, position_ids, interleaved, backend)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -291,12 +337,10 @@ def apply_rotary_emb(
     """
     _validate(q, k, cos, sin, position_ids, interleaved)
     _check_position_values(position_ids, cos.shape[0])
-    if eager_fast_path(q, k, cos, sin, position_ids):
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            return _RotaryFn.apply(q, k, cos, sin, position_ids, interleaved)
-        return _impl(q.device)[0](q, k, cos, sin, position_ids, interleaved)
-    q_out, k_out = torch.ops.titan.rotary(q, k, cos, sin, position_ids, interleaved)
-    return q_out, k_out
+    # The request is captured now, for the backward; under torch.compile (which cannot trace the
+    # use_backend context) both ops read it when they run.
+    request = None if torch.compiler.is_compiling() else _backend.requested_backend()
+    return _rotate(q, k, cos, sin, position_ids, interleaved, request, inverse=False)
 
 
 _SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")

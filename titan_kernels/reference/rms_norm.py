@@ -62,3 +62,22 @@ def rms_norm_bwd(
     if dresidual is not None:
         dx = dx + dresidual.to(acc)
     return dx.to(x.dtype).contiguous(), dw
+
+
+def rms_norm_bwd_differentiable(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    dresidual: torch.Tensor | None,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``rms_norm_bwd`` as differentiable aten ops, for double backward (create_graph=True).
+
+    rstd is recomputed from x (not taken from the forward), so autograd sees its dependence on x
+    and every derivative of (dx, dweight) with respect to (dy, x, weight, dresidual) is exact, to any
+    order. Same shapes, dtypes and float32 math (float64 for float64 inputs) as ``rms_norm_bwd``.
+    """
+    xf = x.to(_acc_dtype(x))
+    rstd = torch.rsqrt(xf.square().mean(-1) + eps)
+    return rms_norm_bwd(dy, x, weight, rstd, dresidual, compute_dweight)
