@@ -9,8 +9,9 @@ at one to three awkward shapes (odd row counts, a transposed input, GQA, Llama w
 fp32. The relative-norm tolerances are the team's (fp32 1e-5, bf16 1e-2, float8 e4m3 7e-2, e5m2
 1.2e-1). Ops: rms_norm, add_rms_norm, apply_rotary_emb (both layouts), fp8_quantize (three
 granularities), fp8_gemm (tensorwise, rowwise), fp8_linear (three recipes), flash_attn (every
-attention backend, causal and not, plus varlen), and swiglu / linear_cross_entropy when
-``titan_kernels`` has them. A backend that cannot take a case is listed with the reason, not failed.
+attention backend causal, the automatic choice non-causal, plus varlen), and swiglu /
+linear_cross_entropy / grouped_mm when ``titan_kernels`` has them (moe_permute is not covered yet).
+A backend that cannot take a case is listed with the reason, not failed.
 
 Writes the ``correctness`` section of PREFIX.json after each op (a time-out loses only the rest) and
 exits 1 if any check is outside its tolerance. ``--dry-run``: the CPU backends (reference, csrc cpu,
@@ -349,6 +350,38 @@ def check_linear_cross_entropy(c: Checks, dev, S) -> None:
         c.add("linear_cross_entropy", "auto", case, qn, got, want, _tol(dtype))
 
 
+def check_grouped_mm(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+
+    (t, k, n, e), dtype = S.gmm
+    # Uneven groups, one empty, and rows past the last group (they must come out zero).
+    ends = torch.linspace(0, t - 7, e + 1)[1:].round().long()
+    ends[1] = ends[0]
+    offsets = ends.to(torch.int32).to(dev)
+    for be in ("reference", "triton", dev.type):
+        x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
+        w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+        g = _randn(t, n, dtype=dtype, dev=dev)
+        label = f"{be} (torch._grouped_mm)" if be == dev.type else be
+        case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
+        try:
+            with tk.use_backend(be):
+                y = tk.grouped_mm(x, w, offsets)
+                dx, dw = _grad(y, (x, w), g)
+        except RuntimeError as err:  # e.g. aten's grouped GEMM does not take this dtype/device
+            c.skip(f"grouped_mm [{label}] {case}: {str(err).splitlines()[0][:160]}")
+            continue
+        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+        bounds = [0, *offsets.tolist()]
+        y64 = torch.cat([x64[a:b] @ w64[i] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
+                        + [x64[bounds[-1]:] * 0 @ w64[0]])
+        dx64, dw64 = _grad(y64, (x64, w64), g.double())
+        for qn, got, want in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
+            c.add("grouped_mm", label, case, qn, got, want, _tol(dtype))
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -375,6 +408,7 @@ def sizes(cuda: bool):
             attn = ((2, 1000, 16, 4, 128), bf16)
             swiglu = ((1000, 14336), bf16)
             lce = ((1000, 1024, 32000), bf16)
+            gmm = ((1000, 512, 768, 8), bf16)
         else:  # the dry run: tiny shapes, Triton in the interpreter
             rms = [((7, 64), fp32, False), ((5, 40), bf16, True)]
             add_rms = ((5, 40), fp32)
@@ -384,14 +418,16 @@ def sizes(cuda: bool):
             attn = ((1, 17, 4, 2, 16), fp32)
             swiglu = ((9, 40), fp32)
             lce = ((9, 32, 100), fp32)
+            gmm = ((40, 16, 24, 4), fp32)
 
     return S
 
 
 CHECKS = [("rms_norm", check_rms_norm), ("rotary", check_rotary), ("fp8_quantize", check_fp8_quantize),
           ("fp8_gemm", check_fp8_gemm), ("fp8_linear", check_fp8_linear), ("flash_attn", check_flash_attn),
-          ("swiglu", check_swiglu), ("linear_cross_entropy", check_linear_cross_entropy)]
-OPTIONAL = {"swiglu", "linear_cross_entropy"}  # checked when titan_kernels has them (other issues)
+          ("swiglu", check_swiglu), ("linear_cross_entropy", check_linear_cross_entropy),
+          ("grouped_mm", check_grouped_mm)]
+OPTIONAL = {"swiglu", "linear_cross_entropy", "grouped_mm"}  # checked when titan_kernels has them (other issues)
 
 
 def main(argv: list[str]) -> int:
