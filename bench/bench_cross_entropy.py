@@ -18,7 +18,8 @@ CPU (default test run): the memory check at that shape, and timings at a small s
 baselines only with ``-m slow``: Inductor's CPU code generation takes minutes). Paired timings at any
 shape, ours and the unfused eager alternately in one process, with the share of ours spent outside
 the three GEMMs (what a native CPU kernel for the elementwise passes could at most save):
-``python -m bench.bench_cross_entropy --paired 8192 256 32000``.
+``python -m bench.bench_cross_entropy --paired 8192 256 32000`` (OpenMP waiting passively, as in
+the trainer; under pytest the OpenMP settings are whatever the session started with).
 CUDA: Llama 3 8B's output layer (D = 4096, V = 128256) at 8k and 16k tokens in bf16, and the
 memory shape. Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_cross_entropy.py``.
 """
@@ -33,12 +34,17 @@ import subprocess
 import sys
 import time
 
-import pytest
-import torch
-import torch.nn.functional as F
+if __name__ == "__main__":
+    # As the trainer: idle OpenMP threads sleep. Spinning ones, on a shared CPU, made this op's many
+    # small elementwise calls up to 10x slower (the unfused loss 2x) in our paired runs.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import titan_kernels as tk
-from bench import common
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import titan_kernels as tk  # noqa: E402
+from bench import common  # noqa: E402
 
 DEV = common.device()
 MEMORY_SHAPE = (8192, 256, 32000)
@@ -169,7 +175,7 @@ def _measure_here(impl: str, n: int, d: int, v: int, dtype: torch.dtype) -> dict
 def measure_peak(impl: str, n: int, d: int, v: int, dtype: torch.dtype = torch.float32) -> dict:
     if DEV.type == "cuda":
         return _measure_here(impl, n, d, v, dtype)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", BENCH_DEVICE="cpu")
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", BENCH_DEVICE="cpu", OMP_WAIT_POLICY="PASSIVE")
     out = subprocess.run(
         [sys.executable, "-m", "bench.bench_cross_entropy", "--memory", impl, str(n), str(d), str(v),
          str(dtype).replace("torch.", "")],
