@@ -82,7 +82,8 @@ def implementations() -> dict:
         impls["_grouped_mm"] = _aten
     if DEV.type == "cuda" and tk.available_backends(DEV)["triton"].available:
         impls["titan-triton"] = _titan_backend("triton")
-    impls["titan-reference"] = _titan_backend("reference")
+    if DEV.type == "cpu":  # on CUDA the host loop of the reference is the "loop" baseline already
+        impls["titan-reference"] = _titan_backend("reference")
     return impls
 
 
