@@ -1,7 +1,7 @@
 """Drop-in modules built on the titan ops.
 
 RMSNorm has the constructor, parameters and state_dict of ``torch.nn.RMSNorm``, so checkpoints and
-code written for it load unchanged.
+code written for it load unchanged; AddRMSNorm is the same module fused with the residual add before it.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numbers
 import torch
 from torch import nn
 
-from titan_kernels.ops.rms_norm import rms_norm
+from titan_kernels.ops.rms_norm import add_rms_norm, rms_norm
 from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin
 from titan_kernels.float8_linear import Float8Linear, convert_to_float8  # noqa: F401  (nn.Linear in float8)
 
@@ -64,6 +64,19 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
+
+
+class AddRMSNorm(RMSNorm):
+    """RMSNorm fused with the residual add before it (the pre-norm block's second norm).
+
+    ``forward(x, residual) -> (rms_norm(x + residual), x + residual)``: both (..., N) in x.dtype, one
+    kernel reading x and residual once (``titan_kernels.add_rms_norm``). Same constructor, parameters
+    and state_dict as ``RMSNorm``; a module, not a function call, so that tensor parallel can give it a
+    sequence-parallel plan like the other norms. Raises as ``add_rms_norm`` for mismatched inputs.
+    """
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, residual, self.weight, self._eps(x))
 
 
 class RotaryEmbedding(nn.Module):

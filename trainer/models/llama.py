@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_kernels
-from titan_kernels.nn import RMSNorm, RotaryEmbedding
+from titan_kernels.nn import AddRMSNorm, RMSNorm, RotaryEmbedding
 
 # Hyperparameters and flavors (torch-free, for the estimate and the planner); re-exported here.
 from trainer.models.llama_args import (  # noqa: F401
@@ -126,17 +126,6 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(titan_kernels.swiglu(self.w1(x), self.w3(x)))
-
-
-class AddRMSNorm(RMSNorm):
-    """RMSNorm fused with the residual add before it: ``forward(x, residual) -> (rms_norm(x + residual), x + residual)``.
-
-    Same parameters and state_dict as RMSNorm; a module (not a function call) so that tensor parallel
-    can give it a sequence-parallel plan like the other norms.
-    """
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return titan_kernels.add_rms_norm(x, residual, self.weight, self._eps(x))
 
 
 class TransformerBlock(nn.Module):
