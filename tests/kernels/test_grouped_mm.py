@@ -186,7 +186,10 @@ def test_backend_choice_and_reasons():
     assert name != "aten" and "16 bytes" in skipped["aten"]
     x = torch.randn(4, 16, device=DEV)
     w = torch.randn(2, 16, 8, device=DEV)
-    assert gmm.backend_for(x, w)[0] == "aten"  # the measured fastest where it takes the case
+    if DEV.type == "cpu":
+        assert gmm.backend_for(x, w)[0] == "aten"  # the measured fastest where it takes the case
+    else:  # CUDA: aten where it takes float32 here, else (or if measured faster) our kernel
+        assert gmm.backend_for(x, w)[0] in ("aten", "triton")
     with tk.use_backend(DEV.type), pytest.raises(RuntimeError, match="16 bytes"):
         tk.grouped_mm(torch.randn(4, 7, device=DEV), torch.randn(2, 7, 5, device=DEV), make_offsets([1, 3]))
 

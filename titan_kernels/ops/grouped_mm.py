@@ -12,7 +12,10 @@ Backends (``BACKENDS``), the choice made once per (device, dtype, K, N, with-bac
              on CUDA, other dtypes and architectures; whether it takes a key is asked once, by a
              tiny call of every form the op needs (forward, dx, dw), and the refusal is kept as the
              reason. The backward is aten too: dx = grouped_mm(dy, w^T) and dw with the 2-D x 2-D
-             -> 3-D "offs" form.
+             -> 3-D "offs" form. aten leaves the rows past offsets[-1] of y and dx uninitialized
+             (by design, pytorch #154557; recycled memory there has poisoned MoE gradients with
+             NaN, #193633): we zero them on the device, no host sync. T = 0 never reaches aten
+             (its dw form rejects an empty contraction dim, pytorch PR #192497).
   triton     ours (``titan_kernels.triton.grouped_mm``): persistent, one tile queue over every group,
              TMA descriptors on sm_90; every float dtype but float64, any K/N. CPU only under
              TRITON_INTERPRET=1 (tests).
