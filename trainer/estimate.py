@@ -1,29 +1,55 @@
-"""Memory per device of a Llama 3 training run for a parallel layout, without building the model.
+"""Memory and communication per device of a Llama 3 training run for a parallel layout, without
+building the model. ``trainer.plan`` adds a step-time model and searches the layouts.
 
-Per device (bytes), for P parameters sharded over ``dp_shard`` ranks by FSDP2:
-  params       P * master_bytes / dp_shard            (fp32 master weights)
-  grads        P * master_bytes / dp_shard            (reduced in fp32 into the sharded grads)
-  optimizer    2 * P * master_bytes / dp_shard        (AdamW exp_avg and exp_avg_sq)
-  working      unsharded copies under FSDP: the root (embedding, output) for the whole step, two
-               blocks at a time (current + prefetched) in the compute dtype, and one block's
-               unsharded fp32 gradients before its reduce-scatter
-  activations  what autograd keeps for the backward, in the compute dtype, per token:
-               per block, without recomputation: 6*dim + 2*kv_dim + 4*ffn_hidden + n_heads + 2
-               values (block input, normed input, q, attention output, residual, normed residual;
-               k and v; SwiGLU's w1 and w3 outputs, their activation and product; attention's
-               log-sum-exp and two RMSNorm rstd), which is exactly what autograd saves for
-               ``trainer.models.llama.TransformerBlock`` (checked in tests/trainer/test_estimate.py);
-               full AC: only each block's input, plus one block recomputed at a time;
-               selective "op": the block input and the matmul/attention outputs kept:
-               5*dim + 2*kv_dim + 2*ffn_hidden + n_heads (the LSE), also checked against what
-               the policy saves in tests/trainer/test_estimate.py;
+Memory per device (bytes), for the worst rank (the first pipeline stage, or the last when its loss
+dominates; every pp rank is evaluated). Notation: ``P_s`` parameters of the rank's stages (its
+blocks as the pipeline splits them, ``pipeline_ranks``, plus the embedding on the first stage, final
+norm and output on the last), sharded over
+``n = dp_shard * cp`` ranks by FSDP2 and over ``tp`` by tensor parallel:
+  params       P_s * master_bytes / (n * tp)            fp32 master weights
+  grads        P_s * master_bytes / (n * tp)            reduced in fp32 into the sharded grads
+  optimizer    2 * P_s * master_bytes / (n * tp)        AdamW exp_avg and exp_avg_sq
+  working      unsharded copies under FSDP2 (when n > 1 or the compute dtype is not fp32): the root
+               (embedding, output) for the whole step, two blocks at a time (current + prefetched)
+               in the compute dtype, and one block's unsharded fp32 gradients before its
+               reduce-scatter; under PP the stage's blocks stay gathered between micro-batches
+               (``reshard_after_forward=False``); divided by tp
+  activations  what autograd keeps for the backward, in the compute dtype, per token of a
+               micro-batch (T = micro-batch tokens / cp) and block (``block_values_per_token``):
+               without recomputation 2*dim + (4*dim + 2*kv_dim + 3*ffn + n_heads + 2) / tp values:
+               the norm outputs that feed wq/wk/wv and w1/w3 are all-gathered over the sequence
+               under TP + SP and saved whole by the matmuls (tp = 1: 6*dim + ...); the rest is the
+               block input, q, k, v, attention output and log-sum-exp, the residual, two RMSNorm
+               rstd, and SwiGLU's two inputs and output (the fused op recomputes the activation),
+               which is exactly what autograd saves for ``trainer.models.llama.TransformerBlock``
+               (checked in tests/trainer/test_estimate.py);
+               full AC: each block's input (dim / tp), plus one block recomputed at a time;
+               selective "op": the outputs of the matmuls and of attention plus the block input:
+               2*dim (wo, w2 outputs before their reduce-scatter) + (3*dim + 2*kv_dim + 2*ffn + n_heads) / tp;
                selective N: every N-th block as full AC;
-               plus the logits: vocab * (compute bytes + 8) per token (a float32 copy for the loss
-               and its gradient).
+               micro-batches in flight: 1 without PP; pp rank r of 1F1B holds min(m, pp - r) of
+               them, of Interleaved1F1B (pp - r) * (1 + (pp - 1) / (pp * v)) (Korthikanti et al.
+               2022, sec. 4.2.3, for r = 0), of GPipe all m
+  loss         the last stage, one micro-batch: unfused, the float32 log-softmax kept for the
+               backward plus its gradient and the logits' gradient at the start of the backward,
+               12 * T_seq * vocab / tp bytes (T_seq: tokens before sequence parallel); fused
+               (``titan_kernels.linear_cross_entropy``): the hidden and weight gradients computed
+               in the forward plus two float32 logit chunks
+Peak: params + optimizer + working + max(activations + loss, grads + one block's activations): at
+the start of the backward every activation is alive and no gradient exists yet (they are set to
+None after each step); block by block the backward frees activations as it writes gradients, and it
+ends in the first block (recomputed under full AC) with almost every gradient written. With gradient
+accumulation or PP, gradients of earlier micro-batches coexist with activations: their sum.
+
 This follows the accounting of Korthikanti et al., "Reducing Activation Recomputation in Large
-Transformer Models" (2022), adapted to SwiGLU, GQA and memory-efficient attention (no seq x seq
-scores kept). It is an estimate: allocator fragmentation and communication buffers add a few GiB
-on GPUs, which the fit check leaves as headroom.
+Transformer Models" (2022), adapted to SwiGLU, GQA, memory-efficient attention (no seq x seq scores
+kept) and DTensor tensor parallel. It is an estimate: allocator fragmentation and communication
+buffers add a few GiB on GPUs, which the fit check leaves as headroom (``USABLE_FRACTION``).
+tests/trainer/test_plan.py measures it against the peak of live tensors on the CPU.
+
+Hooks for mixture-of-experts models: everything reads the model through ``ModelCosts``
+(``model_costs``), which separates total parameters (memory) from active parameters (FLOPs);
+an MoE model fills it with its experts' share, sharded by an expert-parallel degree.
 """
 from __future__ import annotations
 
@@ -31,13 +57,19 @@ import math
 import os
 from dataclasses import dataclass
 
-from trainer.models.llama import ModelArgs
+from trainer.models.llama_args import ModelArgs
+from trainer.models.qwen3_args import format_params
 
 GIB = 2**30
 # Share of a device's memory a run may plan to use (headroom for fragmentation, NCCL buffers, CUDA context).
 USABLE_FRACTION = 0.9
 # What the suggestion assumes when the machine has no GPU.
 REFERENCE_GPU = ("H100", 80 * GIB)
+# Float32 logits per chunk of the fused loss on GPUs (titan_kernels.reference.cross_entropy.CHUNK_BYTES).
+FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble")
+_INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+_V = ("ZBVZeroBubble",)
 
 
 @dataclass(frozen=True)
@@ -49,6 +81,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallel: borrows dp_shard ranks (not in n_devices); MoE models only
 
     @property
     def n_devices(self) -> int:
@@ -59,48 +92,180 @@ class Layout:
         """How many pieces each parameter is cut into: FSDP2 over dp_shard x cp, TP, PP stages."""
         return self.dp_shard * self.cp * self.tp * self.pp
 
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree (ranks reading different data)."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"HSDP {self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_shard > 1:
+            parts.append(f"FSDP {self.dp_shard}")
+        for name, v in (("EP", self.ep), ("TP", self.tp), ("PP", self.pp), ("CP", self.cp)):
+            if v > 1:
+                parts.append(f"{name} {v}")
+        return " x ".join(parts) or "1 device"
+
+
+@dataclass(frozen=True)
+class ModelCosts:
+    """What the estimates read from a model (dense Llama: ``model_costs(args)``).
+
+    ``total_params`` sizes the memory, ``active_params`` the FLOPs (equal for dense models; an MoE
+    model counts only the experts a token visits as active). Block fields are per transformer block.
+    """
+
+    n_layers: int
+    dim: int
+    q_dim: int  # n_heads * head_dim (= dim for Llama)
+    kv_dim: int
+    ffn_hidden: int  # SwiGLU width a token passes through (MoE: top_k experts + shared ones)
+    n_heads: int
+    head_dim: int
+    vocab_size: int
+    block_params: int
+    embedding_params: int
+    output_params: int  # 0 when tied to the embedding
+    norm_params: int
+    total_params: int
+    active_params: int
+    tied: bool
+    expert_params: int = 0  # all routed-expert weights of the model (what expert parallel splits)
+    n_moe_layers: int = 0
+    top_k: int = 0  # expert rows per token (MoE): what the all-to-all moves
+
+    def gathered_block_params(self, ep: int = 1) -> float:
+        """Parameters of one (average) block as FSDP2 all-gathers them on a rank: with expert
+        parallel only its E/ep experts are gathered."""
+        return self.block_params - self.expert_params / self.n_layers * (1 - 1 / ep)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 * (active parameters without the embedding lookup) + attention
+        (torchtitan's MFU formula: ``6*N + 6*n_layers*n_heads*2*head_dim*seq_len``)."""
+        n = self.active_params - (0 if self.tied else self.embedding_params)
+        return 6 * n + 6 * self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
+
+    def attention_flops_per_token(self, seq_len: int) -> float:
+        return 6 * self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
+
+
+def model_costs(args) -> ModelCosts:
+    """The ModelCosts of a model's hyperparameters: Llama's ``ModelArgs`` or any args with the same
+    counting interface (``trainer.models.qwen3_args.Qwen3Args``: its own head_dim, and for a MoE
+    model ``active_params`` and ``moe.top_k`` experts of ``moe.hidden_dim`` per token).
+
+    The MoE share is counted simply: the experts' weights sharded like the rest (FSDP2 over dp_shard,
+    with expert parallel over ep x dp_shard/ep, so the same bytes), only E/ep of them gathered per
+    block under expert parallel (``Layout.ep``), the activations of the top_k experts a token visits, the FLOPs of the
+    active parameters; the router, the token permutation buffers and load imbalance are left out.
+    """
+    p = args.num_params()
+    active = getattr(args, "active_params", None)
+    ffn = args.ffn_hidden_dim
+    moe = getattr(args, "moe", None)
+    if moe is not None:  # the average SwiGLU width per layer over dense and MoE layers
+        n_moe = getattr(args, "n_moe_layers", args.n_layers)
+        moe_width = moe.top_k * moe.hidden_dim + moe.num_shared_experts * moe.hidden_dim
+        ffn = round((n_moe * moe_width + (args.n_layers - n_moe) * args.ffn_hidden_dim) / args.n_layers)
+    return ModelCosts(
+        n_layers=args.n_layers, dim=args.dim, q_dim=args.n_heads * args.head_dim, kv_dim=args.kv_heads * args.head_dim,
+        ffn_hidden=ffn, n_heads=args.n_heads, head_dim=args.head_dim, vocab_size=args.vocab_size,
+        block_params=args.layer_params(), embedding_params=args.embedding_params(),
+        output_params=0 if args.tie_word_embeddings else args.embedding_params(), norm_params=args.dim,
+        total_params=p, active_params=active() if active is not None else p, tied=args.tie_word_embeddings,
+        expert_params=args.expert_params() if moe is not None else 0,
+        n_moe_layers=getattr(args, "n_moe_layers", 0) if moe is not None else 0,
+        top_k=moe.top_k if moe is not None else 0,
+    )
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated bytes per device, by component."""
+    """Estimated bytes per device, by component; ``total`` is the peak (module docstring)."""
 
     params: float
     grads: float
     optimizer: float
     working: float
     activations: float
+    loss: float = 0.0
+    grads_coexist: bool = False
+    last_block: float = 0.0  # activations of the block the backward ends with (alive with all gradients)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.working + self.activations
+        transient = self.activations + self.loss
+        if self.grads_coexist:
+            tail = transient + self.grads
+        else:
+            tail = max(transient, self.grads + self.last_block)
+        return self.params + self.optimizer + self.working + tail
+
+    def parts(self) -> list[tuple[str, float]]:
+        return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                ("activations", self.activations), ("loss", self.loss), ("gathered weights/buffers", self.working)]
 
     def describe(self) -> str:
-        parts = [
-            ("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
-            ("activations", self.activations), ("gathered weights/buffers", self.working),
-        ]
-        return ", ".join(f"{name} {b / GIB:,.1f}" for name, b in parts) + f" = {self.total / GIB:,.1f} GiB"
+        return ", ".join(f"{name} {b / GIB:,.1f}" for name, b in self.parts()) + f": peak {self.total / GIB:,.1f} GiB"
 
 
-def activation_values_per_token(args: ModelArgs, ac_mode: str = "none", selective_ac_option: str = "2") -> float:
-    """Values (elements) autograd keeps per token over all blocks, excluding the logits."""
-    kv_dim = args.kv_heads * args.head_dim
-    full_block = 6 * args.dim + 2 * kv_dim + 4 * args.ffn_hidden_dim + args.n_heads + 2
+def block_values_per_token(costs: ModelCosts | ModelArgs, mode: str = "none", tp: int = 1) -> float:
+    """Values one block keeps per token of its micro-batch (T tokens after CP; see the module docstring).
+
+    ``mode``: "none" (everything autograd saves), "op" (selective per-op AC), "full" (the block input).
+    """
+    c = costs if isinstance(costs, ModelCosts) else model_costs(costs)
+    d, q, kv, f, h = c.dim, c.q_dim, c.kv_dim, c.ffn_hidden, c.n_heads
+    if mode == "none":  # block input, residual; q and attention output; k, v; lse; 2 rstd; SwiGLU
+        return 2 * d + (2 * d + 2 * q + 2 * kv + 3 * f + h + 2) / tp
+    if mode == "op":  # wo and w2 outputs; the block input; wq/wk/wv and attention outputs; lse; w1, w3 outputs
+        return 2 * d + (d + 2 * q + 2 * kv + 2 * f + h) / tp
+    if mode == "full":
+        return d / tp
+    raise ValueError(f"mode: expected none, op or full, got {mode!r}")
+
+
+def activation_values_per_token(args: ModelArgs | ModelCosts, ac_mode: str = "none", selective_ac_option: str = "2",
+                                tp: int = 1, n_layers: int | None = None) -> float:
+    """Values (elements) autograd keeps per token over ``n_layers`` blocks (default all), excluding the loss."""
+    c = args if isinstance(args, ModelCosts) else model_costs(args)
+    n = c.n_layers if n_layers is None else n_layers
+    full_block = block_values_per_token(c, "none", tp)
     if ac_mode == "none":
-        return args.n_layers * full_block
+        return n * full_block
     if ac_mode == "full":
-        return args.n_layers * args.dim + full_block
+        return n * block_values_per_token(c, "full", tp) + full_block
     if ac_mode != "selective":
         raise ValueError(f"activation_checkpoint.mode: expected none, full or selective, got {ac_mode!r}")
     if selective_ac_option == "op":
-        return args.n_layers * (5 * args.dim + 2 * kv_dim + 2 * args.ffn_hidden_dim + args.n_heads)
+        return n * block_values_per_token(c, "op", tp)
     every = int(selective_ac_option)
-    n_ckpt = math.ceil(args.n_layers / every)
-    return n_ckpt * args.dim + (args.n_layers - n_ckpt) * full_block + full_block
+    n_ckpt = math.ceil(n / every)
+    return n_ckpt * block_values_per_token(c, "full", tp) + (n - n_ckpt) * full_block + full_block
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule in _INTERLEAVED else 1
+
+
+def _in_flight(pp: int, schedule: str, microbatches: int, rank: int) -> float:
+    """Micro-batches whose activations pp rank ``rank`` holds at once (per layer of the rank): 1F1B's
+    warm-up leaves pp - rank in flight; interleaved schedules (v stages per rank) hold
+    (pp - rank) * (1 + (pp - 1) / (pp * v)) (Korthikanti et al. 2022 for rank 0); GPipe all of them."""
+    if pp == 1:
+        return 1.0
+    if schedule == "GPipe":
+        return float(microbatches)
+    depth = float(pp - rank)
+    if schedule in _INTERLEAVED and schedule not in _V:
+        depth *= 1 + (pp - 1) / (pp * stages_per_rank(schedule))
+    return min(float(microbatches), depth)
 
 
 def estimate_memory(
-    args: ModelArgs,
+    args: ModelArgs | ModelCosts,
     layout: Layout,
     local_batch_size: int,
     seq_len: int,
@@ -108,38 +273,87 @@ def estimate_memory(
     master_bytes: int = 4,
     ac_mode: str = "none",
     selective_ac_option: str = "2",
+    *,
+    grad_accum: int = 1,
+    pp_schedule: str = "1F1B",
+    microbatch_size: int = 1,
+    reduce_bytes: int = 4,
+    fused_loss: bool = True,
+    loss_chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,
 ) -> MemoryEstimate:
-    """Estimated memory per device of training ``args`` on ``layout`` (see the module docstring).
+    """Estimated peak memory per device of training ``args`` on ``layout`` (see the module docstring).
 
+    ``local_batch_size`` sequences of ``seq_len`` per data-parallel rank and accumulation
+    micro-batch (split into pipeline micro-batches of ``microbatch_size`` under PP);
     ``compute_bytes``: bytes per value of the compute dtype (2 for bf16, 4 for fp32);
-    ``master_bytes``: of the sharded master weights, gradients and AdamW state (4 = fp32).
-    Raises ValueError for sizes < 1.
+    ``master_bytes``: of the sharded master weights, gradients and AdamW state (4 = fp32);
+    ``fused_loss``: the output projection and cross-entropy run as ``linear_cross_entropy``.
+    Returns the worst pipeline stage's estimate. Raises ValueError for sizes < 1 or an unknown schedule.
     """
     for name, v in (("local_batch_size", local_batch_size), ("seq_len", seq_len),
                     ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard), ("tp", layout.tp),
-                    ("pp", layout.pp), ("cp", layout.cp)):
+                    ("pp", layout.pp), ("cp", layout.cp), ("grad_accum", grad_accum),
+                    ("microbatch_size", microbatch_size)):
         if v < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {v}")
-    p = args.num_params()
-    shard = layout.model_shards
-    # Sequence parallel and context parallel split every kept activation over tp x cp (an estimate:
-    # the gathered inputs of attention/FFN are transient); a pipeline stage keeps its L/pp layers
-    # for up to pp micro-batches in flight (1F1B), about the whole model's worth for one.
-    tokens = local_batch_size * seq_len / (layout.tp * layout.cp)
-    working = 0.0
-    if layout.n_devices > 1 or compute_bytes != master_bytes:
-        root = p - args.n_layers * args.layer_params()
-        working = root * compute_bytes + 2 * args.layer_params() * compute_bytes + args.layer_params() * master_bytes
-        working /= layout.tp
-    acts = activation_values_per_token(args, ac_mode, selective_ac_option) * compute_bytes * tokens
-    acts += args.vocab_size * (compute_bytes + 8) * tokens
-    return MemoryEstimate(
-        params=p * master_bytes / shard,
-        grads=p * master_bytes / shard,
-        optimizer=2 * p * master_bytes / shard,
-        working=working,
-        activations=acts,
-    )
+    if pp_schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule: expected one of {SCHEDULES}, got {pp_schedule!r}")
+    c = args if isinstance(args, ModelCosts) else model_costs(args)
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    n_shard = layout.dp_shard * cp
+    micro = microbatch_size if pp > 1 else local_batch_size
+    m = local_batch_size // microbatch_size * grad_accum if pp > 1 else 1
+    tokens = micro * seq_len / cp  # per micro-batch on this rank, before sequence parallel
+    coexist = grad_accum > 1 or pp > 1
+
+    def stage(layers: int, root: float, in_flight: float, has_loss: bool) -> MemoryEstimate:
+        p_stage = layers * c.block_params + root
+        state = p_stage * master_bytes / (n_shard * tp)
+        working = 0.0
+        if n_shard > 1 or compute_bytes != master_bytes or layout.dp_replicate > 1:
+            blk = c.gathered_block_params(layout.ep)  # expert parallel: E/ep experts per block
+            gathered = layers * blk + root if pp > 1 else root + 2 * blk
+            working = (gathered * compute_bytes + blk * reduce_bytes) / tp
+        if ac_mode == "full":
+            vals = layers * in_flight * block_values_per_token(c, "full", tp) + block_values_per_token(c, "none", tp)
+        else:
+            vals = in_flight * activation_values_per_token(c, ac_mode, selective_ac_option, tp, n_layers=layers)
+        acts = vals * tokens * compute_bytes
+        loss = 0.0
+        if has_loss:
+            seq_tokens = tokens  # the loss sees every token of the micro-batch (vocab-parallel under TP)
+            # The final norm keeps its input; unfused, the output matmul keeps its all-gathered input.
+            acts += ((c.dim + 1) / tp + (0 if fused_loss else c.dim)) * tokens * compute_bytes
+            if fused_loss:
+                chunk = min(loss_chunk_bytes, seq_tokens * c.vocab_size / tp * 4)
+                loss = (seq_tokens * c.dim * compute_bytes + c.output_params / tp * (compute_bytes + 4)
+                        + seq_tokens * 4 + 2 * chunk)
+            else:
+                loss = 12 * seq_tokens * c.vocab_size / tp
+        last_block = block_values_per_token(c, "none", tp) * tokens * compute_bytes
+        return MemoryEstimate(state, state, 2 * state, working, acts, loss, coexist, last_block)
+
+    emb, out = c.embedding_params, c.output_params + c.norm_params
+    if pp == 1:
+        return stage(c.n_layers, emb + out, 1.0, True)
+    return max((stage(layers, emb * first + out * last, _in_flight(pp, pp_schedule, m, r), last)
+                for r, (layers, first, last) in enumerate(pipeline_ranks(c.n_layers, pp, pp_schedule))),
+               key=lambda e: e.total)
+
+
+def pipeline_ranks(n_layers: int, pp: int, schedule: str) -> list[tuple[int, bool, bool]]:
+    """Per pp rank: (layers it holds, holds the first stage, holds the last stage), as
+    ``trainer.parallel.pipeline.plan_stages`` splits the layers evenly (looped stages r, r + pp, ...;
+    V schedules r and 2*pp - 1 - r)."""
+    v = stages_per_rank(schedule)
+    n_stages = pp * v
+    base, extra = divmod(n_layers, n_stages)
+    size = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    out = []
+    for r in range(pp):
+        stages = (r, n_stages - 1 - r) if schedule in _V else tuple(r + i * pp for i in range(v))
+        out.append((sum(size[s] for s in stages), 0 in stages, n_stages - 1 in stages))
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,58 +399,6 @@ def _cpu_model() -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class Suggestion:
-    layout: Layout
-    ac_mode: str
-    selective_ac_option: str
-    local_batch_size: int
-    estimate: MemoryEstimate
-    gpu_name: str
-    gpu_memory: float
-
-    def describe(self) -> str:
-        flags = f"--parallelism.data_parallel_shard_degree {self.layout.dp_shard}"
-        if self.ac_mode != "none":
-            flags += f" --activation_checkpoint.mode {self.ac_mode}"
-            if self.ac_mode == "selective":
-                flags += f" --activation_checkpoint.selective_ac_option {self.selective_ac_option}"
-        flags += f" --training.local_batch_size {self.local_batch_size}"
-        nodes = math.ceil(self.layout.n_devices / 8)
-        return (
-            f"{self.layout.n_devices} x {self.gpu_name} ({self.gpu_memory / GIB:.0f} GiB; {nodes} node(s) of 8) with "
-            f"bf16 FSDP2 over {self.layout.dp_shard} GPUs: torchrun --nnodes {nodes} --nproc_per_node "
-            f"{min(8, self.layout.n_devices)} -m trainer ... {flags} "
-            f"(estimated {self.estimate.total / GIB:,.1f} GiB per GPU)"
-        )
-
-
-def suggest_layout(
-    args: ModelArgs,
-    seq_len: int,
-    local_batch_size: int,
-    gpu_memory: float = REFERENCE_GPU[1],
-    gpu_name: str = REFERENCE_GPU[0],
-    max_devices: int = 4096,
-) -> Suggestion | None:
-    """The smallest FSDP2 layout (GPU count a power of two) that fits ``args`` in bf16 with fp32 master weights.
-
-    Tries, for each GPU count, the given local batch size then smaller ones, with no activation
-    checkpointing, then selective per-op, then full. Returns None if nothing up to ``max_devices`` fits.
-    """
-    batches = sorted({b for b in (local_batch_size, 4, 2, 1) if 1 <= b <= local_batch_size}, reverse=True)
-    n = 1
-    while n <= max_devices:
-        for ac_mode, opt in (("none", "2"), ("selective", "op"), ("full", "2")):
-            for b in batches:
-                est = estimate_memory(args, Layout(1, n), b, seq_len, compute_bytes=2, master_bytes=4,
-                                      ac_mode=ac_mode, selective_ac_option=opt)
-                if est.total <= USABLE_FRACTION * gpu_memory:
-                    return Suggestion(Layout(1, n), ac_mode, opt, b, est, gpu_name, gpu_memory)
-        n *= 2
-    return None
-
-
 def fit_report(
     args: ModelArgs,
     flavor: str,
@@ -247,35 +409,47 @@ def fit_report(
     ac_mode: str,
     selective_ac_option: str,
     devices: Devices,
+    *,
+    pp_schedule: str = "1F1B",
+    microbatch_size: int = 1,
+    grad_accum: int = 1,
+    fused_loss: bool = True,
 ) -> str | None:
     """None if the run fits ``devices``; otherwise the message explaining why not and what would fit.
 
     The message gives the parameter count, the estimated memory per device by component, the
-    devices found and a layout with a GPU count that would fit.
+    devices found, and the planner's best layout (FSDP/HSDP x TP x PP x CP, activation
+    checkpointing) for the smallest GPU count that fits (``trainer.plan.smallest_fit``), with its
+    command.
     """
     est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
-                          ac_mode=ac_mode, selective_ac_option=selective_ac_option)
+                          ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=pp_schedule,
+                          microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss)
     if est.total <= devices.memory_per_device:
         return None
+    from trainer.plan import GPUS, smallest_fit
+
     dtype = {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
+    gpu = "H100"
     if devices.kind == "cuda":
-        gpu_name, gpu_mem = devices.name, devices.memory_per_device
-    else:
-        gpu_name, gpu_mem = REFERENCE_GPU
-    sug = suggest_layout(args, seq_len, local_batch_size, gpu_memory=gpu_mem, gpu_name=gpu_name)
+        gpu = next((g for g in GPUS if g in devices.name.upper()), "H100")
     lines = [
-        f"flavor {flavor!r} does not fit: {args.num_params() / 1e9:.2f}e9 parameters "
-        f"({args.num_params():,}).",
-        f"  estimated memory per device ({layout.n_devices} device(s): dp_replicate={layout.dp_replicate}, "
-        f"dp_shard={layout.dp_shard}; {dtype} compute, local_batch_size {local_batch_size}, seq_len {seq_len}, "
-        f"activation checkpointing {ac_mode}): {est.describe()}",
+        f"flavor {flavor!r} does not fit: {format_params(args)} ({args.num_params():,}).",
+        f"  estimated memory per device ({layout.describe()}; {dtype} compute, "
+        f"local_batch_size {local_batch_size}, seq_len {seq_len}, activation checkpointing {ac_mode}): "
+        f"{est.describe()}",
         f"  devices found: {devices.describe()}",
     ]
-    assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu_name} {gpu_mem / GIB:.0f} GiB)"
-    if sug is None:
-        lines.append(f"  no data-parallel layout of up to 4096 x {gpu_name} fits{assumed}; reduce training.seq_len")
+    assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu} {GPUS[gpu].memory / GIB:.0f} GiB)"
+    start = max(8, layout.n_devices) if devices.kind == "cuda" else 8
+    found = smallest_fit(args, flavor, seq_len, gpu=gpu, start=start, fused_loss=fused_loss)
+    if found is None:
+        lines.append(f"  no layout of up to 16384 x {gpu} fits{assumed}; reduce training.seq_len")
     else:
-        lines.append(f"  would fit{assumed}: {sug.describe()}")
+        lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
+        lines.append(f"    {found.command()}")
+        lines.append(f"  more layouts: python -m trainer.plan --flavor {flavor} --ngpu {found.n_gpus} --gpu {gpu} "
+                     f"--seq_len {seq_len}")
     return "\n".join(lines)
 
 
@@ -304,7 +478,7 @@ def _ring(n: int) -> float:
 
 
 def communication_per_step(
-    args: ModelArgs,
+    args: ModelArgs | ModelCosts,
     layout: Layout,
     local_batch_size: int,
     seq_len: int,
@@ -324,8 +498,9 @@ def communication_per_step(
     for gradients (fp32: 4). ``ac_mode`` "full" re-runs each block's forward in the backward, with its
     TP and CP communication. Size-1 dims contribute nothing. See trainer/parallel/README.md.
     """
-    L = args.n_layers / layout.pp  # layers on this rank
-    d, kv, V = args.dim, args.kv_heads * args.head_dim, args.vocab_size
+    c = args if isinstance(args, ModelCosts) else model_costs(args)
+    L = c.n_layers / layout.pp  # layers on this rank
+    d, kv, V = c.dim, c.kv_dim, c.vocab_size
     tp, pp, cp, cb, rb = layout.tp, layout.pp, layout.cp, compute_bytes, reduce_bytes
     # Activations move per pipeline micro-batch under PP, else per accumulation micro-batch; tokens
     # of one on this rank, before sequence parallel.
@@ -338,9 +513,11 @@ def communication_per_step(
     # and again in the backward (resharded after forward; once under PP, which keeps them), the root
     # once, and reduce-scatters all gradients.
     n = layout.dp_shard * cp
+    ep = layout.ep
     if n > 1 or layout.dp_replicate > 1:
-        blocks = args.n_layers * args.layer_params() / (tp * pp)
-        root = (args.num_params() - args.n_layers * args.layer_params()) / (tp * pp)
+        # With expert parallel the experts are their own FSDP unit over dp_shard / ep ranks (below).
+        blocks = (c.n_layers * c.block_params - (c.expert_params if ep > 1 else 0)) / (tp * pp)
+        root = (c.total_params - c.n_layers * c.block_params) / (tp * pp)
         gathers = 1 if pp > 1 else 2
         if n > 1:
             out.append(Collective("dp_shard_cp", "all-gather", "parameters (all units)", grad_accum,
@@ -351,6 +528,20 @@ def communication_per_step(
             r = layout.dp_replicate
             out.append(Collective("dp_replicate", "all-reduce", "gradient shards (all units)", grad_accum,
                                   2 * _ring(r) * rb * (blocks + root) / n))
+        if ep > 1 and layout.dp_shard // ep > 1:
+            m_ep = layout.dp_shard // ep
+            experts = c.expert_params / (ep * tp * pp)  # this rank's E/ep experts
+            out.append(Collective("dp_shard_mod_ep", "all-gather", "expert parameters", grad_accum,
+                                  _ring(m_ep) * cb * (1 if pp > 1 else 2) * experts))
+            out.append(Collective("dp_shard_mod_ep", "reduce-scatter", "expert gradients", grad_accum,
+                                  _ring(m_ep) * rb * experts))
+    # Expert parallel: per MoE layer and micro-batch the (token, expert) rows go to their experts'
+    # ranks and back in the forward (2 all-to-alls), their gradients likewise in the backward; every
+    # tp rank sends the whole (all-gathered) sequence; (ep-1)/ep of the rows leave the rank.
+    if ep > 1 and c.n_moe_layers:
+        rows = tokens * c.top_k * d * cb * (ep - 1) / ep
+        out.append(Collective("ep", "all-to-all", "routed tokens and their gradients",
+                              chunks * c.n_moe_layers / pp * (4 + 2 * recompute), rows))
     # Tensor + sequence parallel: per layer 2 all-gathers + 2 reduce-scatters of the (tokens, dim)
     # activation in the forward, the same in the backward; embedding and output one each way.
     if tp > 1:
@@ -382,13 +573,3 @@ def communication_per_step(
         out.append(Collective("pp", "send", "activations", hops, boundary))
         out.append(Collective("pp", "send", "activation gradients", hops, boundary))
     return out
-
-
-def describe_communication(collectives: list[Collective]) -> str:
-    """A table: dim, collective, what, calls per step, MiB per call, GiB per step (per rank) (per rank)."""
-    lines = [f"{'dim':<13} {'collective':<15} {'what':<30} {'calls':>8} {'MiB each':>10} {'GiB/step':>9}"]
-    for c in collectives:
-        lines.append(f"{c.dim:<13} {c.op:<15} {c.what:<30} {c.count:>8.0f} {c.bytes_per_call / 2**20:>10.2f} "
-                     f"{c.bytes / GIB:>9.3f}")
-    lines.append(f"{'total':<13} {'':<15} {'':<30} {'':>8} {'':>10} {sum(c.bytes for c in collectives) / GIB:>9.3f}")
-    return "\n".join(lines)

@@ -264,12 +264,15 @@ def _dataset_key(config: JobConfig, section: str) -> str:
 def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
     from trainer.estimate import Layout, detect_devices, fit_report
 
+    p = config.parallelism
     return fit_report(
-        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp),
+        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
         config.training.local_batch_size, config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
         ac_mode=config.activation_checkpoint.mode,
         selective_ac_option=config.activation_checkpoint.selective_ac_option,
-        devices=detect_devices(),
+        devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
+        microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
+        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel),
     )
 
 

@@ -8,9 +8,10 @@ from trainer.estimate import (
     Devices,
     Layout,
     activation_values_per_token,
+    block_values_per_token,
     estimate_memory,
     fit_report,
-    suggest_layout,
+    pipeline_ranks,
 )
 from trainer.models.llama import ModelArgs, build_model, model_args
 from trainer.parallel.activation_checkpoint import apply_ac
@@ -60,43 +61,82 @@ def test_selective_modes_sit_between_none_and_full():
 
 def test_components_for_8b_on_8_gpus():
     args = model_args("8B", 128256, 8192)
-    est = estimate_memory(args, Layout(1, 8), local_batch_size=1, seq_len=8192, compute_bytes=2, ac_mode="full")
+    est = estimate_memory(args, Layout(1, 8), local_batch_size=1, seq_len=8192, compute_bytes=2, ac_mode="full",
+                          fused_loss=False)
     p = 8_030_261_248
     assert est.params == est.grads == p * 4 / 8
     assert est.optimizer == 2 * p * 4 / 8
-    acts = (32 * 4096 + activation_values_per_token(args.replace(n_layers=1), "none")) * 2 * 8192
-    assert est.activations == acts + 128256 * (2 + 8) * 8192
-    assert est.total == pytest.approx(est.params + est.grads + est.optimizer + est.working + est.activations)
+    block = activation_values_per_token(args.replace(n_layers=1), "none")
+    final_norm = 2 * 4096 + 1
+    assert est.activations == (32 * 4096 + block + final_norm) * 2 * 8192
+    assert est.loss == 12 * 8192 * 128256  # unfused: float32 log-softmax, its gradient, the logits' gradient
+    # the peak: at the start of the backward (all activations, no gradient yet) or at its end (all
+    # gradients and the first block's activations), whichever is larger
+    static = est.params + est.optimizer + est.working
+    assert est.total == pytest.approx(static + max(est.activations + est.loss, est.grads + est.last_block))
+    fused = estimate_memory(args, Layout(1, 8), 1, 8192, ac_mode="full")  # the trainer's default loss
+    assert fused.loss < est.loss / 3  # the hidden and weight gradients and two logit chunks
     # HSDP keeps a full copy per replica group: twice the per-device state of 8-way sharding
     hsdp = estimate_memory(args, Layout(2, 4), 1, 8192, ac_mode="full")
     assert hsdp.params == 2 * est.params
+    # gradient accumulation: gradients of the first micro-batch live through the second one's forward
+    accum = estimate_memory(args, Layout(1, 8), 1, 8192, ac_mode="full", grad_accum=2)
+    assert accum.total == pytest.approx(static + accum.activations + accum.loss + accum.grads)
 
 
-def test_suggestion_is_the_smallest_fitting_layout():
+def test_tensor_parallel_keeps_the_gathered_norm_outputs_whole():
     args = model_args("70B", 128256, 8192)
-    sug = suggest_layout(args, seq_len=8192, local_batch_size=8)
-    assert sug is not None
-    n = sug.layout.n_devices
-    assert sug.estimate.total <= USABLE_FRACTION * 80 * GIB
-    for ac, opt in (("none", "2"), ("selective", "op"), ("full", "2")):
-        smaller = estimate_memory(args, Layout(1, n // 2), 1, 8192, ac_mode=ac, selective_ac_option=opt)
-        assert smaller.total > USABLE_FRACTION * 80 * GIB
-    assert "torchrun" in sug.describe() and f"data_parallel_shard_degree {n}" in sug.describe()
+    d = args.dim
+    # the two all-gathered norm outputs (inputs of wq/wk/wv and w1/w3) are not divided by tp
+    assert block_values_per_token(args, "none", tp=8) == pytest.approx(2 * d + (block_values_per_token(args, "none")
+                                                                                  - 2 * d) / 8)
+    est1 = estimate_memory(args, Layout(1, 8), 1, 8192)
+    est8 = estimate_memory(args, Layout(1, 1, 8), 1, 8192)
+    assert est1.activations / 8 < est8.activations < est1.activations / 4
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+def test_pipeline_ranks_hold_the_layers_plan_stages_gives_them(schedule):
+    from trainer.parallel.pipeline import plan_stages
+
+    for n_layers, pp in ((6, 2), (126, 8), (80, 4), (7, 3)):
+        if n_layers < pp * (1 if schedule == "1F1B" else 2):
+            continue
+        ranks = pipeline_ranks(n_layers, pp, schedule)
+        for r, (layers, first, last) in enumerate(ranks):
+            plan = plan_stages(n_layers, pp, r, schedule)
+            assert layers == sum(len(plan.layers[s]) for s in plan.local_stages)
+            assert first == (0 in plan.local_stages) and last == (plan.num_stages - 1 in plan.local_stages)
+
+
+def test_pipeline_stage_memory_is_a_fraction_and_in_flight_micro_batches_count():
+    args = model_args("70B", 128256, 8192)
+    one = estimate_memory(args, Layout(1, 8), 8, 8192, ac_mode="full")
+    pp4 = estimate_memory(args, Layout(1, 8, 1, 4), 8, 8192, ac_mode="full", microbatch_size=1)
+    assert pp4.params == pytest.approx(one.params / 4, rel=0.05)
+    gpipe = estimate_memory(args, Layout(1, 8, 1, 4), 8, 8192, ac_mode="full", pp_schedule="GPipe")
+    inter = estimate_memory(args, Layout(1, 8, 1, 4), 8, 8192, ac_mode="full", pp_schedule="Interleaved1F1B")
+    assert pp4.activations < inter.activations < gpipe.activations
 
 
 def test_fit_report_none_when_it_fits_and_a_message_when_not():
     cpu = Devices("cpu", 1, 20 * GIB, "test cpu")
     small = model_args("debugmodel", 258, 256)
     assert fit_report(small, "debugmodel", Layout(), 8, 256, 4, "none", "2", cpu) is None
-    big = model_args("70B", 128256, 8192)
-    msg = fit_report(big, "70B", Layout(), 1, 8192, 4, "full", "2", cpu)
-    assert "70.55e9 parameters" in msg
+    big = model_args("405B", 128256, 8192)
+    msg = fit_report(big, "405B", Layout(), 1, 8192, 4, "full", "2", cpu)
+    assert "405.85e9 parameters" in msg
     for part in ("parameters", "gradients", "optimizer state", "activations", "devices found", "test cpu",
-                 "would fit", "H100"):
+                 "would fit", "H100", "--parallelism.tensor_parallel_degree", "python -m trainer.plan --flavor 405B"):
         assert part in msg, part
     gpu = Devices("cuda", 8, 141 * GIB, "NVIDIA H200")
-    msg = fit_report(big, "70B", Layout(1, 8), 1, 8192, 2, "full", "2", gpu)
-    assert "8 x NVIDIA H200" in msg and "x NVIDIA H200 (141 GiB" in msg.split("would fit:")[1]
+    msg = fit_report(big, "405B", Layout(1, 8), 1, 8192, 2, "full", "2", gpu)
+    assert "8 x NVIDIA H200" in msg and "x H200," in msg.split("would fit:")[1]
+    # the suggestion fits and is the smallest power-of-two GPU count that does
+    from trainer.plan import GPUS, search
+
+    n = int(msg.split("would fit:")[1].split(" x H200")[0])
+    assert not search(big, "405B", n // 2, GPUS["H200"], 8192, memory_only=True)
 
 
 def test_estimate_errors():

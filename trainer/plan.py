@@ -1,0 +1,453 @@
+"""Layout planner: the best parallel layouts of a flavor on N GPUs, with memory, communication,
+step time and the command that runs them.
+
+    python -m trainer.plan --flavor 405B --ngpu 512 [--gpu H100|H200|A100|B200] [--seq_len 8192]
+                           [--local_batch_size N] [--top 5]
+
+Search: every tensor-parallel degree inside a node that divides the heads, KV heads, FFN and
+vocabulary; context-parallel degrees up to seq_len / 4096 that the sequence split allows; pipeline
+degrees up to the layer count (schedules 1F1B and Interleaved1F1B, micro-batches of one sequence);
+FSDP over the rest or HSDP (any replicate x shard split); local batch sizes (multiples of pp under
+PP); activation checkpointing none, selective per-op, full (the first that fits is taken, they only
+cost time). A layout is kept when ``trainer.estimate.estimate_memory`` fits
+``USABLE_FRACTION`` of the GPU and the global batch stays at most ``--max_global_tokens``
+(16Mi = Llama 3 405B's batch); they are ranked by estimated throughput.
+
+Step-time model (per GPU, one optimizer step), stated so it can be checked:
+  compute   model FLOPs (``6 N + attention``, torchtitan's formula; active parameters for MoE) of
+            the rank's tokens / (tp * pp * cp), times the recomputation (full AC re-runs each block's
+            forward: +1/3 of the block FLOPs), at ``COMPUTE_EFFICIENCY`` of the GPU's dense bf16
+            peak (matmuls, attention and the memory-bound ops together; calibrated on torchtitan's
+            published H100 runs: Llama 3 8B on 8 GPUs FSDP, 405B on 512 GPUs FSDP 8 x TP 8 x PP 8)
+  TP        bytes / NVLink bandwidth: on the critical path (no async TP assumed)
+  CP        ring-attention K/V hops, hidden behind the attention compute where they fit
+  FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
+            compute, plus one unit's worth (the first all-gather and last reduce-scatter)
+  PP        sends between stages on the critical path, and the bubble:
+            (compute + TP) * (pp - 1) / (v * m), m micro-batches, v stages per rank
+  bandwidth per GPU and direction: NVLink inside a node (8 GPUs) and InfiniBand across nodes, at
+            80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's
+            A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost.
+  MFU       model FLOPs / (step time * peak), as the trainer reports it.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+
+from trainer.estimate import (
+    GIB,
+    USABLE_FRACTION,
+    Layout,
+    MemoryEstimate,
+    ModelCosts,
+    communication_per_step,
+    estimate_memory,
+    model_costs,
+    stages_per_rank,
+)
+from trainer.models.common import FAMILIES, FLAVORS
+from trainer.models.qwen3_args import format_params
+from trainer.models.llama_args import ModelArgs
+
+# Share of the dense bf16 peak a training step sustains in its compute (see the module docstring).
+COMPUTE_EFFICIENCY = 0.45
+LINK_EFFICIENCY = 0.8
+MAX_GLOBAL_TOKENS = 2**24
+AC_CHOICES = (("none", "2"), ("selective", "op"), ("full", "2"))
+PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class GPU:
+    """A GPU and its node: memory (bytes), dense bf16 peak (FLOP/s), NVLink and network bandwidth
+    (bytes/s per GPU and direction, nominal; ``LINK_EFFICIENCY`` of it is used)."""
+
+    name: str
+    memory: float
+    peak_flops: float
+    nvlink: float
+    network: float
+
+
+GPUS = {
+    # H100/H200 SXM: NVLink 4 (900 GB/s both directions), one 400 Gb/s NDR InfiniBand NIC per GPU.
+    "H100": GPU("H100", 80 * GIB, 989e12, 450e9, 50e9),
+    "H200": GPU("H200", 140 * GIB, 989e12, 450e9, 50e9),
+    # A100 SXM 80 GB: NVLink 3 (600 GB/s), 200 Gb/s HDR per GPU.
+    "A100": GPU("A100", 80 * GIB, 312e12, 300e9, 25e9),
+    # B200: NVLink 5 (1.8 TB/s), 800 Gb/s per GPU.
+    "B200": GPU("B200", 180 * GIB, 2250e12, 900e9, 100e9),
+}
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step by part (module docstring); ``total`` is their sum."""
+
+    compute: float
+    tp: float
+    cp: float
+    fsdp: float
+    pp: float
+    bubble: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble
+
+    def describe(self) -> str:
+        parts = [("compute", self.compute), ("TP", self.tp), ("CP", self.cp), ("FSDP exposed", self.fsdp),
+                 ("PP sends", self.pp), ("bubble", self.bubble)]
+        return " + ".join(f"{n} {v:.3g}" for n, v in parts if v > 0 or n == "compute") + f" = {self.total:.3g} s"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One layout with its estimates; ``command()`` launches it."""
+
+    flavor: str
+    gpu: GPU
+    n_gpus: int
+    gpus_per_node: int
+    seq_len: int
+    layout: Layout
+    local_batch_size: int
+    ac_mode: str
+    selective_ac_option: str
+    schedule: str | None
+    memory: MemoryEstimate
+    comm_bytes: dict[str, float]
+    comm_links: dict[str, str]
+    time: StepTime
+    model_flops: float  # per GPU and step
+    tokens_per_step: int
+    extra_flags: tuple[str, ...] = field(default=())
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / (self.time.total * self.gpu.peak_flops)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        return self.tokens_per_step / (self.time.total * self.n_gpus)
+
+    @property
+    def microbatches(self) -> int:
+        return self.local_batch_size if self.layout.pp > 1 else 1
+
+    def ac_text(self) -> str:
+        if self.ac_mode == "selective":
+            return f"selective {self.selective_ac_option}"
+        return self.ac_mode
+
+    def summary(self) -> str:
+        lay = self.layout.describe()
+        if self.layout.pp > 1:
+            v = stages_per_rank(self.schedule)
+            lay += f" ({self.schedule}, {v} stage(s) per rank, {self.microbatches} micro-batches of 1)"
+        return (f"{lay}, AC {self.ac_text()}, local batch {self.local_batch_size}: "
+                f"{self.memory.total / GIB:.1f} GiB per GPU, {self.tokens_per_s_per_gpu:,.0f} tokens/s per GPU, "
+                f"MFU {100 * self.mfu:.1f}% (estimated)")
+
+    def trainer_flags(self) -> list[str]:
+        """Every layout key explicitly (a flavor's TOML may set others, e.g. 405B's full AC)."""
+        L = self.layout
+        flags = [*self.extra_flags, "--flavor", self.flavor, "--training.seq_len", str(self.seq_len),
+                 "--training.local_batch_size", str(self.local_batch_size),
+                 "--parallelism.data_parallel_replicate_degree", str(L.dp_replicate),
+                 "--parallelism.data_parallel_shard_degree", str(L.dp_shard),
+                 "--parallelism.tensor_parallel_degree", str(L.tp),
+                 "--parallelism.pipeline_parallel_degree", str(L.pp)]
+        if L.pp > 1:
+            flags += ["--parallelism.pipeline_parallel_schedule", str(self.schedule),
+                      "--parallelism.pipeline_parallel_microbatch_size", "1"]
+        flags += ["--parallelism.context_parallel_degree", str(L.cp), "--activation_checkpoint.mode", self.ac_mode]
+        if self.ac_mode == "selective":
+            flags += ["--activation_checkpoint.selective_ac_option", self.selective_ac_option]
+        return flags
+
+    def command(self) -> str:
+        """The launch command: torchrun on one node; sbatch of scripts/slurm/train.sbatch (srun + torchrun) on several."""
+        flags = " ".join(self.trainer_flags())
+        nodes = math.ceil(self.n_gpus / self.gpus_per_node)
+        if nodes == 1:
+            return f"torchrun --standalone --nproc_per_node {self.n_gpus} -m trainer {flags}"
+        return f"sbatch --nodes {nodes} --gpus-per-node {self.gpus_per_node} scripts/slurm/train.sbatch {flags}"
+
+    def torchrun_per_node(self) -> str:
+        nodes = math.ceil(self.n_gpus / self.gpus_per_node)
+        return (f"torchrun --nnodes {nodes} --nproc_per_node {self.gpus_per_node} --rdzv_backend c10d "
+                f"--rdzv_endpoint $HEAD_NODE:29500 --rdzv_id $JOB_ID -m trainer {' '.join(self.trainer_flags())}")
+
+    def describe(self, rank: int | None = None) -> str:
+        head = f"#{rank} " if rank is not None else ""
+        m = self.memory
+        mem = "  ".join(f"{n} {b / GIB:.2f}" for n, b in (
+            ("params", m.params), ("grads", m.grads), ("optimizer", m.optimizer), ("gathered", m.working),
+            ("activations", m.activations), ("loss", m.loss)))
+        peak_rule = "sum" if m.grads_coexist else "params + optimizer + gathered + max(activations + loss, grads)"
+        comm = "  ".join(f"{d} {b / GIB:.2f} ({self.comm_links[d]})" for d, b in self.comm_bytes.items()) or "none"
+        lines = [
+            f"{head}{self.summary()}",
+            f"   memory per GPU (GiB): {mem}; peak {m.total / GIB:.2f} = {peak_rule} "
+            f"(usable {USABLE_FRACTION * self.gpu.memory / GIB:.0f} of {self.gpu.memory / GIB:.0f})",
+            f"   communication per step (GiB sent per GPU): {comm}",
+            f"   step time (s): {self.time.describe()}; {self.tokens_per_step:,} tokens per step",
+            f"   {self.command()}",
+        ]
+        if math.ceil(self.n_gpus / self.gpus_per_node) > 1:
+            lines.append(f"   (or on every node: {self.torchrun_per_node()})")
+        return "\n".join(lines)
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def _tp_ok(args: ModelArgs, tp: int) -> bool:
+    if tp == 1:
+        return True
+    if args.tie_word_embeddings:  # the trainer refuses TP with tied embeddings
+        return False
+    return all(n % tp == 0 for n in (args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.vocab_size))
+
+
+def _link(stride: int, size: int, gpus_per_node: int) -> str:
+    return "NVLink" if stride * size <= gpus_per_node else "IB"
+
+
+def step_time(costs: ModelCosts, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int, ac_mode: str,
+              selective_ac_option: str, schedule: str | None, comm: dict[str, float], links: dict[str, str],
+              efficiency: float = COMPUTE_EFFICIENCY) -> tuple[StepTime, float]:
+    """(StepTime, model FLOPs per GPU) of one optimizer step (module docstring)."""
+    tp, pp, cp = layout.tp, layout.pp, layout.cp
+    tokens_rank = local_batch_size * seq_len  # per data-parallel rank and step (no accumulation)
+    flops = costs.flops_per_token(seq_len) * tokens_rank / (tp * pp * cp)
+    out_share = 6 * costs.output_params * tokens_rank / (tp * pp * cp) if not costs.tied else 0.0
+    block_flops = max(flops - out_share, 0.0)
+    recompute = 0.0
+    if ac_mode == "full":
+        recompute = block_flops / 3
+    elif ac_mode == "selective" and selective_ac_option != "op":
+        recompute = block_flops / 3 / int(selective_ac_option)
+    rate = gpu.peak_flops * efficiency
+    t_compute = (flops + recompute) / rate
+    t_attn = costs.attention_flops_per_token(seq_len) * tokens_rank / (tp * pp * cp) / rate
+
+    def seconds(dim: str) -> float:
+        bw = (gpu.nvlink if links.get(dim) == "NVLink" else gpu.network) * LINK_EFFICIENCY
+        return comm.get(dim, 0.0) / bw
+
+    t_tp = seconds("tp")
+    t_cp = max(0.0, seconds("cp") - t_attn)
+    t_fsdp = seconds("dp_shard_cp") + seconds("dp_replicate")
+    units = costs.n_layers / pp + 1
+    t_fsdp_exposed = max(0.0, t_fsdp - t_compute) + (t_fsdp / units if t_fsdp else 0.0)
+    t_pp = seconds("pp")
+    bubble = 0.0
+    if pp > 1:
+        v = stages_per_rank(schedule)
+        bubble = (t_compute + t_tp) * (pp - 1) / (v * local_batch_size)
+    return StepTime(t_compute, t_tp, t_cp, t_fsdp_exposed, t_pp, bubble), flops
+
+
+def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int,
+             ac_mode: str, selective_ac_option: str, schedule: str | None, gpus_per_node: int = 8,
+             fused_loss: bool = True, memory: MemoryEstimate | None = None) -> Plan:
+    """The Plan of one layout: memory, communication by dimension and its link, step time."""
+    costs = model_costs(args)
+    sched = schedule or "1F1B"
+    if memory is None:
+        memory = estimate_memory(costs, layout, local_batch_size, seq_len, compute_bytes=2, master_bytes=4,
+                                 ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=sched,
+                                 microbatch_size=1, fused_loss=fused_loss)
+    v = stages_per_rank(sched) if layout.pp > 1 else 1
+    colls = communication_per_step(costs, layout, local_batch_size, seq_len, microbatch_size=1,
+                                   stages_per_rank=v, ac_mode=ac_mode)
+    comm: dict[str, float] = {}
+    for c in colls:
+        comm[c.dim] = comm.get(c.dim, 0.0) + c.bytes
+    tp, cp, ds, rep = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+    links = {"tp": _link(1, tp, gpus_per_node), "cp": _link(tp, cp, gpus_per_node),
+             "dp_shard_cp": _link(tp, ds * cp, gpus_per_node), "dp_replicate": _link(tp * cp * ds, rep, gpus_per_node),
+             "pp": _link(tp * cp * ds * rep, layout.pp, gpus_per_node)}
+    t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
+                         schedule, comm, links)
+    family = getattr(args, "name", "llama3")  # Qwen3Args names its family; ModelArgs is llama3
+    extra = ("--model.name", family) if family != "llama3" else ()
+    if getattr(args, "moe", None) is not None:  # expert parallel is not planned (yet): ep = 1
+        extra += ("--parallelism.expert_parallel_degree", "1")
+    return Plan(flavor, gpu, layout.n_devices, gpus_per_node, seq_len, layout, local_batch_size, ac_mode,
+                selective_ac_option, schedule if layout.pp > 1 else None, memory, comm,
+                {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra)
+
+
+def _batch_choices(pp: int, given: int | None) -> list[int]:
+    if given is not None:
+        return [given] if pp == 1 or given % pp == 0 else []
+    if pp == 1:
+        return [1, 2, 4, 8, 16]
+    return [pp * k for k in (1, 2, 4, 8)]
+
+
+def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, local_batch_size: int | None = None,
+           gpus_per_node: int = 8, max_global_tokens: int = MAX_GLOBAL_TOKENS, fused_loss: bool = True,
+           memory_only: bool = False) -> list[Plan]:
+    """Every layout of ``n_gpus`` that fits ``gpu`` (module docstring), best first.
+
+    With ``memory_only`` it stops at the first layout that fits (for the fit check's search over N).
+    Raises ValueError for bad sizes.
+    """
+    if n_gpus < 1 or seq_len < 1 or gpus_per_node < 1:
+        raise ValueError(f"n_gpus, seq_len, gpus_per_node: expected integers >= 1, got {n_gpus}, {seq_len}, "
+                         f"{gpus_per_node}")
+    if local_batch_size is not None and local_batch_size < 1:
+        raise ValueError(f"local_batch_size: expected an integer >= 1, got {local_batch_size}")
+    costs = model_costs(args)
+    usable = USABLE_FRACTION * gpu.memory
+    plans: list[Plan] = []
+    over_cap: list[Plan] = []
+    max_cp = max(1, seq_len // 8192)  # ring attention pays off on long sequences only
+    for tp in _divisors(n_gpus):
+        if tp > gpus_per_node or not _tp_ok(args, tp):
+            continue
+        for cp in _divisors(n_gpus // tp):
+            if cp > max_cp or (cp > 1 and (seq_len % (2 * cp) or (seq_len // cp) % tp)) or (seq_len % tp):
+                continue
+            for pp in _divisors(n_gpus // (tp * cp)):
+                if pp > 1 and (args.tie_word_embeddings or pp > args.n_layers):
+                    continue
+                dp = n_gpus // (tp * cp * pp)
+                for sched in (PP_SCHEDULES if pp > 1 else (None,)):
+                    v = stages_per_rank(sched) if sched else 1
+                    if pp * v > args.n_layers:
+                        continue
+                    for b in _batch_choices(pp, local_batch_size):
+                        tokens = b * seq_len * dp
+                        for dp_shard in sorted(_divisors(dp), reverse=True):
+                            layout = Layout(dp // dp_shard, dp_shard, tp, pp, cp)
+                            for ac, opt in AC_CHOICES:
+                                mem = estimate_memory(costs, layout, b, seq_len, compute_bytes=2, master_bytes=4,
+                                                      ac_mode=ac, selective_ac_option=opt,
+                                                      pp_schedule=sched or "1F1B", microbatch_size=1,
+                                                      fused_loss=fused_loss)
+                                if mem.total > usable:
+                                    continue
+                                plan = evaluate(args, flavor, gpu, layout, b, seq_len, ac, opt, sched, gpus_per_node,
+                                                fused_loss, memory=mem)
+                                if memory_only:
+                                    return [plan]
+                                (plans if tokens <= max_global_tokens else over_cap).append(plan)
+                                break  # more recomputation only costs time
+    if not plans:  # even the smallest batch exceeds the cap: the smallest global batches, fastest first
+        return sorted(over_cap, key=lambda p: (p.tokens_per_step, -p.tokens_per_s_per_gpu, p.memory.total))
+    return sorted(plans, key=lambda p: (-p.tokens_per_s_per_gpu, p.memory.total))
+
+
+def best(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, top: int = 5, **kw) -> list[Plan]:
+    """The ``top`` best distinct layouts (one per layout, its best batch/AC/schedule)."""
+    out, seen = [], set()
+    for p in search(args, flavor, n_gpus, gpu, seq_len, **kw):
+        key = (p.layout, p.schedule)
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(p)
+        if len(out) == top:
+            break
+    return out
+
+
+def smallest_fit(args: ModelArgs, flavor: str, seq_len: int, gpu: str = "H100", start: int = 8,
+                 limit: int = 16384, fused_loss: bool = True) -> Plan | None:
+    """The best layout at the smallest GPU count (``start`` doubling up to ``limit``) where any fits; None if none."""
+    spec = GPUS[gpu]
+    n = start
+    while n <= limit:
+        if search(args, flavor, n, spec, seq_len, local_batch_size=None, fused_loss=fused_loss, memory_only=True):
+            found = best(args, flavor, n, spec, seq_len, top=1, fused_loss=fused_loss)
+            return found[0] if found else None
+        n *= 2
+    return None
+
+
+def flavor_args(flavor: str, seq_len: int, vocab_size: int | None = None, model: str = "llama3") -> ModelArgs:
+    """The flavor's args (``model``: llama3 or qwen3); the debug flavors take ``vocab_size`` (default:
+    the built-in byte tokenizer's 258)."""
+    if model not in FLAVORS:
+        raise ValueError(f"--model: expected one of {', '.join(FAMILIES)}, got {model!r}")
+    if flavor not in FLAVORS[model]:
+        raise ValueError(f"--flavor: expected one of {', '.join(FLAVORS[model])} for {model}, got {flavor!r}")
+    args = FLAVORS[model][flavor]
+    if args.vocab_size == -1:
+        args = args.replace(vocab_size=vocab_size or 258)
+    elif vocab_size:
+        args = args.replace(vocab_size=vocab_size)
+    return args.replace(max_seq_len=seq_len)
+
+
+def assumptions(gpu: GPU, gpus_per_node: int) -> str:
+    return (f"assumptions: {gpu.name} {gpu.memory / GIB:.0f} GiB ({100 * USABLE_FRACTION:.0f}% usable), "
+            f"bf16 compute at {100 * COMPUTE_EFFICIENCY:.0f}% of {gpu.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"NVLink {gpu.nvlink / 1e9:.0f} GB/s and InfiniBand {gpu.network / 1e9:.0f} GB/s per GPU and direction "
+            f"at {100 * LINK_EFFICIENCY:.0f}%, {gpus_per_node} GPUs per node; fp32 master weights and AdamW state, "
+            f"fp32 gradient reduction (trainer/plan.py states the model)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer.plan",
+                                     description="Rank the parallel layouts of a flavor on N GPUs.")
+    parser.add_argument("--model", choices=FAMILIES, default="llama3", help="model family (default llama3)")
+    parser.add_argument("--flavor", required=True, help="a flavor of the family, e.g. 8B, 70B, 405B")
+    parser.add_argument("--ngpu", type=int, required=True, help="number of GPUs (8 to 16384)")
+    parser.add_argument("--gpu", choices=tuple(GPUS), default="H100")
+    parser.add_argument("--seq_len", type=int, default=8192)
+    parser.add_argument("--local_batch_size", type=int, default=None,
+                        help="sequences per data-parallel rank and step (default: searched)")
+    parser.add_argument("--gpus_per_node", type=int, default=8)
+    parser.add_argument("--max_global_tokens", type=int, default=MAX_GLOBAL_TOKENS,
+                        help=f"largest global batch in tokens (default {MAX_GLOBAL_TOKENS:,})")
+    parser.add_argument("--vocab_size", type=int, default=None, help="debug flavors: the tokenizer's vocabulary")
+    parser.add_argument("--top", type=int, default=5)
+    ns = parser.parse_args(argv)
+    if ns.ngpu < 1 or ns.seq_len < 1 or ns.top < 1 or ns.gpus_per_node < 1:
+        parser.error("--ngpu, --seq_len, --top and --gpus_per_node must be >= 1")
+    if ns.local_batch_size is not None and ns.local_batch_size < 1:
+        parser.error("--local_batch_size must be >= 1")
+    gpus_per_node = ns.gpus_per_node if ns.ngpu >= ns.gpus_per_node else ns.ngpu
+    if ns.ngpu % gpus_per_node:
+        parser.error(f"--ngpu {ns.ngpu} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")
+    t0 = time.perf_counter()
+    try:
+        args = flavor_args(ns.flavor, ns.seq_len, ns.vocab_size, ns.model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    gpu = GPUS[ns.gpu]
+    plans = best(args, ns.flavor, ns.ngpu, gpu, ns.seq_len, top=ns.top, local_batch_size=ns.local_batch_size,
+                 gpus_per_node=gpus_per_node, max_global_tokens=ns.max_global_tokens)
+    print(f"{ns.flavor}: {format_params(args)}, seq_len {ns.seq_len}, on {ns.ngpu} x {gpu.name} "
+          f"({ns.ngpu // gpus_per_node} node(s) of {gpus_per_node})")
+    print(assumptions(gpu, gpus_per_node))
+    if not plans:
+        print(f"no layout of {ns.ngpu} x {gpu.name} fits", end="")
+        found = smallest_fit(args, ns.flavor, ns.seq_len, ns.gpu, start=max(8, 2 ** math.ceil(math.log2(ns.ngpu))))
+        print(f"; the smallest power-of-two count that fits: {found.n_gpus} ({found.summary()})" if found
+              else f"; none up to 16384 GPUs: reduce --seq_len")
+        return 1
+    over = plans[0].tokens_per_step > ns.max_global_tokens
+    if over:
+        print(f"note: even the smallest layouts' global batch exceeds --max_global_tokens {ns.max_global_tokens:,}")
+    for i, p in enumerate(plans, 1):
+        print()
+        print(p.describe(i))
+    print(f"\n(searched in {time.perf_counter() - t0:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
