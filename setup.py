@@ -32,7 +32,9 @@ setup(
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja", "transformers>=4.45"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja", "transformers>=4.45",
+                 "wandb>=0.19"],
+        "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],
     },

@@ -229,6 +229,11 @@ class Metrics:
     log_freq: int = _opt(10, "Log metrics every this many steps.")
     enable_tensorboard: bool = _opt(False, "Also write TensorBoard logs.")
     save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    enable_wandb: bool = _opt(
+        False, "Also log to Weights & Biases (the wandb package; offline unless WANDB_MODE=online)."
+    )
+    wandb_project: str = _opt("titan-kernels", "Weights & Biases project (WANDB_PROJECT overrides).")
+    save_wandb_folder: str = _opt("wandb", "Weights & Biases run folder, relative to job.dump_folder.")
     enable_color: bool = _opt(True, "Colored console output.")
     save_plot: bool = _opt(
         True, "At the end, draw metrics.jsonl (loss, validation loss, LR, tokens/s, memory) to dump_folder/metrics.png."

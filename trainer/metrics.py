@@ -118,6 +118,7 @@ class MetricsLogger:
         enabled: False on ranks other than 0 (they still time themselves, but write nothing).
         enable_tensorboard / tb_folder: also write TensorBoard scalars under dump_folder/tb_folder.
         enable_color: ANSI colors on the console (only when stdout is a terminal; NO_COLOR disables).
+        wandb: a ``trainer.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
     """
 
     def __init__(
@@ -131,6 +132,7 @@ class MetricsLogger:
         enable_tensorboard: bool = False,
         tb_folder: str = "tb",
         enable_color: bool = True,
+        wandb=None,
     ) -> None:
         if not isinstance(log_freq, int) or log_freq < 1:
             raise ValueError(f"metrics.log_freq: expected an integer >= 1, got {log_freq!r}")
@@ -152,6 +154,7 @@ class MetricsLogger:
         self._rate_start: tuple[int, float] | None = None  # (step, time) after the first step, for the ETA
         self._jsonl = None
         self._tb = None
+        self._wandb = wandb if enabled else None
         if enabled:
             folder = pathlib.Path(dump_folder)
             folder.mkdir(parents=True, exist_ok=True)
@@ -285,6 +288,8 @@ class MetricsLogger:
                 if key.startswith("moe_"):  # expert load: max / mean tokens per expert, per layer
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log_train(r)
 
     def log_validation(self, step: int, result: dict) -> dict:
         """Write (rank 0) one validation record: ``result`` holds val_loss, val_perplexity, val_tokens,
@@ -307,6 +312,8 @@ class MetricsLogger:
             self._tb.add_scalar("validation/loss", record["val_loss"], step)
             self._tb.add_scalar("validation/perplexity", record["val_perplexity"], step)
             self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log_validation(step, record)
         return record
 
     def print_summary(self) -> dict:
@@ -351,3 +358,6 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

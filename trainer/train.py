@@ -493,10 +493,20 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             checkpointer.close()
             return 0
 
+        wandb_logger = None
+        if config.metrics.enable_wandb and rank == 0:
+            from trainer.wandb_log import WandbLogger
+
+            try:
+                wandb_logger = WandbLogger(Path(config.job.dump_folder) / config.metrics.save_wandb_folder,
+                                           config.metrics.wandb_project, config.to_dict(),
+                                           name=config.job.description or None)
+            except RuntimeError as exc:
+                raise TrainingError(str(exc)) from None
         metrics = MetricsLogger(
             config.job.dump_folder, config.metrics.log_freq, device, args.flops_per_token(cfg_t.seq_len),
             cfg_t.steps, enabled=rank == 0, enable_tensorboard=config.metrics.enable_tensorboard,
-            tb_folder=config.metrics.save_tb_folder, enable_color=config.metrics.enable_color,
+            tb_folder=config.metrics.save_tb_folder, enable_color=config.metrics.enable_color, wandb=wandb_logger,
         )
         logger.info(
             "data: %s, tokenizer %s (vocab %d); training steps %d..%d; setup took %.1fs",
