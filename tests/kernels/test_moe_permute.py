@@ -129,6 +129,26 @@ def test_moe_layer_compiles_fullgraph_and_matches_eager():
     assert rel(y, want) <= 1e-5
 
 
+@pytest.mark.slow  # Inductor's CPU code generation: ~45 s on our shared 2-core machine
+def test_moe_layer_compiles_with_inductor():
+    t, d, h, e, k = 10, 16, 8, 4, 2
+
+    def layer(x, router_w, w, idx):
+        scores = torch.softmax(x @ router_w, -1).gather(1, idx)
+        xp, routing = tk.moe_permute(x, idx, e, 4)
+        return tk.moe_unpermute(tk.grouped_mm(xp, w, routing.offsets), routing, scores)
+
+    x = torch.randn(t, d, device=DEV, requires_grad=True)
+    router_w = torch.randn(d, e, device=DEV, requires_grad=True)
+    w = torch.randn(e, d, h, device=DEV, requires_grad=True)
+    idx = route(t, e, k)
+    y = torch.compile(layer, fullgraph=True)(x, router_w, w, idx)
+    g = torch.autograd.grad(y.sum(), (x, router_w, w))
+    y0 = layer(x, router_w, w, idx)
+    g0 = torch.autograd.grad(y0.sum(), (x, router_w, w))
+    assert rel(y, y0) <= 1e-5 and all(rel(a, b) <= 1e-5 for a, b in zip(g, g0))
+
+
 def test_opcheck():
     t, d, e, k = 6, 8, 3, 2
     idx = route(t, e, k)
