@@ -17,8 +17,11 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
   compute   model FLOPs (``6 N + attention``, torchtitan's formula; active parameters for MoE) of
             the rank's tokens / (tp * pp * cp), times the recomputation (full AC re-runs each block's
             forward: +1/3 of the block FLOPs), at ``COMPUTE_EFFICIENCY`` of the GPU's dense bf16
-            peak (matmuls, attention and the memory-bound ops together; calibrated on torchtitan's
-            published H100 runs: Llama 3 8B on 8 GPUs FSDP, 405B on 512 GPUs FSDP 8 x TP 8 x PP 8)
+            peak (matmuls, attention and the memory-bound ops together), set between torchtitan's
+            two published H100 runs it must reproduce: Llama 3 8B on 8 GPUs (FSDP, local batch 2,
+            selective AC; 5,762 tokens/s per GPU, this model +33%) and 405B on 512 GPUs (FSDP 8 x
+            TP 8 x PP 8 Interleaved1F1B; 128, this model -28% with local batch 16): a ranking aid
+            more than a promise
   TP        bytes / NVLink bandwidth: on the critical path (no async TP assumed)
   CP        ring-attention K/V hops, hidden behind the attention compute where they fit
   FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
@@ -26,7 +29,7 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
   PP        sends between stages on the critical path, and the bubble:
             (compute + TP) * (pp - 1) / (v * m), m micro-batches, v stages per rank
   bandwidth per GPU and direction: NVLink inside a node (8 GPUs) and InfiniBand across nodes, at
-            80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's
+            80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's.
             A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost.
   MFU       model FLOPs / (step time * peak), as the trainer reports it.
 """
