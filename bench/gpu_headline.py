@@ -24,6 +24,9 @@ the stage's time, and the results are saved after each group, so a time-out lose
   cross_entropy   linear cross-entropy fwd+bwd, 16384 tokens x 4096 -> vocab 128256
                   (bench/bench_cross_entropy.py); these two are skipped with the reason while their
                   files are absent, and their filters are lenient while other issues shape them
+  grouped_mm      MoE grouped GEMM fwd+bwd at Qwen3-30B-A3B shapes (8192 tokens, top-8 of 128
+                  experts: 2048 -> 768 gate/up and 768 -> 2048 down, bf16): titan (measured choice),
+                  titan-triton vs torch._grouped_mm and the per-expert loop (bench/bench_moe.py)
 
 Writes the ``headline`` section of PREFIX.json (rows, the Markdown table, ceilings, notes).
 ``--dry-run``: the CPU shapes of each module (the modules' own CPU smoke sizes), Triton in the
@@ -60,6 +63,8 @@ GROUPS = [
     ("swiglu", "bench.bench_swiglu", "test_swiglu", {"pass_": ["fwd+bwd"], "shape": [(16384, 14336)]}, 0.08),
     ("cross_entropy", "bench.bench_cross_entropy", "test_cross_entropy",
      {"pass_": ["fwd+bwd"], "shape": [(16384, 4096, 128256)]}, 0.08),
+    ("grouped_mm", "bench.bench_moe", "test_grouped_mm",
+     {"pass_": ["fwd+bwd"], "shape": ["30B-A3B.w13", "30B-A3B.w2"]}, 0.10),
 ]
 # Groups whose modules other issues are still shaping: their filters fall back to the module's first
 # value instead of failing, and a missing function name to every timed function of the module.
