@@ -155,3 +155,32 @@ def test_cli_trains_the_debug_flavors_with_the_loss_falling(tmp_path, flavor):
         assert list((tmp_path / "tb").glob("**/events.*")) or list(tmp_path.glob("**/events.*"))
     else:
         assert "moe_max_load" not in recs[0]
+
+
+def test_estimate_knows_expert_parallel():
+    from trainer.estimate import Layout, communication_per_step, estimate_memory, model_costs
+
+    args = QWEN3_FLAVORS["30B-A3B"]
+    c = model_costs(args)
+    assert c.expert_params == args.expert_params() == 48 * 128 * 3 * 2048 * 768
+    assert c.total_params == args.num_params() and c.active_params == args.active_params()
+    one, ep8 = (estimate_memory(args, Layout(dp_shard=16, ep=ep), 1, 4096) for ep in (1, 8))
+    assert one.params == ep8.params  # sharded over 16 ranks either way
+    # Two blocks gathered in bf16 plus one block's fp32 gradients: only E/8 experts of each under EP 8.
+    per_block_experts = c.expert_params / 48
+    assert one.working - ep8.working == pytest.approx((2 * 2 + 4) * per_block_experts * 7 / 8)
+    comm = {(x.dim, x.op): x for x in communication_per_step(args, Layout(dp_shard=16, ep=8), 1, 4096)}
+    a2a = comm[("ep", "all-to-all")]
+    assert a2a.count == 48 * 4 and a2a.bytes_per_call == pytest.approx(4096 * 8 * 2048 * 2 * 7 / 8)
+    assert comm[("dp_shard_mod_ep", "all-gather")].bytes == pytest.approx(0.5 * 2 * 2 * c.expert_params / 8)
+    assert ("ep", "all-to-all") not in {(x.dim, x.op) for x in communication_per_step(args, Layout(dp_shard=16), 1, 64)}
+
+
+def test_too_large_message_names_total_and_active(capsys):
+    from trainer import train
+    from trainer.config import parse_args
+
+    rc = train.main(parse_args(["--model.name", "qwen3", "--flavor", "30B-A3B", "--training.steps", "1",
+                                "--parallelism.expert_parallel_degree", "1"]))
+    assert rc == 1
+    assert "does not fit: 30.53e9 parameters (3.35e9 active)" in capsys.readouterr().err

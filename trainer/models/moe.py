@@ -7,14 +7,15 @@ GEMMs, optional shared experts, and load balancing (auxiliary-loss-free bias or 
    ``top_k`` experts of highest ``scores + expert_bias`` (the bias steers the choice only, Wang et
    al. 2024, arXiv 2408.15664); its weights are the chosen *scores*, renormalised to sum to 1
    (``route_norm``) and times ``route_scale``.
-2. Permute: the (token, expert) pairs sorted by expert (a stable sort), the token rows gathered in
-   that order; ``counts[e]`` pairs go to expert e.
+2. Permute: the (token, expert) rows copied into expert order, tokens in order within an expert
+   (``titan_kernels.moe_permute``); ``counts[e]`` rows go to expert e.
 3. Experts: ``w2_e(silu(x w1_e) * x w3_e)`` for every expert at once: three grouped GEMMs
    (``grouped_mm``: x (N, K) sorted by expert, w (E, K, N'), offsets = cumulative counts) and one
    ``titan_kernels.swiglu``. Weights are stored (E, in, out), the layout grouped_mm takes.
    Under expert parallel (``trainer.parallel.expert_parallel``) the rows travel by all-to-all to
    the ranks holding their experts and back; this module does not change.
-4. Unpermute: every pair's output times its weight, summed back into its token (index_add).
+4. Unpermute: every row's output times its weight, summed back into its token
+   (``titan_kernels.moe_unpermute``, float32 accumulation).
 5. Shared experts (DeepSeek-V3): one SwiGLU every token goes through, added.
 
 Load balancing (``MoEArgs.load_balance``):
@@ -213,21 +214,19 @@ class MoE(nn.Module):
         scores, idx, weights = self.router(tokens, self.expert_bias if a.load_balance == "bias" else None)
         if tp is not None:
             weights = _sum_grad_over(weights, tp)
-        flat = idx.flatten()
-        counts = torch.bincount(flat, minlength=a.num_experts)
+        # Permute: one fused copy of the token rows into expert order (titan_kernels.moe_permute:
+        # tokens in order within an expert); counts (E,) rows per expert.
+        rows, routing = titan_kernels.moe_permute(expert_in, idx, a.num_experts)
+        counts = routing.counts
         # Count once per micro-batch: not in evaluation, nor when activation checkpointing recomputes
         # this forward inside the backward (a graph task is running then).
         if (self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
                 and not _counting_paused):
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        # Permute: (token, expert) pairs in expert order; a stable sort keeps tokens in order within an expert.
-        order = flat.argsort(stable=True)
-        token_of = order // a.top_k
-        routed = self.experts(expert_in[token_of], counts)
-        # Unpermute: each pair's output, weighted, added back into its token.
-        routed = routed * weights.flatten()[order].to(routed.dtype).unsqueeze(1)
-        out = torch.zeros_like(tokens, dtype=routed.dtype).index_add(0, token_of, routed).view(bsz, seq, dim)
+        routed = self.experts(rows, counts)
+        # Unpermute: each (token, expert) output times its weight, summed into the token (one fused pass).
+        out = titan_kernels.moe_unpermute(routed, routing, weights).view(bsz, seq, dim)
         if self.tp_mesh is not None:
             from torch.distributed.tensor import DTensor, Partial, Shard
 
