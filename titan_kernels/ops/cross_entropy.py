@@ -29,8 +29,10 @@ each rank computes the logits of its own vocabulary rows for all tokens, and onl
 statistics (max, sum-exp, target logit) are all-reduced inside the op; hidden is all-gathered
 (never the logits) and its gradient reduced back to hidden's own placement.
 
-There is no separate eager fast path: the op costs milliseconds (three GEMMs), so the ~0.1 ms of
-the dispatcher is below the noise; one path means one autograd definition.
+There is no separate eager fast path: the op costs milliseconds (three GEMMs; 13 ms forward+backward
+at the debug model's 2048 x 256 x 258), so the dispatcher's cost (0.2 ms per call measured here, a
+tiny input through the op against its implementation called directly) is about 1% of it; one path
+means one autograd definition.
 """
 from __future__ import annotations
 
