@@ -35,6 +35,7 @@ _AUTO_ORDER = {
 }
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("titan_backend", default=None)
+_AUTOMATIC = "auto"  # the override that means "choose automatically", whatever the environment says
 _impls: dict[str, dict[str, Callable]] = {}
 
 
@@ -130,9 +131,23 @@ def use_backend(name: str) -> Iterator[str]:
         _override.reset(token)
 
 
+@contextlib.contextmanager
+def automatic() -> Iterator[None]:
+    """Context manager: titan ops choose their backend automatically inside the block, whatever an
+    enclosing ``use_backend`` or ``TITAN_KERNELS_BACKEND`` asks for (a backward replaying a forward
+    that ran with no request)."""
+    token = _override.set(_AUTOMATIC)
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
 def requested_backend() -> str | None:
     """The backend asked for by ``use_backend`` or ``TITAN_KERNELS_BACKEND``, or None for automatic."""
     name = _override.get()
+    if name == _AUTOMATIC:
+        return None
     if name is not None:
         return name
     env = os.environ.get(ENV_VAR, "").strip()

@@ -135,8 +135,8 @@ if torch.distributed.is_available():
         return rules
 
     @register_sharding(torch.ops.titan.fp8_linear_backward.default)
-    def _fp8_linear_backward_sharding(dy, x, weight, recipe, compute_dx, compute_dweight):
-        rep, k, flags = Replicate(), len(x.shape) - 1, [None, None, None]
+    def _fp8_linear_backward_sharding(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
+        rep, k, flags = Replicate(), len(x.shape) - 1, [None, None, None, None]
         rules = [
             ([rep, rep], [rep, rep, rep, *flags]),
             ([Partial(), Shard(0)], [Shard(k), rep, Shard(0), *flags]),

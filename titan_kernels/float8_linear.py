@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from titan_kernels import backend as _backend
 from titan_kernels.ops import fp8 as _fp8
 
 aten = torch.ops.aten
@@ -208,15 +209,18 @@ class _PrequantizedLinearFn(torch.autograd.Function):
         # The codes, not x: the backward needs nothing else (and they are half of a bf16 x).
         ctx.save_for_backward(xq, xs, weight)
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.request = _backend.requested_backend() or ""  # the backward runs on the forward's backends
         return _fp8._unflatten(y, x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, weight = ctx.saved_tensors
-        dx, dw = _fp8.linear_bwd_prequantized(
-            _fp8._rows(dy), xq, xs, weight._data, weight._scale, ctx.x_dtype, weight.dtype,
-            ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-        )
+        _fp8.refuse_double_backward("fp8_linear", dy, weight)
+        with _fp8.request_context(ctx.request):
+            dx, dw = _fp8.linear_bwd_prequantized(
+                _fp8._rows(dy), xq, xs, weight._data, weight._scale, ctx.x_dtype, weight.dtype,
+                ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+            )
         return (_fp8._unflatten(dx, ctx.x_shape[:-1], ctx.x_shape[-1]) if dx is not None else None), dw
 
 

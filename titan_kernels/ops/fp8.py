@@ -31,6 +31,7 @@ collective.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -408,57 +409,97 @@ def _(x, weight, recipe):
 
 @torch.library.custom_op("titan::fp8_linear_backward", mutates_args=())
 def fp8_linear_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, compute_dx: bool, compute_dweight: bool
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, compute_dx: bool, compute_dweight: bool,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of fp8_linear. dy (..., N), x (..., K), weight (N, K). Returns dx (..., K) in
     x.dtype and dW (N, K) in weight.dtype, each contiguous; a gradient whose ``compute_*`` flag is
     False comes back empty with its last dim 0 ((..., 0) and (N, 0)), a placeholder of the same
-    rank, so that every DTensor placement of the real gradient is valid for it too."""
-    dx, dw = linear_bwd(_rows(dy), _rows(x), weight, recipe, compute_dx, compute_dweight)
-    dx = _unflatten(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
-    dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
-    return dx, dw
+    rank, so that every DTensor placement of the real gradient is valid for it too. ``backend``:
+    the backend request in force when the forward ran (None: the one in force now)."""
+    return _linear_backward(dy, x, weight, recipe, compute_dx, compute_dweight, backend)
 
 
 @fp8_linear_backward_op.register_fake
-def _(dy, x, weight, recipe, compute_dx, compute_dweight):
+def _(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
     dx = x.new_empty((*x.shape[:-1], x.shape[-1] if compute_dx else 0))
     dw = weight.new_empty((weight.shape[0], weight.shape[1] if compute_dweight else 0))
     return dx, dw
 
 
+# ----------------------------------------------------------------------------- the one autograd definition
+# The eager fast path (``_Fp8LinearFn``) and the op path (``register_autograd``) save with ``_save`` and
+# differentiate with ``_grads``; the backward's quantize and GEMM kernels run under the backend
+# request captured when the forward ran (``request_context``), whichever path ran.
+
+
+def request_context(request: str | None):
+    """A context in which the titan ops see ``request`` (a backend name, "" for automatic, None:
+    leave the current request as it is)."""
+    if request is None:
+        return contextlib.nullcontext()
+    if request == "":
+        return _backend.automatic()
+    return _backend.use_backend(request)
+
+
+def refuse_double_backward(op: str, *tensors) -> None:
+    """Raise when a backward runs with ``create_graph=True`` through an op whose backward has no
+    derivative (the float8 casts are not differentiable)."""
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        raise RuntimeError(f"titan::{op}: double backward (create_graph=True through a float8 linear) is not "
+                           "supported; its float8 casts are not differentiable")
+
+
+def _linear_backward(dy, x, weight, recipe, compute_dx, compute_dweight, request):
+    with request_context(request):
+        dx, dw = linear_bwd(_rows(dy), _rows(x), weight, recipe, compute_dx, compute_dweight)
+    dx = _unflatten(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
+    dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
+    return dx, dw
+
+
+def _save(ctx, x, weight, recipe, request):
+    ctx.save_for_backward(x, weight)
+    ctx.recipe, ctx.request = recipe, request
+
+
+def _grads(ctx, dy, through_op: bool):
+    x, weight = ctx.saved_tensors
+    refuse_double_backward("fp8_linear", dy, x, weight)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if through_op:
+        dx, dw = torch.ops.titan.fp8_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
+    else:
+        dx, dw = _linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
+    return (dx if need_dx else None), (dw if need_dw else None), None
+
+
 def _setup_fp8_linear(ctx, inputs, output):
     x, weight, recipe = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.recipe = recipe
+    # Under torch.compile the request cannot be traced: the backward reads the one in force then.
+    request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
+    _save(ctx, x, weight, recipe, request)
 
 
 def _backward_fp8_linear(ctx, dy):
-    x, weight = ctx.saved_tensors
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = torch.ops.titan.fp8_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw)
-    return (dx if need_dx else None), (dw if need_dw else None), None
+    return _grads(ctx, dy, through_op=True)
 
 
 fp8_linear_op.register_autograd(_backward_fp8_linear, setup_context=_setup_fp8_linear)
 
 
-# ----------------------------------------------------------------------------- eager fast path
-
-
 class _Fp8LinearFn(torch.autograd.Function):
+    """The eager fast path: the same forward, ``_save`` and ``_grads`` as the op, without the dispatcher."""
+
     @staticmethod
     def forward(ctx, x, weight, recipe):
-        ctx.save_for_backward(x, weight)
-        ctx.recipe = recipe
+        _save(ctx, x, weight, recipe, _backend.requested_backend() or "")
         return _unflatten(linear_fwd(_rows(x), weight, recipe), x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = linear_bwd(_rows(dy), _rows(x), weight, ctx.recipe, need_dx, need_dw)
-        return (_unflatten(dx, x.shape[:-1], x.shape[-1]) if dx is not None else None), dw, None
+        return _grads(ctx, dy, through_op=False)
 
 
 # ----------------------------------------------------------------------------- public API

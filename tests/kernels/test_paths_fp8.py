@@ -1,0 +1,84 @@
+"""fp8_linear: the eager fast path and the op path are one autograd definition.
+
+Checked, for every recipe and backend that runs here: equal outputs and gradients from
+``tk.fp8_linear`` (fast path) and ``torch.ops.titan.fp8_linear`` (op path); the backward runs on the
+backend the forward's request chose, in both paths, whatever context the backward runs in; double
+backward is refused with a RuntimeError naming the op, in both paths.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_kernels as tk
+from titan_kernels import backend
+from titan_kernels.ops import fp8 as ops_fp8
+from tests.conftest import TEST_DEVICE
+from tests.kernels.test_float8_linear import BACKENDS, RECIPES, randn, use
+
+PATHS = {
+    "fast": lambda x, w, recipe: tk.fp8_linear(x, w, recipe),
+    "op": lambda x, w, recipe: torch.ops.titan.fp8_linear(x, w, recipe),
+}
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_paths_equal(be, recipe):
+    x = randn(3, 7, 48)[:, ::2]  # odd rows, non-contiguous
+    w = randn(40, 48)
+    dy = randn(3, 4, 40)
+    res = {}
+    for name, fn in PATHS.items():
+        xi, wi = x.detach().requires_grad_(), w.detach().requires_grad_()
+        with use(be):
+            y = fn(xi, wi, recipe)
+            dx, dw = torch.autograd.grad(y, (xi, wi), dy)
+        res[name] = (y, dx, dw)
+    for a, b in zip(res["fast"], res["op"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _Counting:
+    """Counts the reference backend's GEMM calls (the backward's two GEMMs run there or not)."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        impls = backend._impls[ops_fp8.OP_GEMM]
+        ref = impls["reference"]
+
+        def counting(*args, **kw):
+            self.calls += 1
+            return ref(*args, **kw)
+
+        monkeypatch.setitem(impls, "reference", counting)
+        backend._resolved.clear()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_backward_runs_on_the_forwards_backend(monkeypatch, path):
+    count = _Counting(monkeypatch)
+    x = randn(5, 32).requires_grad_()
+    w = randn(16, 32).requires_grad_()
+    with tk.use_backend("reference"):
+        y = PATHS[path](x, w, "tensorwise")
+    assert count.calls == 1
+    y.sum().backward()  # outside the context: still the reference GEMMs (dx and dW)
+    assert count.calls == 3
+    # A forward with no request and a backward inside use_backend("reference"): the automatic choice.
+    count.calls = 0
+    y = PATHS[path](x, w, "tensorwise")
+    with tk.use_backend("reference"):
+        y.sum().backward()
+    auto_is_reference = ops_fp8.gemm_backend_name(TEST_DEVICE) == "reference"
+    assert count.calls == (3 if auto_is_reference else 0)
+    backend._resolved.clear()
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_double_backward_is_refused(path):
+    x = randn(5, 32).requires_grad_()
+    w = randn(16, 32).requires_grad_()
+    y = PATHS[path](x, w, "rowwise")
+    with pytest.raises(RuntimeError, match="titan::fp8_linear: double backward"):
+        torch.autograd.grad(y.square().sum(), (x, w), create_graph=True)
