@@ -1,6 +1,6 @@
 """The model families (``--model.name``) behind one interface.
 
-Every family is the same decoder (``trainer.models.llama``: Attention with optional QK-norm and its
+Every family is the same decoder (``trainer.models.blocks``: Attention with optional QK-norm and its
 own head_dim, the SwiGLU FeedForward or a ``trainer.models.moe.MoE`` per layer, the pre-norm
 TransformerBlock and the Transformer); a family contributes only its hyperparameters and flavors:
 
@@ -70,7 +70,7 @@ def active_params(args) -> int:
 
 
 def build_model(args, device="meta"):
-    """The Transformer of any family on ``device`` (``trainer.models.llama.build_model``)."""
-    from trainer.models.llama import build_model as _build
+    """The Transformer of any family on ``device`` (``trainer.models.blocks.build_model``)."""
+    from trainer.models.blocks import build_model as _build
 
     return _build(args, device)

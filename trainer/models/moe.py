@@ -186,7 +186,7 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         if args.num_shared_experts:
-            from trainer.models.llama import FeedForward
+            from trainer.models.blocks import FeedForward
 
             self.shared_experts = FeedForward(dim, args.hidden_dim * args.num_shared_experts)
         else:

@@ -1,7 +1,7 @@
 """Qwen3 dense and MoE models: the shared decoder of ``trainer.models.llama`` with ``Qwen3Args``
 (QK-norm, head_dim 128, rope_theta 1e6, MoE feed-forwards), plus the Hugging Face state dict.
 
-The modules are the families' common ones: ``build_model(args)`` is ``trainer.models.llama.build_model``
+The modules are the families' common ones: ``build_model(args)`` is ``trainer.models.blocks.build_model``
 (the blocks read ``args.qk_norm``, ``args.head_dim`` and ``args.moe_layer``). Only the weight layout
 of a Hugging Face checkpoint is Qwen3's own:
 
@@ -23,8 +23,9 @@ import re
 
 import torch
 
+from trainer.models.blocks import build_model  # noqa: F401
 from trainer.models.llama import HF_KEY_MAP as _LLAMA_KEYS
-from trainer.models.llama import _half_to_interleaved, _interleaved_to_half, build_model  # noqa: F401
+from trainer.models.llama import _half_to_interleaved, _interleaved_to_half
 from trainer.models.qwen3_args import QWEN3_FLAVORS, MoEArgs, Qwen3Args, qwen3_model_args  # noqa: F401
 
 HF_KEY_MAP: dict[str, str] = {
