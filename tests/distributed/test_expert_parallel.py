@@ -78,3 +78,17 @@ def test_ep_degree_must_divide_dp_shard_and_excludes_cp_and_hsdp():
         ParallelDims(1, -1, 4, cp=2, ep=2)
     with pytest.raises(ValueError, match="expert_parallel_degree: expected an integer >= 1"):
         ParallelDims(1, -1, 4, ep=0)
+
+
+def test_expert_parallel_needs_experts_to_split():
+    from trainer.models.qwen3_args import QWEN3_FLAVORS
+    from trainer.parallel.expert_parallel import check_ep_divisibility
+
+    moe = QWEN3_FLAVORS["debugmodel_moe"]  # 8 experts of hidden 256
+    check_ep_divisibility(moe, 8, 2)
+    with pytest.raises(ValueError, match="expert_parallel_degree: 3 does not divide the model's num_experts = 8"):
+        check_ep_divisibility(moe, 3, 1)
+    with pytest.raises(ValueError, match="tensor_parallel_degree: 3 does not divide the experts' hidden_dim = 256"):
+        check_ep_divisibility(moe, 1, 3)
+    with pytest.raises(ValueError, match="expert_parallel_degree: the model has no mixture-of-experts layers"):
+        check_ep_divisibility(QWEN3_FLAVORS["debugmodel"], 2, 1)
