@@ -140,8 +140,8 @@ def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_gr
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         total = norm if len(groups) == 1 else (norm**2 if total is None else total + norm**2)
-    if total is None:
-        total = torch.zeros(())
+    if total is None:  # no gradient on this rank (e.g. a pipeline stage without trainable weights)
+        total = torch.zeros((), device=parameters[0].device if parameters else None)
     elif len(groups) > 1:
         total = total.sqrt()
     if pp_group is not None:
