@@ -184,3 +184,13 @@ def test_too_large_message_names_total_and_active(capsys):
                                 "--parallelism.expert_parallel_degree", "1"]))
     assert rc == 1
     assert "does not fit: 30.53e9 parameters (3.35e9 active)" in capsys.readouterr().err
+
+
+def test_hugging_face_folders_are_refused_for_qwen3_with_the_key_named():
+    from trainer.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match="--checkpoint.last_save_in_hf: Hugging Face folders are supported for "
+                                          "model.name llama3 only"):
+        parse_args(["--model.name", "qwen3", "--flavor", "debugmodel", "--checkpoint.last_save_in_hf"])
+    with pytest.raises(ConfigError, match="--model.flavor: expected one of debugmodel, debugmodel_moe"):
+        parse_args(["--model.name", "qwen3", "--flavor", "70B"])
