@@ -374,3 +374,10 @@ def test_compile_fullgraph_forward_backward(be, recipe):
     torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
     for p, g in zip(model.parameters(), grads_e):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(autouse=True)
+def _scaled_mm_when_available(monkeypatch):
+    # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
+    # dequantized GEMM the automatic choice skips it (ops.fp8._cpu_scaled_mm_pays), so take it here.
+    monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda: True)

@@ -82,3 +82,17 @@ def test_double_backward_is_refused(path):
     y = PATHS[path](x, w, "rowwise")
     with pytest.raises(RuntimeError, match="titan::fp8_linear: double backward"):
         torch.autograd.grad(y.square().sum(), (x, w), create_graph=True)
+
+
+def test_cpu_gemm_choice_follows_the_timing(monkeypatch):
+    # The automatic GEMM on the CPU is torch._scaled_mm only where it is not slower than the
+    # dequantized float32 GEMM; an explicit "cpu" request still runs _scaled_mm.
+    if not ops_fp8.scaled_mm_available("cpu"):
+        pytest.skip("this torch has no float8 torch._scaled_mm on the CPU")
+    for pays, want in ((True, "_scaled_mm"), (False, "reference")):
+        monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
+        backend._resolved.clear()
+        assert ops_fp8.gemm_backend_name("cpu") == want
+        with tk.use_backend("cpu"):
+            assert ops_fp8.gemm_backend_name("cpu") == "_scaled_mm"
+    backend._resolved.clear()
