@@ -6,6 +6,7 @@ and gradient norm within 1e-4 relative of the single-process run, for
   PP 2                 (2 ranks, 1F1B, two MoE layers per stage)
   EP 2 x FSDP 2        (4 ranks: dp_shard 4 = 2 x ep 2, experts FSDP-sharded over 2 ranks)
   EP 2 x TP 2          (4 ranks: experts split on the expert dim over ep and on the hidden size over tp)
+  PP 2 x EP 2          (4 ranks: each pipeline stage's experts split over its own ep pair, 1F1B)
   EP 2 -> 1 process    (a checkpoint of step 3 under EP 2 resumes in one process: steps 4, 5)
 (EP 2 x FSDP 2 and EP 2 x TP 2: ``-m slow``.) The load-balancing bias moves every step (aux-loss-free), so these also check that the token
 counts are summed over the right ranks. Plus the pieces: the expert-major reordering of received
@@ -54,6 +55,16 @@ def test_ep2_with_fsdp2_and_with_tp2_equal_one_process(tmp_path, single):
     }, tmp_path)
     assert_same(runs["ep2_fsdp2"], single)
     assert_same(runs["ep2_tp2"], single)
+
+
+def test_pp2_x_ep2_equals_one_process(tmp_path, single):
+    """Each pipeline stage runs expert parallel on its own (dp_shard 2 = ep 2) group: the mesh is
+    (pp 2, dp_shard_mod_ep 1, ep 2), the stage's all-to-alls stay inside its pp slice. ~15 s."""
+    runs = run_layouts(4, {"pp2_ep2": [*MOE, *EP2, "--parallelism.pipeline_parallel_degree", "2",
+                                       "--training.local_batch_size", "2"]}, tmp_path)
+    assert_same(runs["pp2_ep2"], single)
+    # Rank 0 logs the loads of its own stage's MoE layers only: layers 0 and 1 of the 4.
+    assert {k for k in runs["pp2_ep2"][1] if k.startswith("moe_load/")} == {"moe_load/layers.0", "moe_load/layers.1"}
 
 
 # ------------------------------------------------------------------------------------------ pieces
