@@ -1,6 +1,6 @@
 """``python -m trainer [--config FILE.toml] [--flavor NAME] [--section.key value ...]``.
 
-Parses the command line (see ``trainer/config.py`` and ``--help``), then runs
+Parses the command line (see ``trainer/config/`` and ``--help``), then runs
 :func:`trainer.train.main` and exits with its return code. A configuration error prints one line on
 stderr and exits with status 2; Ctrl-C exits with status 130 without a traceback.
 """

@@ -1,0 +1,192 @@
+"""The field-level rules that validation and the command line share: a field's type in words,
+converting a command-line string or a TOML value to that type, writing a value as TOML, walking
+every field of a configuration, and the did-you-mean suggestion of error messages.
+
+Every conversion error is a :class:`ConfigError` naming the key. Imports only
+:mod:`trainer.config.sections` of the package.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import typing
+from typing import Any, Iterator
+
+from trainer.config.sections import ConfigError
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+
+
+@functools.lru_cache(maxsize=None)
+def field_hints(cls: type) -> dict[str, Any]:
+    """The resolved type of every field of the dataclass ``cls`` (its annotations are strings)."""
+    return typing.get_type_hints(cls)
+
+
+def iter_fields(config: Any) -> Iterator[tuple[str, dataclasses.Field, Any, Any]]:
+    """Every key of ``config`` (a :class:`trainer.config.JobConfig`) in declaration order.
+
+    Yields ``(section, field, type, value)``: the section's name, the ``dataclasses.Field`` declared
+    for the key (its ``metadata`` holds the help text and the choices), the key's resolved type and
+    its current value.
+    """
+    for section, cls in field_hints(type(config)).items():
+        obj = getattr(config, section)
+        hints = field_hints(cls)
+        declared = {f.name: f for f in dataclasses.fields(cls)}
+        for f in dataclasses.fields(obj):
+            yield section, declared[f.name], hints[f.name], getattr(obj, f.name)
+
+
+def toml_value(value: Any) -> str:
+    """``value`` (bool, int, float, str or a list of them) written as a TOML value.
+
+    Raises TypeError for any other type.
+    """
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")
+
+
+def suggest(name: str, candidates: typing.Iterable[str]) -> str | None:
+    """The closest candidate to ``name`` (also matching on the part after the dot), or None."""
+    def ratio(a: str, b: str) -> float:
+        return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
+
+    leaf = name.split(".", 1)[-1]
+    best, best_score = None, 0.0
+    for cand in candidates:
+        score = ratio(name, cand)
+        if "." in cand:
+            # '--steps' -> 'training.steps'; '--training.lr' -> 'optimizer.lr' (a little less sure)
+            score = max(score, ratio(leaf, cand.split(".", 1)[1]) - (0.05 if "." in name else 0.0))
+        if score > best_score:
+            best, best_score = cand, score
+    return best if best_score >= 0.6 else None
+
+
+def choice_message(key: str, value: Any, choices: typing.Iterable[str]) -> str:
+    """The one-line error for ``value`` of ``key`` not being one of ``choices``, with a suggestion."""
+    choices = list(choices)
+    msg = f"--{key}: expected one of {', '.join(choices)}, got {value!r}"
+    hint = suggest(str(value), choices)
+    return msg + (f" (did you mean {hint!r}?)" if hint else "")
+
+
+def type_name(hint: Any) -> str:
+    """A field type in the words of error messages: ``an integer``, ``true/false``..."""
+    if hint is bool:
+        return "true/false"
+    if hint is int:
+        return "an integer"
+    if hint is float:
+        return "a number"
+    if hint is str:
+        return "a string"
+    if _is_optional(hint):
+        return f"none or {type_name(_optional_inner(hint))}"
+    if typing.get_origin(hint) is list:
+        return "a comma-separated list"
+    return str(hint)
+
+
+def _is_optional(hint: Any) -> bool:
+    return typing.get_origin(hint) is typing.Union and type(None) in typing.get_args(hint)
+
+
+def _optional_inner(hint: Any) -> Any:
+    return next(a for a in typing.get_args(hint) if a is not type(None))
+
+
+def parse_str(key: str, text: str, hint: Any) -> Any:
+    """Convert a command-line string to the field's type, or raise ConfigError naming the key.
+
+    Args:
+        key: ``section.key``, for the message.
+        text: the string as given (``true``/``1``/``yes``/``on`` and their opposites for booleans,
+            ``none`` for an optional, comma-separated items for a list).
+        hint: the field's resolved type.
+    """
+    bad = ConfigError(f"--{key}: expected {type_name(hint)}, got {text!r}")
+    if _is_optional(hint):
+        if text.strip().lower() in ("none", "null", ""):
+            return None
+        try:
+            return parse_str(key, text, _optional_inner(hint))
+        except ConfigError:
+            raise bad from None
+    if hint is bool:
+        low = text.strip().lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise bad
+    if hint is int:
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise bad from None
+    if hint is float:
+        try:
+            return float(text.strip())
+        except ValueError:
+            raise bad from None
+    if hint is str:
+        return text
+    if typing.get_origin(hint) is list:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    raise bad
+
+
+def check_value(key: str, value: Any, hint: Any, where: str) -> Any:
+    """Check a value read from TOML (or set in code) against the field's type; ints are accepted for
+    floats (and returned as floats), a string for a list (split as on the command line).
+
+    Args:
+        key: ``section.key``, for the message.
+        value: the value.
+        hint: the field's resolved type.
+        where: the start of the message: ``"<file>.toml: "`` or ``"--"``.
+
+    Returns the value in the field's type. Raises ConfigError naming the key.
+    """
+    bad = ConfigError(f"{where}{key}: expected {type_name(hint)}, got {value!r} ({type(value).__name__})")
+    if _is_optional(hint):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        try:
+            return check_value(key, value, _optional_inner(hint), where)
+        except ConfigError:
+            raise bad from None
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise bad
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise bad
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise bad
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise bad
+    if typing.get_origin(hint) is list:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        if isinstance(value, str):
+            return parse_str(key, value, hint)
+        raise bad
+    raise bad

@@ -1,0 +1,93 @@
+"""``JobConfig``: the whole configuration of a training run, one field per section
+(:mod:`trainer.config.sections`), with its TOML form, the gradient-accumulation count and
+:meth:`JobConfig.validate` (:mod:`trainer.config.validate`).
+
+Imports :mod:`~trainer.config.sections`, :mod:`~trainer.config.fields` and
+:mod:`~trainer.config.validate` of the package; the command line (:mod:`trainer.config.cli`) builds on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config.fields import toml_value
+from trainer.config.sections import (
+    ActivationCheckpoint,
+    Checkpoint,
+    Compile,
+    ConfigError,
+    Float8,
+    Job,
+    Kernels,
+    LRScheduler,
+    Metrics,
+    Model,
+    Optimizer,
+    Parallelism,
+    Profiling,
+    Training,
+    Validation,
+)
+from trainer.config.validate import validate_config
+
+
+@dataclass
+class JobConfig:
+    """The whole configuration of a training run."""
+
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    metrics: Metrics = field(default_factory=Metrics)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    kernels: Kernels = field(default_factory=Kernels)
+    float8: Float8 = field(default_factory=Float8)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """The configuration as ``{section: {key: value}}`` of plain Python values."""
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        """The configuration as TOML text that :func:`trainer.config.parse_args` ``--config`` reads back."""
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            for key, value in values.items():
+                if value is None:
+                    lines.append(f"# {key} = none")
+                else:
+                    lines.append(f"{key} = {toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def grad_accum_steps(self, dp_degree: int) -> int:
+        """Micro-batches per optimizer step: ``global_batch_size / (local_batch_size * dp_degree)``.
+
+        Raises ConfigError if global_batch_size is not a positive multiple of that product.
+        """
+        t = self.training
+        per_step = t.local_batch_size * dp_degree
+        if t.global_batch_size == -1:
+            return 1
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"--training.global_batch_size: {t.global_batch_size} is not a multiple of "
+                f"local_batch_size x data-parallel degree = {t.local_batch_size} x {dp_degree} = {per_step}"
+            )
+        return t.global_batch_size // per_step
+
+    def validate(self) -> None:
+        """Check every value and the relations between them (:func:`trainer.config.validate.validate_config`).
+
+        Raises:
+            ConfigError: the first bad value; the message is one line naming the key.
+        """
+        validate_config(self)

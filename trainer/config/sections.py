@@ -1,0 +1,315 @@
+"""The configuration's sections: one dataclass per ``[section]`` of a TOML file, each field with its
+default, its help text and, for strings, the allowed values; and :class:`ConfigError`.
+
+This is the bottom of the package (DESIGN.md section 1): it imports nothing else of it, and no torch.
+:class:`trainer.config.job.JobConfig` gathers the sections into one run's configuration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration: unknown key, wrong type or invalid value. The message is one line."""
+
+
+def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its help text (and, for strings, the allowed values)."""
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class Job:
+    """Where the run writes its outputs."""
+
+    dump_folder: str = _opt("./outputs", "Folder for metrics.jsonl, TensorBoard logs and checkpoints.")
+    description: str = _opt("", "Free-text description of the run, printed at start.")
+    print_config: bool = _opt(False, "Print the resolved configuration (as TOML) before training.")
+
+
+@dataclass
+class Model:
+    """Which model to build."""
+
+    name: str = _opt("llama3", "Model family: llama3, or qwen3 (dense and mixture-of-experts).",
+                     choices=("llama3", "qwen3"))
+    flavor: str = _opt(
+        "debugmodel",
+        "Model size: debugmodel, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1); for qwen3: debugmodel, "
+        "debugmodel_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B (trainer/configs/qwen3_<flavor>.toml). "
+        "Also --flavor.",
+    )
+    tokenizer_path: str = _opt(
+        "",
+        "Tokenizer file: a Hugging Face tokenizer.json, a tiktoken BPE file (Llama 3's tokenizer.model) "
+        "or a SentencePiece .model, detected from the file. Empty = the built-in byte-level tokenizer.",
+    )
+    moe_load_balance: str = _opt(
+        "bias",
+        "MoE flavors: expert load balancing. bias = auxiliary-loss-free (per-expert routing bias moved after "
+        "each step from the token counts); aux_loss = sequence-wise auxiliary loss; none.",
+        choices=("bias", "aux_loss", "none"),
+    )
+    moe_bias_update_rate: float = _opt(1e-3, "MoE flavors, load_balance bias: the bias step per optimizer step.")
+    moe_aux_loss_coeff: float = _opt(1e-3, "MoE flavors, load_balance aux_loss: the weight of the loss.")
+
+
+@dataclass
+class Training:
+    """Batch shape, data and the length of the run."""
+
+    steps: int = _opt(300, "Number of optimizer steps.")
+    local_batch_size: int = _opt(8, "Sequences per micro-batch on each data-parallel rank.")
+    global_batch_size: int = _opt(
+        -1,
+        "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
+        "A multiple of that gives gradient accumulation.",
+    )
+    seq_len: int = _opt(256, "Tokens per training sequence.")
+    max_norm: float = _opt(1.0, "Clip the global gradient norm to this value.")
+    dataset: str = _opt(
+        "pydoc",
+        "Dataset name: 'pydoc' = the embedded English corpus shipped with Python (offline); "
+        "'c4' or another Hugging Face dataset name (needs the network and the 'datasets' package).",
+    )
+    dataset_path: str = _opt(
+        "", "A local .txt, .jsonl ('text' field) or .parquet ('text' column) file or folder; overrides dataset."
+    )
+    seed: int = _opt(42, "Random seed for weights and data order.")
+    deterministic: bool = _opt(False, "Use deterministic algorithms only (slower on GPU).")
+    dtype: str = _opt(
+        "auto",
+        "Training precision: auto = float32 on CPU, bfloat16 parameters (FSDP2 mixed precision) on GPU.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    mixed_precision_param: str = _opt(
+        "bfloat16", "Parameter dtype for compute under FSDP2 mixed precision.", choices=("bfloat16", "float32")
+    )
+    mixed_precision_reduce: str = _opt(
+        "float32", "Gradient reduce dtype under FSDP2 mixed precision.", choices=("float32", "bfloat16")
+    )
+    document_masking: bool = _opt(False, "Mask attention across document boundaries inside a packed sequence.")
+    gc_freq: int = _opt(50, "Run Python garbage collection every this many steps.")
+
+
+@dataclass
+class Optimizer:
+    """AdamW settings."""
+
+    name: str = _opt("AdamW", "Optimizer.", choices=("AdamW",))
+    lr: float = _opt(8e-4, "Peak learning rate.")
+    beta1: float = _opt(0.9, "Adam beta1.")
+    beta2: float = _opt(0.95, "Adam beta2.")
+    eps: float = _opt(1e-8, "Adam epsilon.")
+    weight_decay: float = _opt(0.1, "Decoupled weight decay.")
+    implementation: str = _opt(
+        "auto",
+        "Optimizer implementation: auto = fused where available, else foreach.",
+        choices=("auto", "fused", "foreach", "for-loop"),
+    )
+
+
+@dataclass
+class LRScheduler:
+    """Linear warmup, then decay."""
+
+    warmup_steps: int = _opt(30, "Steps of linear warmup; the first step's LR is already > 0.")
+    decay_ratio: Optional[float] = _opt(
+        None,
+        "Fraction of steps that decay (wsd: warmup-stable-decay). none = decay over all steps after warmup.",
+    )
+    decay_type: str = _opt("linear", "Decay shape after warmup.", choices=("linear", "cosine", "wsd"))
+    min_lr_factor: float = _opt(0.1, "Final LR as a fraction of optimizer.lr.")
+
+
+@dataclass
+class Parallelism:
+    """Parallel layout: data (FSDP2/HSDP), tensor + sequence, pipeline and context parallel (trainer/parallel/README.md)."""
+
+    data_parallel_replicate_degree: int = _opt(1, "Replicas (HSDP outer dimension; 1 = plain FSDP).")
+    data_parallel_shard_degree: int = _opt(-1, "FSDP shard degree; -1 = the rest of the world size.")
+    tensor_parallel_degree: int = _opt(1, "Tensor + sequence parallel degree (heads, FFN and vocab split).")
+    enable_async_tensor_parallel: bool = _opt(
+        False, "Overlap TP communication with the matmuls (CUDA symmetric memory; needs compile.enable)."
+    )
+    disable_loss_parallel: bool = _opt(
+        False, "Under TP, gather the logits before the loss instead of a cross-entropy on vocab-sharded logits."
+    )
+    pipeline_parallel_degree: int = _opt(1, "Pipeline parallel degree (ranks holding successive stages).")
+    pipeline_parallel_schedule: str = _opt(
+        "1F1B", "Pipeline schedule (torch.distributed.pipelining); Interleaved*/ZBV hold 2 stages per rank.",
+        choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pipeline_parallel_split_points: list[str] = _opt(
+        [], "Stage boundaries as the first layer of each later stage, e.g. layers.3 (comma-separated); "
+        "empty = layers split evenly.",
+    )
+    pipeline_parallel_microbatch_size: int = _opt(
+        1, "Sequences per pipeline micro-batch; local_batch_size must be a multiple of it."
+    )
+    context_parallel_degree: int = _opt(
+        1, "Context parallel degree: every sequence is split over this many ranks (ring attention)."
+    )
+    expert_parallel_degree: int = _opt(
+        1, "Expert parallel degree (MoE flavors): the experts split over this many data-parallel ranks, tokens "
+        "sent to them by all-to-all; must divide data_parallel_shard_degree.",
+    )
+
+
+@dataclass
+class Checkpoint:
+    """Saving and resuming."""
+
+    enable: bool = _opt(False, "Save checkpoints and resume from the newest complete one.")
+    folder: str = _opt("checkpoint", "Checkpoint folder, relative to job.dump_folder.")
+    interval: int = _opt(500, "Save every this many steps (and at the end).")
+    keep_latest_k: int = _opt(0, "Keep only the newest k checkpoints; 0 = keep all.")
+    async_mode: str = _opt("disabled", "Write checkpoints in the background.", choices=("disabled", "async"))
+    load_step: int = _opt(-1, "Resume from this step's checkpoint; -1 = the newest.")
+    model_weights_only: bool = _opt(False, "Final save holds only the model weights (an export).")
+    export_dtype: str = _opt(
+        "float32", "Weight dtype of a model-weights-only export.", choices=("float32", "bfloat16")
+    )
+    create_seed_checkpoint: bool = _opt(
+        False, "Write the initial weights as step 0 on one process, then exit."
+    )
+    initial_load_path: str = _opt(
+        "", "Start from this checkpoint when the checkpoint folder has none to resume: a DCP checkpoint or "
+        "step folder, or a Hugging Face Llama folder (with initial_load_in_hf)."
+    )
+    initial_load_model_only: bool = _opt(
+        True, "From initial_load_path take the model weights only (start at step 0); false = the whole "
+        "training state (DCP only)."
+    )
+    initial_load_in_hf: bool = _opt(
+        False, "initial_load_path is a Hugging Face Llama folder (safetensors + config.json)."
+    )
+    last_save_in_hf: bool = _opt(
+        False, "The final save is a Hugging Face Llama folder hf-step-<N> (in export_dtype) that "
+        "transformers' LlamaForCausalLM.from_pretrained loads."
+    )
+
+
+@dataclass
+class Metrics:
+    """Logging."""
+
+    log_freq: int = _opt(10, "Log metrics every this many steps.")
+    enable_tensorboard: bool = _opt(False, "Also write TensorBoard logs.")
+    save_tb_folder: str = _opt("tb", "TensorBoard folder, relative to job.dump_folder.")
+    enable_wandb: bool = _opt(
+        False, "Also log to Weights & Biases (the wandb package; offline unless WANDB_MODE=online)."
+    )
+    wandb_project: str = _opt("titan-kernels", "Weights & Biases project (WANDB_PROJECT overrides).")
+    save_wandb_folder: str = _opt("wandb", "Weights & Biases run folder, relative to job.dump_folder.")
+    enable_color: bool = _opt(True, "Colored console output.")
+    save_plot: bool = _opt(
+        True, "At the end, draw metrics.jsonl (loss, validation loss, LR, tokens/s, memory) to dump_folder/metrics.png."
+    )
+
+
+@dataclass
+class Validation:
+    """Validation loss: the mean token loss on held-out text, every freq steps and at the end."""
+
+    enable: bool = _opt(False, "Evaluate the validation loss and perplexity during training.")
+    freq: int = _opt(100, "Evaluate every this many steps (and at the last step).")
+    steps: int = _opt(-1, "Batches per evaluation; -1 = the whole validation split (one pass).")
+    dataset: str = _opt(
+        "", "Validation dataset name, as training.dataset; empty (and no dataset_path) = a held-out part of the "
+        "training source (see split_every)."
+    )
+    dataset_path: str = _opt("", "A local validation file or folder, as training.dataset_path; overrides dataset.")
+    local_batch_size: int = _opt(-1, "Sequences per validation batch on each data-parallel rank; -1 = training's.")
+    seq_len: int = _opt(-1, "Tokens per validation sequence; -1 = training.seq_len (it may not be longer).")
+    split_every: int = _opt(
+        50, "Without a validation dataset: every N-th document of the training source is held out for "
+        "validation and never trained on (1 in 50 = 2%)."
+    )
+
+
+@dataclass
+class Profiling:
+    """torch.profiler traces and CUDA memory snapshots."""
+
+    enable_profiling: bool = _opt(False, "Record a torch.profiler trace every profile_freq steps.")
+    profile_freq: int = _opt(10, "Profile the last profiler_active of every this many steps.")
+    profiler_warmup: int = _opt(3, "Steps the profiler warms up (runs, records nothing) before the active ones.")
+    profiler_active: int = _opt(1, "Steps recorded in each trace.")
+    save_traces_folder: str = _opt(
+        "profile_trace", "Trace folder, relative to job.dump_folder: iteration_<step>/rank<r>_trace.json (Chrome "
+        "trace: chrome://tracing or Perfetto)."
+    )
+    enable_memory_snapshot: bool = _opt(
+        False, "Record CUDA allocations and write a memory snapshot every profile_freq steps (and on out-of-memory)."
+    )
+    save_memory_snapshot_folder: str = _opt(
+        "memory_snapshot", "Snapshot folder, relative to job.dump_folder: iteration_<step>/rank<r>_memory_snapshot.pickle "
+        "(open with pytorch.org/memory_viz)."
+    )
+
+
+@dataclass
+class ActivationCheckpoint:
+    """Recompute activations in the backward pass to save memory."""
+
+    mode: str = _opt("none", "Activation checkpointing mode.", choices=("none", "full", "selective"))
+    selective_ac_option: str = _opt(
+        "2", "For selective: an integer N = every N-th layer; 'op' = per op, keeping matmul outputs."
+    )
+
+
+@dataclass
+class Compile:
+    """torch.compile."""
+
+    enable: bool = _opt(False, "Compile the components below with torch.compile.")
+    components: list[str] = _opt(["model", "loss"], "What to compile: model, loss (comma-separated).")
+    backend: str = _opt(
+        "inductor", "torch.compile backend; aot_eager traces the same graphs without generating code.",
+        choices=("inductor", "aot_eager", "eager"),
+    )
+
+
+@dataclass
+class Kernels:
+    """Which titan_kernels implementation runs."""
+
+    backend: str = _opt(
+        "auto",
+        "Kernel backend passed to titan_kernels.use_backend.",
+        choices=("auto", "reference", "triton", "cpu", "cuda"),
+    )
+
+
+@dataclass
+class Float8:
+    """Float8 training of the Linear layers (float8 GEMMs run at twice the bf16 rate on H100/H200)."""
+
+    enable: bool = _opt(False, "Train the Linear layers with float8 GEMMs (forward, grad_input, grad_weight).")
+    recipe: str = _opt(
+        "tensorwise",
+        "Scaling recipe (torchao's meanings): tensorwise (fastest), rowwise, rowwise_with_gw_hp "
+        "(grad_weight in high precision).",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    impl: str = _opt(
+        "titan", "Float8Linear implementation: titan (ours) or torchao (needs torchao installed).",
+        choices=("titan", "torchao"),
+    )
+    filter_fqns: list[str] = _opt(
+        ["output"], "Keep Linear layers whose name contains one of these in high precision (comma-separated)."
+    )
+    auto_filter_small_kgemms: bool = _opt(
+        True, "Also keep in high precision the layers too small to gain from float8 (see trainer/float8.py)."
+    )
+    enable_fsdp_float8_all_gather: bool = _opt(
+        False, "FSDP2 all-gathers weights in float8 (1 byte per element); tensorwise recipe only."
+    )
+

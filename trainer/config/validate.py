@@ -1,0 +1,213 @@
+"""Validation: every value of a configuration and the relations between them, checked before a run
+starts, each failure a one-line :class:`ConfigError` naming the key.
+
+The checks here need neither a model nor the world size; those that do (a layout that does not
+divide the model or the ranks, a batch that does not divide the data-parallel degree) are made
+where the run starts (``trainer.parallel``, :meth:`JobConfig.grad_accum_steps`).
+
+Imports :mod:`trainer.config.sections`, :mod:`~trainer.config.fields` and
+:mod:`~trainer.config.flavors` of the package; :meth:`trainer.config.JobConfig.validate` calls
+:func:`validate_config`.
+"""
+from __future__ import annotations
+
+import math
+import pathlib
+from typing import TYPE_CHECKING, Any
+
+from trainer.config.fields import check_value, choice_message, iter_fields
+from trainer.config.flavors import available_flavors
+from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
+
+if TYPE_CHECKING:  # for the annotation only: job.py imports this module
+    from trainer.config.job import JobConfig
+
+COMPILE_COMPONENTS = ("model", "loss")
+
+
+def validate_config(config: JobConfig) -> None:
+    """Check every value of ``config`` and the relations between them (:meth:`JobConfig.validate`).
+
+    Checks the types first (a configuration built in code may hold e.g. a str where an int belongs),
+    then the choices of the string keys, the ranges, the flavor, that the paths exist, and the
+    relations that need no model or world size (those are checked when the run starts).
+
+    Raises:
+        ConfigError: the first bad value; the message is one line naming the key.
+    """
+    for section, f, hint, value in iter_fields(config):
+        key = f"{section}.{f.name}"
+        check_value(key, value, hint, "--")
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(choice_message(key, value, choices))
+
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--{key}: expected {expected}, got {value!r}")
+
+    t, o, s, p, c = config.training, config.optimizer, config.lr_scheduler, config.parallelism, config.checkpoint
+    flavors = available_flavors(config.model.name)
+    if flavors and config.model.flavor not in flavors:
+        raise ConfigError(choice_message("model.flavor", config.model.flavor, flavors))
+    need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
+    need(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "an integer >= 1")
+    need(
+        t.global_batch_size == -1 or t.global_batch_size >= 1,
+        "training.global_batch_size", t.global_batch_size, "-1 or an integer >= 1",
+    )
+    if t.global_batch_size != -1 and t.global_batch_size % t.local_batch_size:
+        raise ConfigError(
+            f"--training.global_batch_size: expected a multiple of training.local_batch_size "
+            f"({t.local_batch_size}), got {t.global_batch_size}"
+        )
+    need(t.seq_len >= 1, "training.seq_len", t.seq_len, "an integer >= 1")
+    need(math.isfinite(t.max_norm) and t.max_norm > 0, "training.max_norm", t.max_norm, "a finite value > 0")
+    need(t.seed >= 0, "training.seed", t.seed, "an integer >= 0")
+    need(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
+    need(bool(t.dataset or t.dataset_path), "training.dataset", t.dataset, "a dataset name or a dataset_path")
+    for key, path in (("training.dataset_path", t.dataset_path), ("model.tokenizer_path", config.model.tokenizer_path)):
+        if path and not pathlib.Path(path).expanduser().exists():
+            raise ConfigError(f"--{key}: no such file or folder: {path!r}")
+    need(math.isfinite(o.lr) and o.lr > 0, "optimizer.lr", o.lr, "a finite value > 0")
+    need(0 <= o.beta1 < 1, "optimizer.beta1", o.beta1, "a value in [0, 1)")
+    need(0 <= o.beta2 < 1, "optimizer.beta2", o.beta2, "a value in [0, 1)")
+    need(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", o.eps, "a finite value > 0")
+    need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay,
+         "a finite value >= 0")
+    need(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "an integer >= 0")
+    need(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
+         "none or a value in [0, 1]")
+    need(0 <= s.min_lr_factor <= 1, "lr_scheduler.min_lr_factor", s.min_lr_factor, "a value in [0, 1]")
+    need(p.data_parallel_replicate_degree >= 1, "parallelism.data_parallel_replicate_degree",
+         p.data_parallel_replicate_degree, "an integer >= 1")
+    need(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1,
+         "parallelism.data_parallel_shard_degree", p.data_parallel_shard_degree, "-1 or an integer >= 1")
+    _validate_parallelism(p, t)
+    need(c.interval >= 1, "checkpoint.interval", c.interval, "an integer >= 1")
+    need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", c.keep_latest_k, "an integer >= 0 (0 = keep all)")
+    need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
+    need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
+    if c.initial_load_path and not pathlib.Path(c.initial_load_path).expanduser().is_dir():
+        raise ConfigError(f"--checkpoint.initial_load_path: no such folder: {c.initial_load_path!r}")
+    if config.model.name != "llama3" and (c.initial_load_in_hf or c.last_save_in_hf):
+        # trainer.models.qwen3 has the state-dict conversion; the folder reader/writer is Llama's.
+        key = "checkpoint.initial_load_in_hf" if c.initial_load_in_hf else "checkpoint.last_save_in_hf"
+        raise ConfigError(f"--{key}: Hugging Face folders are supported for model.name llama3 only so far, "
+                          f"got {config.model.name!r}")
+    need(not c.initial_load_in_hf or bool(c.initial_load_path), "checkpoint.initial_load_in_hf",
+         c.initial_load_in_hf, "false without --checkpoint.initial_load_path")
+    need(not c.initial_load_in_hf or c.initial_load_model_only, "checkpoint.initial_load_model_only",
+         c.initial_load_model_only, "true with --checkpoint.initial_load_in_hf (a Hugging Face folder holds "
+         "weights only)")
+    need(config.metrics.log_freq >= 1, "metrics.log_freq", config.metrics.log_freq, "an integer >= 1")
+    _validate_validation(config.validation, t, p)
+    _validate_profiling(config.profiling)
+    ac = config.activation_checkpoint.selective_ac_option
+    need(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option", ac,
+         "'op' or an integer >= 1")
+    for comp in config.compile.components:
+        if comp not in COMPILE_COMPONENTS:
+            raise ConfigError(choice_message("compile.components", comp, COMPILE_COMPONENTS))
+    f8 = config.float8
+    need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
+         "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
+         f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
+
+
+
+def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--validation.{key}: expected {expected}, got {value!r}")
+
+    need(v.freq >= 1, "freq", v.freq, "an integer >= 1")
+    need(v.steps == -1 or v.steps >= 1, "steps", v.steps, "-1 (the whole split) or an integer >= 1")
+    need(v.local_batch_size == -1 or v.local_batch_size >= 1, "local_batch_size", v.local_batch_size,
+         "-1 (training's) or an integer >= 1")
+    need(v.seq_len == -1 or 1 <= v.seq_len <= t.seq_len, "seq_len", v.seq_len,
+         f"-1 (training's) or an integer in [1, training.seq_len = {t.seq_len}] (the rotary table is sized for "
+         f"training)")
+    need(v.split_every >= 2, "split_every", v.split_every, "an integer >= 2")
+    if v.dataset_path and not pathlib.Path(v.dataset_path).expanduser().exists():
+        raise ConfigError(f"--validation.dataset_path: no such file or folder: {v.dataset_path!r}")
+    if not v.enable:
+        return
+    seq = t.seq_len if v.seq_len == -1 else v.seq_len
+    lbs = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp > 1 and seq % (2 * cp):
+        raise ConfigError(f"--validation.seq_len: {seq} is not divisible by 2 x context_parallel_degree = {2 * cp}")
+    if tp > 1 and (seq // cp) % tp:
+        raise ConfigError(
+            f"--validation.seq_len: the sequence part of a rank, {seq} / context_parallel_degree {cp}, is not "
+            f"divisible by tensor_parallel_degree {tp} (sequence parallel)"
+        )
+    if p.pipeline_parallel_degree > 1 and lbs % t.local_batch_size:
+        raise ConfigError(
+            f"--validation.local_batch_size: {lbs} is not a multiple of training.local_batch_size "
+            f"{t.local_batch_size} (under pipeline parallel the schedule's micro-batch count is fixed)"
+        )
+
+
+def _validate_profiling(pr: Profiling) -> None:
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--profiling.{key}: expected {expected}, got {value!r}")
+
+    need(pr.profiler_warmup >= 0, "profiler_warmup", pr.profiler_warmup, "an integer >= 0")
+    need(pr.profiler_active >= 1, "profiler_active", pr.profiler_active, "an integer >= 1")
+    need(pr.profile_freq >= 1, "profile_freq", pr.profile_freq, "an integer >= 1")
+    need(not pr.enable_profiling or pr.profile_freq >= pr.profiler_warmup + pr.profiler_active, "profile_freq",
+         pr.profile_freq, f"an integer >= profiler_warmup + profiler_active = {pr.profiler_warmup + pr.profiler_active}")
+    need(bool(pr.save_traces_folder), "save_traces_folder", pr.save_traces_folder, "a folder name")
+    need(bool(pr.save_memory_snapshot_folder), "save_memory_snapshot_folder", pr.save_memory_snapshot_folder,
+         "a folder name")
+
+
+def _validate_parallelism(p: Parallelism, t: Training) -> None:
+    """The layout checks that need no model or world size (those are in trainer.parallel)."""
+    for key in ("tensor_parallel_degree", "pipeline_parallel_degree", "context_parallel_degree",
+                "pipeline_parallel_microbatch_size", "expert_parallel_degree"):
+        value = getattr(p, key)
+        if value < 1:
+            raise ConfigError(f"--parallelism.{key}: expected an integer >= 1, got {value!r}")
+    cp, tp = p.context_parallel_degree, p.tensor_parallel_degree
+    if cp > 1 and t.seq_len % (2 * cp):
+        raise ConfigError(
+            f"--parallelism.context_parallel_degree: training.seq_len {t.seq_len} is not divisible by "
+            f"2 x context_parallel_degree = {2 * cp} (each rank holds one chunk from each end of the sequence)"
+        )
+    if tp > 1 and (t.seq_len // cp) % tp:
+        raise ConfigError(
+            f"--parallelism.tensor_parallel_degree: the sequence part of a rank, training.seq_len / "
+            f"context_parallel_degree = {t.seq_len} / {cp} = {t.seq_len // cp}, is not divisible by {tp} "
+            f"(sequence parallel splits it further)"
+        )
+    if p.pipeline_parallel_degree > 1:
+        mbs = p.pipeline_parallel_microbatch_size
+        if t.local_batch_size % mbs:
+            raise ConfigError(
+                f"--parallelism.pipeline_parallel_microbatch_size: training.local_batch_size {t.local_batch_size} "
+                f"is not divisible into micro-batches of {mbs}"
+            )
+        if t.document_masking:
+            raise ConfigError(
+                "--parallelism.pipeline_parallel_degree: training.document_masking is not supported with "
+                "pipeline parallel (the stages do not receive the position_ids)"
+            )
+    elif p.pipeline_parallel_split_points:
+        raise ConfigError(
+            f"--parallelism.pipeline_parallel_split_points: {p.pipeline_parallel_split_points} given but "
+            f"pipeline_parallel_degree is 1"
+        )
+    if cp > 1 and t.document_masking:
+        raise ConfigError(
+            "--parallelism.context_parallel_degree: training.document_masking is not supported with context "
+            "parallel (ring attention is dense causal)"
+        )
+    if p.expert_parallel_degree > 1 and (cp > 1 or p.data_parallel_replicate_degree > 1):
+        raise ConfigError(
+            "--parallelism.expert_parallel_degree: not supported with context_parallel_degree > 1 or "
+            "data_parallel_replicate_degree > 1 yet (expert parallel borrows data_parallel_shard ranks only)"
+        )
