@@ -357,19 +357,24 @@ def compile_row(row: Row, all_configs: bool) -> list[dict]:
 
 
 def kernels_in_tree() -> dict[str, list[str]]:
-    """module -> the names of its @triton.jit kernels (jit functions named *kernel*; others are helpers)."""
+    """module -> the names of its @triton.jit kernels (jit functions named *kernel*; others are helpers).
+
+    A package under ``titan_kernels/triton/`` (e.g. ``flash_attn/``) is one entry under the package's
+    name, the module its Rows name: the kernels of all its modules.
+    """
     from triton.runtime.jit import JITFunction
 
-    out = {}
-    for path in sorted((ROOT / "titan_kernels" / "triton").glob("*.py")):
-        if path.stem == "__init__":
+    base = ROOT / "titan_kernels" / "triton"
+    out: dict[str, set[str]] = {}
+    for path in sorted(base.rglob("*.py")):
+        parts = path.relative_to(base).with_suffix("").parts
+        if parts == ("__init__",):
             continue
-        name = f"titan_kernels.triton.{path.stem}"
-        mod = importlib.import_module(name)
+        mod = importlib.import_module(".".join(("titan_kernels", "triton", *parts)).removesuffix(".__init__"))
         found = [k for k, v in vars(mod).items() if isinstance(v, JITFunction) and "kernel" in k]
         if found:
-            out[name] = sorted(v.__name__ for v in (getattr(mod, k) for k in found))
-    return out
+            out.setdefault(f"titan_kernels.triton.{parts[0]}", set()).update(getattr(mod, k).__name__ for k in found)
+    return {name: sorted(kernels) for name, kernels in out.items()}
 
 
 def _worker(args) -> list[dict]:
