@@ -314,7 +314,7 @@ def test_cpu_flash_keeps_no_score_matrix():
 @pytest.mark.parametrize("causal", [True, False])
 def test_sm90_forward_kernel(varlen, causal):
     # Selected only on sm_90 in production; on the CPU the interpreter runs its TMA-descriptor code
-    # (float32: the interpreter's bfloat16 dot is not usable, see titan_kernels.triton.flash_attn._dot).
+    # (float32: the interpreter's bfloat16 dot is not usable, see titan_kernels.triton.flash_attn.tiles._dot).
     from titan_kernels.triton import flash_attn as T
 
     if DEV.type == "cuda":
