@@ -4,7 +4,7 @@ Layout under the checkpoint folder (``<dump_folder>/<checkpoint.folder>``):
   step-<N>/            a complete checkpoint (DCP files + ``.metadata``), resumable
   .step-<N>.partial/   a checkpoint being written; renamed to step-<N> only once complete
   weights-step-<N>/    a model-weights-only export (``checkpoint.model_weights_only``), not resumed from
-  hf-step-<N>/         a Hugging Face Llama folder (``checkpoint.last_save_in_hf``; ``trainer.hf``)
+  hf-step-<N>/         a Hugging Face Llama / Qwen3 folder (``checkpoint.last_save_in_hf``; ``trainer.hf``)
 
 What a full checkpoint holds (keys of the DCP state dict):
   model         sharded parameters (DTensors under FSDP2), via ``get_model_state_dict``
@@ -234,7 +234,7 @@ class Checkpointer:
         return self.export_weights_to(f"weights-step-{step}")
 
     def export_hf(self, step: int) -> Path:
-        """Write the model as a Hugging Face Llama folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
+        """Write the model as a Hugging Face (Llama / Qwen3) folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
 
         Every rank writes its shards into a temporary DCP export (any layout, pipeline stages
         included); rank 0 then streams it into safetensors shards (``trainer.convert.dcp_to_hf``,
@@ -382,7 +382,7 @@ class Checkpointer:
     def initial_load(self, path: str | os.PathLike, model_only: bool = True, in_hf: bool = False) -> tuple[int, int]:
         """Start from another checkpoint (``checkpoint.initial_load_path``); returns ``(step, tokens_seen)``.
 
-        ``path``: a Hugging Face Llama folder (``in_hf``; weights only), a DCP step folder (holding
+        ``path``: a Hugging Face Llama / Qwen3 folder (``in_hf``; weights only), a DCP step folder (holding
         ``.metadata``) or a checkpoint folder (its newest complete step). ``model_only``: load the
         weights only and start at step 0; else also the optimizer, scheduler, data loader and step
         (as a resume from that folder). Raises CheckpointError (one line) for a folder that is not
@@ -398,7 +398,7 @@ class Checkpointer:
             try:
                 ckpt = HFCheckpoint(path)
                 if self.model_args is not None:
-                    check_compatible(ckpt.args, self.model_args, f"{path} (Hugging Face Llama)",
+                    check_compatible(ckpt.args, self.model_args, f"{path} (Hugging Face {ckpt.family})",
                                      f"flavor {self.flavor!r}" if self.flavor else "the model")
                 n = load_into_model(self.model, ckpt)
             except HFCheckpointError as exc:

@@ -1,4 +1,4 @@
-"""Convert checkpoints between our DCP format and Hugging Face Llama folders.
+"""Convert checkpoints between our DCP format and Hugging Face Llama 3 / Qwen3 / Qwen3-MoE folders.
 
     python -m trainer.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     python -m trainer.convert hf-to-dcp HF_DIR OUT_DIR [--dtype bfloat16]
@@ -7,13 +7,17 @@ CHECKPOINT_DIR is a DCP step folder (``step-<N>``, ``weights-step-<N>``; anythin
 ``.metadata``) or a checkpoint folder (its newest complete step). Only the model weights are
 converted; the model arguments come from the checkpoint itself (``model_args``, recorded by every
 save), so no flavor is needed (``--flavor`` names one for checkpoints older than that record).
-The output of dcp-to-hf loads with ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)``;
+The output of dcp-to-hf loads with ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)``
+(``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` for a Qwen3 checkpoint, or ``AutoModelForCausalLM``);
 the output of hf-to-dcp is a DCP folder for ``--checkpoint.initial_load_path`` (or, placed as
-``<dump_folder>/checkpoint/step-0``, a seed checkpoint).
+``<dump_folder>/checkpoint/step-0``, a seed checkpoint), its MoE layers' ``expert_bias`` zero.
+A Qwen3-MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with a warning:
+Hugging Face routes without the bias (``trainer.hf``).
 
 Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
-Exit codes: 0 done; 1 the input is not a usable checkpoint (a one-line message).
+Exit codes: 0 done; 1 the input is not a usable checkpoint, or a model Hugging Face cannot express
+(e.g. a MoE with shared experts): a one-line message.
 """
 from __future__ import annotations
 
@@ -26,8 +30,16 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointError, read_model_args, resolve_step_folder
-from trainer.hf import DEFAULT_MAX_SHARD_SIZE, HFCheckpoint, HFCheckpointError, HFWriter, expected_keys, parse_size
-from trainer.models.llama import LLAMA3_FLAVORS, ModelArgs
+from trainer.hf import (
+    DEFAULT_MAX_SHARD_SIZE,
+    HFCheckpoint,
+    HFCheckpointError,
+    HFWriter,
+    expected_keys,
+    expected_shapes,
+    parse_size,
+)
+from trainer.models.llama import LLAMA3_FLAVORS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +54,9 @@ def _model_tensors(path: Path) -> dict[str, object]:
             if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
 
 
-def _args_for(path: Path, tensors: dict[str, object], flavor: str | None) -> ModelArgs:
+def _args_for(path: Path, tensors: dict[str, object], flavor: str | None):
+    """The model args recorded in checkpoint ``path``; for an older checkpoint without the record,
+    the Llama 3 ``flavor`` with the embedding's vocabulary (Qwen3 checkpoints always record theirs)."""
     try:
         args, _ = read_model_args(path)
         return args
@@ -59,30 +73,35 @@ def _args_for(path: Path, tensors: dict[str, object], flavor: str | None) -> Mod
 
 def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, flavor: str | None = None) -> Path:
-    """Write the model of DCP checkpoint ``src`` as a Hugging Face Llama folder ``out``.
+    """Write the model of DCP checkpoint ``src`` as a Hugging Face folder ``out`` (Llama 3, Qwen3 or
+    Qwen3-MoE, by the recorded model arguments).
 
     ``dtype``: of the written tensors (default: as stored). Reads one output shard's tensors at a
-    time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size``.
-    Raises CheckpointError (one line) when ``src`` is not a DCP checkpoint of a Llama model.
+    time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size`` (at least
+    one tensor: a MoE layer's stacked expert weight). The MoE layers' ``expert_bias`` is read to
+    warn when it is not zero (``HFWriter``), not written.
+    Raises CheckpointError (one line) when ``src`` is not a DCP checkpoint of its recorded model,
+    HFCheckpointError when that model has no Hugging Face equivalent (before anything is written).
     """
     import torch.distributed.checkpoint as dcp
-
-    from trainer.hf import expected_shape
 
     path = resolve_step_folder(src, what="CHECKPOINT_DIR")
     tensors = _model_tensors(path)
     args = _args_for(path, tensors, flavor)
-    keys = expected_keys(args)
-    missing = [k for k in keys if k not in tensors]
-    extra = sorted(set(tensors) - set(keys))
+    shapes = expected_shapes(args, buffers=True)
+    params = expected_keys(args)
+    missing = [k for k in params if k not in tensors]
+    extra = sorted(set(tensors) - set(shapes))
+    kind = "Llama" if getattr(args, "name", "llama3") == "llama3" else "Qwen3"
     if missing or extra:
-        what = f"lacks model.{missing[0]}" if missing else f"has model.{extra[0]}, not a Llama parameter"
-        raise CheckpointError(f"checkpoint {path}: {what}; not a Llama checkpoint of its recorded model arguments")
+        what = f"lacks model.{missing[0]}" if missing else f"has model.{extra[0]}, not a {kind} parameter"
+        raise CheckpointError(f"checkpoint {path}: {what}; not a {kind} checkpoint of its recorded model arguments")
+    keys = [k for k in shapes if k in tensors]  # parameters, and the expert_bias buffers it holds
     for k in keys:
-        if tuple(tensors[k].size) != expected_shape(args, k):
+        if tuple(tensors[k].size) != shapes[k]:
             raise CheckpointError(f"checkpoint {path}: model.{k} has shape {tuple(tensors[k].size)}, expected "
-                                  f"{expected_shape(args, k)} from its model arguments")
-    stored = {tensors[k].properties.dtype for k in keys}
+                                  f"{shapes[k]} from its model arguments")
+    stored = {tensors[k].properties.dtype for k in params}
     out_dtype = dtype or (stored.pop() if len(stored) == 1 else torch.float32)
     writer = HFWriter(out, args, out_dtype, max_shard_size)
     # Groups of about one shard: load, convert, hand to the writer, free.
@@ -101,11 +120,12 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
 
 
 def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the Hugging Face Llama folder ``src`` as a DCP checkpoint folder ``out`` (model + model_args).
+    """Write the Hugging Face Llama / Qwen3 / Qwen3-MoE folder ``src`` as a DCP checkpoint folder
+    ``out`` (model + model_args; MoE layers with a zero ``expert_bias``, as the trainer's state dict has it).
 
-    ``dtype``: of the written tensors (default: as stored). The folder is written as
-    ``.<name>.partial`` and renamed when complete. Raises HFCheckpointError (one line) for a folder
-    that is not a Llama checkpoint or whose tensors do not match its config.json.
+    ``dtype``: of the written tensors (default: as stored; the bias stays float32). The folder is
+    written as ``.<name>.partial`` and renamed when complete. Raises HFCheckpointError (one line)
+    for a folder that is not such a checkpoint or whose tensors do not match its config.json.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -114,7 +134,10 @@ def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     ckpt = HFCheckpoint(src)
     ckpt.check_names()
     sd = {}
-    for k in expected_keys(ckpt.args):
+    for k, shape in expected_shapes(ckpt.args, buffers=True).items():
+        if k.endswith("feed_forward.expert_bias"):
+            sd[k] = torch.zeros(shape, dtype=torch.float32)
+            continue
         t = ckpt.our_tensor(k)
         sd[k] = t.to(dtype) if dtype is not None else t
     ckpt.close()
@@ -134,15 +157,17 @@ def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m trainer.convert", description="Convert checkpoints between DCP and Hugging Face Llama.")
+        prog="python -m trainer.convert",
+        description="Convert checkpoints between DCP and Hugging Face Llama 3 / Qwen3 / Qwen3-MoE folders.")
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (safetensors shards + config.json)")
     a.add_argument("checkpoint_dir", help="a step-<N> folder or a checkpoint folder (its newest step)")
     a.add_argument("out_dir")
     a.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="tensor dtype (default: as stored)")
     a.add_argument("--max_shard_size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
-    a.add_argument("--flavor", default=None, help="only for a checkpoint that does not record its model arguments")
-    b = sub.add_parser("hf-to-dcp", help="Hugging Face Llama folder -> DCP checkpoint folder")
+    a.add_argument("--flavor", default=None,
+                   help="only for a (Llama 3) checkpoint that does not record its model arguments")
+    b = sub.add_parser("hf-to-dcp", help="Hugging Face Llama / Qwen3 folder -> DCP checkpoint folder")
     b.add_argument("hf_dir")
     b.add_argument("out_dir")
     b.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="tensor dtype (default: as stored)")
