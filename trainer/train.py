@@ -8,10 +8,9 @@ LR schedule -> data loader -> resume from the newest complete checkpoint -> loop
 and summary.
 
 One optimizer step takes ``grad_accum = global_batch_size / (local_batch_size * dp)`` micro-batches
-per rank. Each micro-batch's summed token loss is scaled by ``dp / global_tokens`` (all tokens of the
-step over all ranks); FSDP2 averages gradients over the ``dp`` ranks, so the gradient is exactly that
-of the mean token loss over the whole global batch, for any split into ranks and micro-batches. The
-reported loss is that mean token loss.
+per rank; the numerics of a step (the exact token-mean scaling over micro-batches and ranks, the
+clip, the non-finite flag) are in ``trainer/step.py``, the process around the run (OpenMP policy,
+logging, process group) in ``trainer/environment.py``.
 
 Non-finite values. A step does not wait for the device to check its loss and gradient norm (that
 host synchronisation would stall every step): a device-side flag records the first step whose
@@ -34,69 +33,36 @@ import logging
 import os
 import sys
 import time
-import warnings
-from datetime import timedelta
 from pathlib import Path
 
+# First: it sets the OpenMP wait policy before torch loads (trainer/environment.py says why).
+from trainer.environment import (
+    DTYPES,
+    init_distributed,
+    rank_zero_warnings,
+    resolve_compute_dtype,
+    setup_logging,
+)
 
+import torch
+import torch.distributed as dist
 
-def _cpu_is_busy() -> bool:
-    """Whether other processes already keep every core busy (1-minute load average >= cores)."""
-    try:
-        return os.getloadavg()[0] >= (os.cpu_count() or 1)
-    except OSError:  # no load average on this platform
-        return False
+from trainer.config import ConfigError, JobConfig
+# The step's pieces, also importable from here (the tests patch forward_backward and clip_grad_norm_
+# on this module: the loop looks them up here).
+from trainer.step import (  # noqa: F401
+    IGNORE_INDEX,
+    NonFiniteLossError,
+    NonFiniteWatch,
+    TrainingError,
+    clip_grad_norm_,
+    forward_backward,
+    micro_batch_loss,
+)
 
-
-# Set before torch loads OpenMP (``python -m trainer`` imports torch here first). On a CPU that other
-# processes keep busy, idle OpenMP threads must sleep (PASSIVE): spinning ones take the cores the
-# working threads need, and the debug model ran 1.1-3x faster with it under load. On an idle CPU
-# spinning wins: 4,100-4,400 tokens/s with the default or ACTIVE policy against 3,640 with PASSIVE
-# (debug model, 2 idle cores, 2026-12-01). So PASSIVE only when the machine is busy at start-up;
-# a value set by the user wins.
-if "OMP_WAIT_POLICY" not in os.environ and _cpu_is_busy():
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-
-from trainer.config import ConfigError, JobConfig  # noqa: E402
+_rank_zero_warnings = rank_zero_warnings  # the name tests/trainer/test_train.py uses
 
 logger = logging.getLogger("trainer")
-
-IGNORE_INDEX = -100
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class TrainingError(RuntimeError):
-    """The run cannot proceed; the message says why and what to do. Reported without a traceback."""
-
-
-class NonFiniteLossError(TrainingError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------------
-# Environment
-
-
-def _setup_logging(rank: int) -> None:
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("[trainer] %(asctime)s %(message)s", datefmt="%H:%M:%S"))
-    logger.handlers[:] = [handler]
-    # Every rank would print the same warnings: rank 0 prints them, the others only errors.
-    logger.setLevel(logging.INFO if rank == 0 else logging.ERROR)
-    logger.propagate = False
-
-
-@contextlib.contextmanager
-def _rank_zero_warnings(rank: int):
-    """Python warnings (torch's and ours) print once, from rank 0, not once per rank under torchrun."""
-    with warnings.catch_warnings():
-        if rank != 0:
-            warnings.simplefilter("ignore")
-        yield
 
 
 def _env_int(name: str, default: int) -> int:
@@ -105,159 +71,6 @@ def _env_int(name: str, default: int) -> int:
         return int(raw) if raw else default
     except ValueError:
         raise TrainingError(f"environment variable {name}: expected an integer, got {raw!r}") from None
-
-
-def _compute_dtype(config: JobConfig, device: torch.device) -> torch.dtype:
-    dtype = config.training.dtype
-    if dtype == "auto":
-        return torch.float32 if device.type == "cpu" else _DTYPES[config.training.mixed_precision_param]
-    return _DTYPES[dtype]
-
-
-def _init_distributed(world_size: int, rank: int, device: torch.device, single_process_group: bool) -> None:
-    if world_size == 1 and not single_process_group:
-        return
-    if dist.is_initialized():
-        return
-    # NCCL for GPU tensors, gloo for CPU ones (async checkpointing needs a CPU backend too).
-    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=30)
-    if world_size == 1:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
-
-
-# ------------------------------------------------------------------------------------------------
-# Pieces
-
-
-def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of ``max_norm``; returns the norm before clipping (a plain tensor).
-
-    With FSDP2 / tensor parallel the gradients are DTensor shards: the per-shard norms combine into
-    the norm of the full gradient (``full_tensor`` of the Partial norm), which then scales every
-    shard alike. With pipeline parallel (``pp_group``) each rank holds other layers: the squared
-    norms of the stages add up over the group.
-    """
-    # Gradients on different meshes (expert parallel: experts on the ep mesh, the rest on the data-
-    # parallel one) cannot meet in one foreach call: one norm per mesh, combined as squares.
-    groups: dict = {}
-    for prm in parameters:
-        if prm.grad is not None:
-            key = prm.grad.device_mesh if isinstance(prm.grad, DTensor) else None
-            groups.setdefault(key, []).append(prm)
-    total = None
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([q.grad for q in group], norm_type=2.0, foreach=True)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        total = norm if len(groups) == 1 else (norm**2 if total is None else total + norm**2)
-    if total is None:  # no gradient on this rank (e.g. a pipeline stage without trainable weights)
-        total = torch.zeros((), device=parameters[0].device if parameters else None)
-    elif len(groups) > 1:
-        total = total.sqrt()
-    if pp_group is not None:
-        total = total**2
-        dist.all_reduce(total, group=pp_group)
-        total = total.sqrt()
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=True)
-    return total
-
-
-def micro_batch_loss(model: torch.nn.Module, loss_fn, inputs: torch.Tensor, labels: torch.Tensor,
-                     position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """The summed token loss of one micro-batch through ``model`` (training's forward; validation
-    runs the same under no_grad): ``loss_fn(model(inputs, position_ids), labels, IGNORE_INDEX)``."""
-    return loss_fn(model(inputs, position_ids), labels, IGNORE_INDEX)
-
-
-def forward_backward(
-    model: torch.nn.Module,
-    loss_fn,
-    batches: list[dict[str, torch.Tensor]],
-    device: torch.device,
-    *,
-    dp_size: int = 1,
-    dp_group=False,
-    document_masking: bool = False,
-    shard=None,
-    loss_context=contextlib.nullcontext,
-    pipeline=None,
-) -> torch.Tensor:
-    """Accumulate into ``.grad`` the gradient of the mean token loss over ``batches`` on all dp ranks.
-
-    ``batches``: this rank's micro-batches (``input_ids``, ``labels`` (batch, seq) int64, labels
-    ``IGNORE_INDEX`` skipped; ``position_ids`` used when ``document_masking``). ``loss_fn(logits,
-    labels, ignore_index)`` returns the summed token loss. ``dp_group``: False for a single process,
-    else the group of ranks whose token losses add up to the global loss (data and context
-    parallel; None = default group); the gradients are expected to be averaged over ``dp_size``
-    ranks afterwards (FSDP2 does). ``shard``: this rank's part of each (batch, seq) tensor (context
-    parallel). ``loss_context``: a context for the forward, loss and backward (loss parallel).
-    ``pipeline``: a ``trainer.parallel.pipeline.PipelineRunner`` that runs the batches through the
-    stages instead of ``model``. Returns the mean token loss over all ranks and micro-batches (float32
-    scalar, detached). Raises ValueError if there is no token to learn.
-    """
-    distributed = dp_group is not False
-    if shard is not None:
-        batches = [{k: shard(v) for k, v in b.items()} for b in batches]
-    n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: labels are CPU tensors
-    n_tokens = torch.tensor(float(n_local), device=device)
-    if distributed:
-        dist.all_reduce(n_tokens, group=dp_group)
-    # Reading the global count waits for the device; only a rank without tokens of its own pays that
-    # (then every rank without tokens reads it, and they all raise when no rank has any).
-    if n_local == 0 and n_tokens.item() == 0:
-        raise ValueError("batches: every label is ignore_index; there is no token to compute a loss on")
-    scale = dp_size / n_tokens
-    loss_sum = torch.zeros((), device=device)
-    for b in batches:
-        inputs = b["input_ids"].to(device, non_blocking=True)
-        labels = b["labels"].to(device, non_blocking=True)
-        pos = b["position_ids"].to(device, non_blocking=True) if document_masking else None
-        with loss_context():
-            if pipeline is not None:
-                pipeline.step(inputs, labels, scale)
-                continue
-            token_loss_sum = micro_batch_loss(model, loss_fn, inputs, labels, pos)
-            (token_loss_sum * scale).backward()
-        token_loss_sum = token_loss_sum.detach()
-        if isinstance(token_loss_sum, DTensor):  # loss parallel
-            token_loss_sum = token_loss_sum.full_tensor()
-        loss_sum += token_loss_sum
-    if pipeline is not None:
-        loss_sum = pipeline.take_loss_sum()
-    if distributed:
-        dist.all_reduce(loss_sum, group=dp_group)
-    return loss_sum / n_tokens
-
-
-class NonFiniteWatch:
-    """The first step whose loss or gradient norm is not finite, kept on the device (no host sync per
-    step); ``check`` reads it (module docstring: the policy)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._first_bad = torch.zeros((), dtype=torch.int64, device=device)  # 0 = none yet
-        self._values = torch.zeros(2, dtype=torch.float32, device=device)  # its loss and gradient norm
-
-    def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        new = (self._first_bad == 0) & ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
-        self._first_bad = torch.where(new, step, self._first_bad)
-        self._values = torch.where(new, torch.stack([loss.float(), grad_norm.float()]), self._values)
-
-    def check(self, step: int, kept) -> None:
-        """Raise NonFiniteLossError if a step so far was not finite; ``kept()`` says which checkpoint is good."""
-        first = int(self._first_bad)
-        if first == 0:
-            return
-        loss, norm = self._values.tolist()
-        where = f"step {first}" if first == step else f"step {first} (found at the check of step {step})"
-        raise NonFiniteLossError(
-            f"{where}: non-finite loss or gradient (loss {loss}, gradient norm {norm}); stopping before "
-            f"the optimizer step of step {step}; {kept()}. Try a lower --optimizer.lr or a longer "
-            f"--lr_scheduler.warmup_steps"
-        )
 
 
 def _data_error(exc: Exception, key: str) -> TrainingError:
@@ -326,10 +139,10 @@ def main(config: JobConfig) -> int:
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
-    _setup_logging(rank)
+    setup_logging(rank)
     gc_was_enabled = gc.isenabled()
     try:
-        with _rank_zero_warnings(rank):
+        with rank_zero_warnings(rank):
             return _run(config, world_size, rank, local_rank)
     except TrainingError as exc:
         where = f"[rank {rank}] " if world_size > 1 else ""
@@ -371,7 +184,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     grad_accum = config.grad_accum_steps(dims.dp_size)
-    compute_dtype = _compute_dtype(config, device)
+    compute_dtype = resolve_compute_dtype(config, device)
     if cfg_ckpt.create_seed_checkpoint and world_size != 1:
         raise ConfigError(f"--checkpoint.create_seed_checkpoint: run it on one process, got a world size of {world_size}")
 
@@ -400,7 +213,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
     if p.enable_async_tensor_parallel and device.type != "cuda":
         raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
                           f"got {device.type}")
-    _init_distributed(world_size, rank, device, single_process_group=use_fsdp)
+    init_distributed(world_size, rank, device, single_process_group=use_fsdp)
     mesh = dims.build_mesh(device.type, single_process=use_fsdp)
     dp_rank = dims.dp_rank(mesh)
 
@@ -473,7 +286,7 @@ def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
             pm = parallelize_llama(
                 model, config, dims, mesh, device, use_fsdp=use_fsdp,
                 param_dtype=compute_dtype if mixed_precision else None,
-                reduce_dtype=_DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None, loss_fn=loss_fn,
+                reduce_dtype=DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None, loss_fn=loss_fn,
             )
         except ValueError as exc:  # the model does not fit the layout
             raise ConfigError(str(exc)) from None
