@@ -5,9 +5,12 @@ step time and the command that runs them.
                            [--local_batch_size N] [--top 5]
 
 Search: every tensor-parallel degree inside a node that divides the heads, KV heads, FFN and
-vocabulary; context-parallel degrees up to seq_len / 4096 that the sequence split allows; pipeline
+vocabulary (and a MoE model's expert hidden size); context-parallel degrees up to seq_len / 4096 that the sequence split allows; pipeline
 degrees up to the layer count (schedules 1F1B and Interleaved1F1B, micro-batches of one sequence);
-FSDP over the rest or HSDP (any replicate x shard split); local batch sizes (multiples of pp under
+FSDP over the rest or HSDP (any replicate x shard split); for a MoE flavor, every expert-parallel
+degree that divides both dp_shard and the number of experts (``ParallelDims``: ep borrows
+dp_shard ranks, ``dp_shard = dp_shard_mod_ep * ep``; not with CP or HSDP; with TP and PP it
+composes); local batch sizes (multiples of pp under
 PP); activation checkpointing none, selective per-op, full (the first that fits is taken, they only
 cost time). A layout is kept when ``trainer.estimate.estimate_memory`` fits
 ``USABLE_FRACTION`` of the GPU and the global batch stays at most ``--max_global_tokens``
@@ -27,10 +30,18 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
   FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
             compute, plus one unit's worth (the first all-gather and last reduce-scatter)
   PP        sends between stages on the critical path, and the bubble:
-            (compute + TP) * (pp - 1) / (v * m), m micro-batches, v stages per rank
+            (compute + TP + EP) * (pp - 1) / (v * m), m micro-batches, v stages per rank
+  EP        the token all-to-alls (per MoE layer and micro-batch: rows of tokens * top_k * dim
+            bf16 values out and back in the forward, their gradients in the backward; (ep-1)/ep of
+            them leave the rank) on the critical path: the experts wait for their rows. The
+            experts' weights and optimizer state are sharded over ep x dp_shard_mod_ep (= dp_shard)
+            ranks, the rest over dp_shard x cp as without EP, so EP changes the state bytes not at
+            all; it gathers only E/ep experts per block (less memory) and all-gathers / reduce-scatters
+            them over dp_shard_mod_ep ranks only (less FSDP traffic, overlapped like the rest)
   bandwidth per GPU and direction: NVLink inside a node (8 GPUs) and InfiniBand across nodes, at
             80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's.
-            A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost.
+            A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost;
+            with EP dp_shard is (dp_shard_mod_ep, ep), ep inner.
   MFU       model FLOPs / (step time * peak), as the trainer reports it.
 """
 from __future__ import annotations
@@ -97,14 +108,15 @@ class StepTime:
     fsdp: float
     pp: float
     bubble: float
+    ep: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble
+        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble + self.ep
 
     def describe(self) -> str:
-        parts = [("compute", self.compute), ("TP", self.tp), ("CP", self.cp), ("FSDP exposed", self.fsdp),
-                 ("PP sends", self.pp), ("bubble", self.bubble)]
+        parts = [("compute", self.compute), ("TP", self.tp), ("CP", self.cp), ("EP all-to-all", self.ep),
+                 ("FSDP exposed", self.fsdp), ("PP sends", self.pp), ("bubble", self.bubble)]
         return " + ".join(f"{n} {v:.3g}" for n, v in parts if v > 0 or n == "compute") + f" = {self.total:.3g} s"
 
 
@@ -129,6 +141,7 @@ class Plan:
     model_flops: float  # per GPU and step
     tokens_per_step: int
     extra_flags: tuple[str, ...] = field(default=())
+    costs: ModelCosts | None = None  # the model's counts (total vs active, experts)
 
     @property
     def mfu(self) -> float:
@@ -137,6 +150,19 @@ class Plan:
     @property
     def tokens_per_s_per_gpu(self) -> float:
         return self.tokens_per_step / (self.time.total * self.n_gpus)
+
+    @property
+    def moe(self) -> bool:
+        return self.costs is not None and self.costs.n_moe_layers > 0
+
+    @property
+    def expert_state(self) -> float:
+        """Bytes per GPU of the routed experts' fp32 master weights (their share of ``memory.params``;
+        gradients the same, AdamW twice): sharded over ep x dp_shard_mod_ep = dp_shard, tp and pp."""
+        if not self.moe:
+            return 0.0
+        L = self.layout
+        return 4 * self.costs.expert_params / (L.dp_shard * L.cp * L.tp * L.pp)
 
     @property
     def microbatches(self) -> int:
@@ -165,6 +191,8 @@ class Plan:
                  "--parallelism.data_parallel_shard_degree", str(L.dp_shard),
                  "--parallelism.tensor_parallel_degree", str(L.tp),
                  "--parallelism.pipeline_parallel_degree", str(L.pp)]
+        if self.moe:  # always explicit: a MoE flavor's TOML sets its own (e.g. 8 for 30B-A3B)
+            flags += ["--parallelism.expert_parallel_degree", str(L.ep)]
         if L.pp > 1:
             flags += ["--parallelism.pipeline_parallel_schedule", str(self.schedule),
                       "--parallelism.pipeline_parallel_microbatch_size", "1"]
@@ -194,10 +222,15 @@ class Plan:
             ("activations", m.activations), ("loss", m.loss)))
         peak_rule = "sum" if m.grads_coexist else "params + optimizer + gathered + max(activations + loss, grads)"
         comm = "  ".join(f"{d} {b / GIB:.2f} ({self.comm_links[d]})" for d, b in self.comm_bytes.items()) or "none"
+        experts = ""
+        if self.moe:
+            L = self.layout
+            experts = (f"; experts {self.expert_state / GIB:.2f} of the params, over ep {L.ep} x dp_shard_mod_ep "
+                       f"{L.dp_shard // L.ep}")
         lines = [
             f"{head}{self.summary()}",
             f"   memory per GPU (GiB): {mem}; peak {m.total / GIB:.2f} = {peak_rule} "
-            f"(usable {USABLE_FRACTION * self.gpu.memory / GIB:.0f} of {self.gpu.memory / GIB:.0f})",
+            f"(usable {USABLE_FRACTION * self.gpu.memory / GIB:.0f} of {self.gpu.memory / GIB:.0f}){experts}",
             f"   communication per step (GiB sent per GPU): {comm}",
             f"   step time (s): {self.time.describe()}; {self.tokens_per_step:,} tokens per step",
             f"   {self.command()}",
@@ -217,7 +250,20 @@ def _tp_ok(args: ModelArgs, tp: int) -> bool:
         return True
     if args.tie_word_embeddings:  # the trainer refuses TP with tied embeddings
         return False
+    moe = getattr(args, "moe", None)
+    if moe is not None and moe.hidden_dim % tp:  # the experts are split on their hidden size
+        return False
     return all(n % tp == 0 for n in (args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.vocab_size))
+
+
+def ep_choices(args, dp_shard: int, dp_replicate: int = 1, cp: int = 1) -> list[int]:
+    """Expert-parallel degrees the trainer accepts for this layout: 1, and for a MoE model every
+    divisor of dp_shard that divides num_experts (``ParallelDims``, ``check_ep_divisibility``),
+    none > 1 with CP or HSDP (not supported)."""
+    moe = getattr(args, "moe", None)
+    if moe is None or cp > 1 or dp_replicate > 1:
+        return [1]
+    return [e for e in _divisors(dp_shard) if moe.num_experts % e == 0]
 
 
 def _link(stride: int, size: int, gpus_per_node: int) -> str:
@@ -248,15 +294,16 @@ def step_time(costs: ModelCosts, gpu: GPU, layout: Layout, local_batch_size: int
 
     t_tp = seconds("tp")
     t_cp = max(0.0, seconds("cp") - t_attn)
-    t_fsdp = seconds("dp_shard_cp") + seconds("dp_replicate")
+    t_ep = seconds("ep")  # on the critical path: the experts wait for their rows
+    t_fsdp = seconds("dp_shard_cp") + seconds("dp_replicate") + seconds("dp_shard_mod_ep")
     units = costs.n_layers / pp + 1
     t_fsdp_exposed = max(0.0, t_fsdp - t_compute) + (t_fsdp / units if t_fsdp else 0.0)
     t_pp = seconds("pp")
     bubble = 0.0
     if pp > 1:
         v = stages_per_rank(schedule)
-        bubble = (t_compute + t_tp) * (pp - 1) / (v * local_batch_size)
-    return StepTime(t_compute, t_tp, t_cp, t_fsdp_exposed, t_pp, bubble), flops
+        bubble = (t_compute + t_tp + t_ep) * (pp - 1) / (v * local_batch_size)
+    return StepTime(t_compute, t_tp, t_cp, t_fsdp_exposed, t_pp, bubble, t_ep), flops
 
 
 def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int,
@@ -275,19 +322,19 @@ def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch
     comm: dict[str, float] = {}
     for c in colls:
         comm[c.dim] = comm.get(c.dim, 0.0) + c.bytes
-    tp, cp, ds, rep = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate
+    tp, cp, ds, rep, ep = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate, layout.ep
     links = {"tp": _link(1, tp, gpus_per_node), "cp": _link(tp, cp, gpus_per_node),
              "dp_shard_cp": _link(tp, ds * cp, gpus_per_node), "dp_replicate": _link(tp * cp * ds, rep, gpus_per_node),
-             "pp": _link(tp * cp * ds * rep, layout.pp, gpus_per_node)}
+             "pp": _link(tp * cp * ds * rep, layout.pp, gpus_per_node),
+             # with EP the mesh splits dp_shard into (dp_shard_mod_ep, ep), ep inner (cp = 1)
+             "ep": _link(tp * cp, ep, gpus_per_node), "dp_shard_mod_ep": _link(tp * cp * ep, ds // ep, gpus_per_node)}
     t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
                          schedule, comm, links)
     family = getattr(args, "name", "llama3")  # Qwen3Args names its family; ModelArgs is llama3
     extra = ("--model.name", family) if family != "llama3" else ()
-    if getattr(args, "moe", None) is not None:  # expert parallel is not planned (yet): ep = 1
-        extra += ("--parallelism.expert_parallel_degree", "1")
     return Plan(flavor, gpu, layout.n_devices, gpus_per_node, seq_len, layout, local_batch_size, ac_mode,
                 selective_ac_option, schedule if layout.pp > 1 else None, memory, comm,
-                {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra)
+                {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra, costs)
 
 
 def _batch_choices(pp: int, given: int | None) -> list[int]:
@@ -332,8 +379,10 @@ def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, lo
                         continue
                     for b in _batch_choices(pp, local_batch_size):
                         tokens = b * seq_len * dp
-                        for dp_shard in sorted(_divisors(dp), reverse=True):
-                            layout = Layout(dp // dp_shard, dp_shard, tp, pp, cp)
+                        shard_ep = [(ds, ep) for ds in sorted(_divisors(dp), reverse=True)
+                                    for ep in ep_choices(args, ds, dp // ds, cp)]
+                        for dp_shard, ep in shard_ep:
+                            layout = Layout(dp // dp_shard, dp_shard, tp, pp, cp, ep)
                             for ac, opt in AC_CHOICES:
                                 mem = estimate_memory(costs, layout, b, seq_len, compute_bytes=2, master_bytes=4,
                                                       ac_mode=ac, selective_ac_option=opt,

@@ -30,6 +30,8 @@ def _check_plan(p, n_gpus):
     assert config.training.local_batch_size == p.local_batch_size
     assert config.activation_checkpoint.mode == p.ac_mode  # not the flavor's TOML default
     assert config.parallelism.tensor_parallel_degree == L.tp and config.parallelism.pipeline_parallel_degree == L.pp
+    # EP is within dp_shard (not in the product); explicit for a MoE flavor (its TOML sets another)
+    assert par.expert_parallel_degree == L.ep and (L.ep == 1 or par.data_parallel_shard_degree % L.ep == 0)
 
 
 @pytest.mark.parametrize("flavor, n", [("70B", 64), ("405B", 512)])
@@ -122,7 +124,73 @@ def test_moe_counts_active_parameters_for_flops_and_all_for_memory():
     assert c.ffn_hidden == moe.moe.top_k * moe.moe.hidden_dim  # the activations of the experts a token visits
     assert c.q_dim == moe.n_heads * moe.head_dim != moe.dim
     plans = best(flavor_args("30B-A3B", 4096, model="qwen3"), "30B-A3B", 64, GPUS["H100"], 4096, top=2)
-    assert plans and all(p.trainer_flags()[:4] == ["--model.name", "qwen3", "--parallelism.expert_parallel_degree", "1"]
-                         for p in plans)
+    assert plans and all(p.trainer_flags()[:2] == ["--model.name", "qwen3"] for p in plans)
     for p in plans:
         _check_plan(p, 64)
+
+
+def test_planner_proposes_expert_parallel_for_moe_and_prints_total_and_active(capsys):
+    assert main(["--model", "qwen3", "--flavor", "30B-A3B", "--ngpu", "8", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("30B-A3B: 30.53e9 parameters (3.35e9 active), seq_len 8192, on 8 x H100")
+    assert "x EP 2" in out and "--parallelism.expert_parallel_degree 2" in out and "EP all-to-all" in out
+    assert "experts 13.50 of the params, over ep 2 x dp_shard_mod_ep 4" in out
+    args = flavor_args("30B-A3B", 8192, model="qwen3")
+    for n in (8, 64):
+        plans = search(args, "30B-A3B", n, GPUS["H100"], 8192)
+        eps = {p.layout.ep for p in plans}
+        assert {2, 4, 8} <= eps and max(eps) <= 128, (n, eps)  # the degrees dividing dp_shard and 128 experts
+        for p in [q for q in plans if q.layout.ep > 1][:3]:
+            _check_plan(p, n)  # it fits, and its command is a valid config with that ep
+            assert p.layout.cp == p.layout.dp_replicate == 1  # EP is not supported with CP or HSDP
+    # 235B-A22B on 64 GPUs: the best layout is expert parallel
+    big = best(flavor_args("235B-A22B", 8192, model="qwen3"), "235B-A22B", 64, GPUS["H100"], 8192, top=1)
+    assert big and big[0].layout.ep == 8
+    _check_plan(big[0], 64)
+    # no expert parallel for dense models
+    assert {p.layout.ep for p in search(flavor_args("8B", 8192), "8B", 8, GPUS["H100"], 8192)} == {1}
+
+
+def test_expert_parallel_memory_communication_and_time_terms():
+    from trainer.estimate import estimate_memory, model_costs
+
+    args = flavor_args("30B-A3B", 8192, model="qwen3")
+    c, gpu = model_costs(args), GPUS["H100"]
+    one, ep8 = (evaluate(args, "30B-A3B", gpu, Layout(1, 16, ep=ep), 1, 8192, "full", "2", None) for ep in (1, 8))
+    # the experts' state is sharded over ep x dp_shard_mod_ep = dp_shard either way: same bytes; only E/ep of
+    # each block's experts are gathered (2 blocks in bf16 + one block's fp32 gradients)
+    assert (one.memory.params, one.memory.grads, one.memory.optimizer) == (
+        ep8.memory.params, ep8.memory.grads, ep8.memory.optimizer)
+    assert one.expert_state == ep8.expert_state == pytest.approx(4 * c.expert_params / 16)
+    assert one.memory.working - ep8.memory.working == pytest.approx((2 * 2 + 4) * c.expert_params / 48 * 7 / 8)
+    assert one.memory.total == estimate_memory(c, Layout(1, 16), 1, 8192, ac_mode="full").total
+    # all-to-all bytes per step: tokens x top_k x dim x 2 bytes x 2 directions x (forward + backward), for the
+    # (ep-1)/ep of the rows that leave the rank, every MoE layer, full AC's recomputed forward twice more
+    a2a = 8192 * 8 * 2048 * 2 * 7 / 8 * (4 + 2) * 48
+    assert ep8.comm_bytes["ep"] == pytest.approx(a2a) and "ep" not in one.comm_bytes
+    assert ep8.comm_links["ep"] == "NVLink" and ep8.comm_links["dp_shard_mod_ep"] == "IB"  # ep inner, 2 nodes
+    assert ep8.time.ep == pytest.approx(a2a / (gpu.nvlink * 0.8))
+    assert ep8.time.total == pytest.approx(ep8.time.compute + ep8.time.ep + ep8.time.fsdp)
+    # an expert count ep must divide: 8 experts on dp_shard 12 allow 1, 2, 4
+    from trainer.plan import ep_choices
+
+    moe = flavor_args("debugmodel_moe", 2048, model="qwen3")
+    assert ep_choices(moe, 12) == [1, 2, 4] and ep_choices(moe, 12, dp_replicate=2) == [1]
+    assert ep_choices(moe, 12, cp=2) == [1] and ep_choices(args.replace(moe=None), 16) == [1]
+
+
+def test_every_qwen3_flavor_from_8_to_16384_gpus_quickly():
+    from trainer.models.qwen3_args import QWEN3_FLAVORS
+
+    for flavor in QWEN3_FLAVORS:
+        for n in (8, 24, 512, 16384):
+            t0 = time.perf_counter()
+            args = flavor_args(flavor, 8192, model="qwen3")
+            plans = best(args, flavor, n, GPUS["H100"], 8192, top=2)
+            assert time.perf_counter() - t0 < 10, (flavor, n)
+            if 16 * args.num_params() / n > USABLE_FRACTION * GPUS["H100"].memory:
+                assert not plans  # 16 bytes of state per parameter alone exceed n x 72 GiB
+                continue
+            assert plans, (flavor, n)
+            for p in plans:
+                _check_plan(p, n)
