@@ -9,6 +9,7 @@ Public API (each op has a reference, a Triton and, where built, a C++/CUDA imple
   attention_backend                 which attention backend would run, and why
   linear_cross_entropy              fused output projection + cross-entropy (chunked; vocab-parallel under TP)
   grouped_mm                        grouped GEMM over experts (MoE), forward and backward
+  fp8_grouped_mm                    the same in float8 (rowwise e4m3 scaling, the MoE float8 recipe)
   moe_permute, moe_unpermute        MoE tokens to expert order (padded groups) and back, weighted by scores
   use_backend, available_backends   choose / inspect implementations
   patch                             swap PyTorch modules in a model for ours
@@ -22,6 +23,7 @@ from titan_kernels.ops.fp8 import fp8_gemm, fp8_linear, fp8_quantize  # noqa: F4
 from titan_kernels.ops.attention import attention_backend, flash_attn, flash_attn_varlen  # noqa: F401
 from titan_kernels.ops.cross_entropy import linear_cross_entropy  # noqa: F401
 from titan_kernels.ops.grouped_mm import grouped_mm  # noqa: F401
+from titan_kernels.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: F401
 from titan_kernels.ops.moe_permute import MoERouting, moe_permute, moe_routing, moe_unpermute  # noqa: F401
 from titan_kernels import nn  # noqa: F401
 from titan_kernels.patch import patch  # noqa: F401

@@ -224,10 +224,11 @@ if torch.distributed.is_available():
 
 
 import titan_kernels.ops.grouped_mm  # noqa: E402,F401  (defines the grouped_mm ops)
+import titan_kernels.ops.fp8_grouped_mm  # noqa: E402,F401  (defines the fp8_grouped_mm ops)
 import titan_kernels.ops.moe_permute  # noqa: E402,F401  (defines the MoE routing ops)
 
 if torch.distributed.is_available():
-    # ------------------------------------------------------------------------- grouped_mm (MoE experts)
+    # ------------------------------------------------------------------------- grouped_mm, fp8_grouped_mm (MoE experts)
     # y[group e] = x[group e] @ w[e] is a matmul per group: tensor parallel on the experts runs locally.
     # Colwise (w1/w3: w split on N) -> y split on its last dim; rowwise (w2: x and w split on K) -> y
     # Partial; a Partial x (or w) with the other replicated -> y Partial (linear). The groups are rows
@@ -236,27 +237,47 @@ if torch.distributed.is_available():
     # trainer's all-to-all hands each rank local tensors and calls the op on them.
     # Backward: colwise -> dx Partial, dw Shard(2); rowwise -> dx Shard(1), dw Shard(1). A gradient not
     # asked for is an empty (T, 0) / (E, K, 0) tensor, for which the same placements hold (the rules
-    # must not depend on the bool flags or the backend string, left out of DTensor's cache key).
+    # must not depend on the bool flags, the recipe or the backend string, left out of DTensor's cache key).
+    # The float8 op shards the same way, each rank scaling its own shards (fp8_linear's rule): colwise is
+    # exact (every scale of the forward and of the weight gradient sees the whole K of its column;
+    # dgrad's per-token scales are per N shard), rowwise takes per-K-shard scales for x and w, equal to
+    # the unsharded result to float8 accuracy. A Partial input is not taken: quantizing each summand
+    # with its own scale loses the sum's precision where summands cancel, so DTensor reduces it first.
 
-    @register_sharding(torch.ops.titan.grouped_mm.default)
-    def _grouped_mm_sharding(x, w, offsets, *backend):
-        rep, flags = Replicate(), [None] * len(backend)
-        return [
+    def _grouped_mm_rules(n_scalars: int, linear: bool) -> list:
+        rep, flags = Replicate(), [None] * n_scalars
+        rules = [
             ([rep], [rep, rep, rep, *flags]),
             ([Shard(1)], [rep, Shard(2), rep, *flags]),
             ([Partial()], [Shard(1), Shard(1), rep, *flags]),
-            ([Partial()], [Partial(), rep, rep, *flags]),
-            ([Partial()], [rep, Partial(), rep, *flags]),
         ]
+        if linear:
+            rules += [([Partial()], [Partial(), rep, rep, *flags]), ([Partial()], [rep, Partial(), rep, *flags])]
+        return rules
 
-    @register_sharding(torch.ops.titan.grouped_mm_backward.default)
-    def _grouped_mm_backward_sharding(dy, x, w, offsets, need_dx, need_dw, *backend):
-        rep, flags = Replicate(), [None, None] + [None] * len(backend)
+    def _grouped_mm_backward_rules(n_scalars: int) -> list:
+        rep, flags = Replicate(), [None] * n_scalars
         return [
             ([rep, rep], [rep, rep, rep, rep, *flags]),
             ([Partial(), Shard(2)], [Shard(1), rep, Shard(2), rep, *flags]),
             ([Shard(1), Shard(1)], [rep, Shard(1), Shard(1), rep, *flags]),
         ]
+
+    @register_sharding(torch.ops.titan.grouped_mm.default)
+    def _grouped_mm_sharding(x, w, offsets, *backend):
+        return _grouped_mm_rules(len(backend), linear=True)
+
+    @register_sharding(torch.ops.titan.grouped_mm_backward.default)
+    def _grouped_mm_backward_sharding(dy, x, w, offsets, need_dx, need_dw, *backend):
+        return _grouped_mm_backward_rules(2 + len(backend))
+
+    @register_sharding(torch.ops.titan.fp8_grouped_mm.default)
+    def _fp8_grouped_mm_sharding(x, w, offsets, recipe, *backend):
+        return _grouped_mm_rules(1 + len(backend), linear=False)
+
+    @register_sharding(torch.ops.titan.fp8_grouped_mm_backward.default)
+    def _fp8_grouped_mm_backward_sharding(dy, x, w, offsets, recipe, need_dx, need_dw, *backend):
+        return _grouped_mm_backward_rules(3 + len(backend))
 
     # ------------------------------------------------------------------------- moe_permute / moe_unpermute
     # Rows move whole: tokens split on the hidden dim (dim 1) permute and combine locally with the

@@ -1,0 +1,512 @@
+"""Float8 rowwise grouped GEMM over experts: ``torch.ops.titan.fp8_grouped_mm`` and its backward
+``torch.ops.titan.fp8_grouped_mm_backward``.
+
+The layout of ``titan_kernels.grouped_mm``: x (T, K) tokens sorted by expert, w (E, K, N), offsets
+(E,) int32 cumulative group ends; y[group e] = x[group e] @ w[e], rows past offsets[E-1] zero. Each
+GEMM runs on e4m3 codes with one power-of-two scale per row or column along its reduction dim,
+float32 accumulation, the scales applied to the float32 result (math and layouts:
+``titan_kernels.reference.fp8_grouped_mm``):
+
+  GEMM                   left operand                         right operand
+  forward  y = x w       x rowwise (per token, over K)        w per (expert, column n), over K
+  dgrad   dx = dy w^T    dy rowwise (per token, over N)       w per (expert, row k), over N
+  wgrad   dw = x^T dy    x per (expert, column k) over the    dy per (expert, column n) over the
+                         expert's tokens                      expert's tokens
+Recipes (the names of the dense float8 recipes, ``titan_kernels.ops.fp8``): ``rowwise``, all three
+GEMMs in float8 (torchao's float8 rowwise MoE training recipe); ``rowwise_with_gw_hp``, the weight
+gradient in high precision through ``titan_kernels.grouped_mm``. The backward re-quantizes from the
+high-precision x and w saved by the forward (each GEMM needs its own scaling axis), so the op keeps
+the memory of the bf16 grouped GEMM.
+
+Why ``rowwise`` quantizes the weight gradient too: its reduction runs over a group's tokens, and a
+scale per (expert, column) taken over exactly those tokens bounds each code's relative error as
+rowwise scaling does elsewhere: measured on Gaussian operands (groups of 64 to 512 tokens, K 256 to
+768), y, dx and dw each come within 3.7-3.8% (relative norm) of the float64 product, dw no worse
+than dx (tests/kernels/test_fp8_grouped_mm.py checks it). The places that need care are handled here rather than refused: groups of
+any size (empty included) and unaligned groups, for ``torch._scaled_grouped_mm``'s 2-D x 2-D form,
+which CUTLASS asserts on the device for an empty group or a group not a multiple of 16 tokens (we
+pad every group on the device to a multiple of 16, at least 16, no host sync). Where the weight
+gradient's precision is in doubt, ``rowwise_with_gw_hp`` costs one bf16 GEMM of three.
+
+Backends (``BACKENDS``), chosen once per (device, dtype, K, N, with-backward) key and cached:
+  aten       ``torch._scaled_grouped_mm`` (CUTLASS, CUDA sm_90; not on the CPU: torch 2.13 has no CPU
+             kernel). It takes e4m3 operands with bfloat16 output only, so x must be bfloat16; K and N
+             are zero-padded to multiples of 16 (its 16-byte strides), the token groups of the weight
+             gradient too. Whether it runs is probed once per device with tiny calls of the three
+             forms and the refusal kept as the reason. The quantizers are the Triton ones where
+             Triton runs on the device, else the reference ones (bit-identical codes and scales).
+  triton     ours (``titan_kernels.triton.fp8_grouped_mm``): float8 tiles through the persistent
+             tile queue of our grouped GEMM, the scales in the epilogue; any K/N, float32/bf16/fp16
+             output. CPU only under TRITON_INTERPRET=1 (tests).
+  reference  dequantize to float32, one matmul per group (a host loop over the offsets).
+Automatic choice: CPU reference. CUDA: aten > triton > reference, and when aten and triton both take
+a key the first call of that key times both (``measured_order``; TITAN_KERNELS_GROUPED_MM_MEASURE=0
+keeps the static order). Overrides: ``use_backend`` / ``TITAN_KERNELS_BACKEND`` with "reference",
+"triton" or "cpu"/"cuda" (aten's kernel of that device); a requested backend that cannot take the
+case raises RuntimeError with the reason. ``rowwise_with_gw_hp``'s weight gradient runs on
+grouped_mm's backend of the same name where it takes the key, else on grouped_mm's automatic choice.
+
+One autograd definition, as ``grouped_mm``: the eager fast path (``_Fp8GroupedMMFn``) and the op's
+``register_autograd`` share ``_forward``, ``_setup`` and ``_grads``; the forward's backend is handed
+to the backward op. Double backward is refused with a RuntimeError naming the op. DTensor rules:
+``titan_kernels.dtensor`` (tensor parallel on the experts, shared with grouped_mm).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops import grouped_mm as _gmm
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, eager_fast_path
+from titan_kernels.reference import fp8_grouped_mm as _ref
+
+OP = "fp8_grouped_mm"
+BACKENDS = ("aten", "triton", "reference")
+AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
+RECIPES = ("rowwise", "rowwise_with_gw_hp")
+E4M3 = torch.float8_e4m3fn
+ALIGN = 16  # torch._scaled_grouped_mm: 16-byte strides (K, N) and token groups (the weight gradient)
+
+_dt = _gmm._dt
+
+
+class Kernels(NamedTuple):
+    """One backend's quantizers and scaled grouped GEMMs (contracts: ``reference.fp8_grouped_mm``)."""
+
+    rows: Callable
+    w_fwd: Callable
+    w_dgrad: Callable
+    group_cols: Callable
+    gmm: Callable
+    gmm_dw: Callable
+
+
+# ----------------------------------------------------------------------------- torch._scaled_grouped_mm
+
+
+def _ceil(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _padded_fp8(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A contiguous zero e4m3 tensor of ``shape`` holding ``t`` in its leading corner."""
+    if tuple(t.shape) == shape and t.is_contiguous():
+        return t
+    out = torch.zeros(shape, dtype=E4M3, device=t.device)
+    out[tuple(slice(0, s) for s in t.shape)] = t
+    return out
+
+
+def aten_gmm(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
+    """``reference.fp8_grouped_mm.gmm`` on ``torch._scaled_grouped_mm`` (2-D x 3-D form): a row-major,
+    each expert of b column-major, K and N zero-padded to multiples of 16 (zeros add nothing; the
+    padded columns are cut off), scale_a (T,), scale_b (E, N); bfloat16 out, rows past the last group
+    zeroed (aten leaves them uninitialized, as torch._grouped_mm does)."""
+    t, kc = a.shape
+    e, _, n = b.shape
+    kp, np_ = _ceil(kc), _ceil(n)
+    a2 = _padded_fp8(a, (t, kp))
+    b2 = _padded_fp8(b.transpose(1, 2), (e, np_, kp)).transpose(1, 2)  # (E, kp, np_), column-major
+    sb2 = sb.float()
+    if np_ != n:
+        sb2 = torch.ones((e, np_), dtype=torch.float32, device=sb.device)
+        sb2[:, :n] = sb
+    y = torch._scaled_grouped_mm(a2, b2, sa.float().reshape(-1).contiguous(), sb2.contiguous(), offs=offsets,
+                                 out_dtype=torch.bfloat16)
+    if np_ != n:
+        y = y[:, :n].contiguous()
+    return _gmm._zero_tail(y, offsets).to(out_dtype)
+
+
+def padded_groups(offsets: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Token groups padded for the weight gradient's 2-D x 2-D form, on the device (no host sync):
+    every group to a multiple of 16 rows and at least 16 (CUTLASS asserts on an empty group), so
+    (dest (T,) int64 the padded row of each row, padded offsets (E,) int32, padded row count). Rows
+    past the last group go after the last padded group, where no group reads them."""
+    e = offsets.shape[0]
+    ends = offsets.to(torch.int64)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    padded = ((ends - starts + ALIGN - 1) // ALIGN * ALIGN).clamp_min(ALIGN)
+    pends = torch.cumsum(padded, 0)
+    r = torch.arange(t, device=offsets.device)
+    gid = _ref.group_ids(offsets, t)
+    g = gid.clamp_max(e - 1)
+    dest = torch.where(gid < e, (pends - padded)[g] + r - starts[g], pends[-1] + r - ends[-1])
+    # Each padded group is at most 16 rows longer than the group: T + 16 E rows hold every row.
+    return dest, pends.to(torch.int32), _ceil(t) + ALIGN * e
+
+
+def aten_gmm_dw(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
+    """``reference.fp8_grouped_mm.gmm_dw`` on ``torch._scaled_grouped_mm`` (2-D x 2-D form): the
+    tokens of a (T, Kd) and b (T, Nd) copied (1 byte each) into zero-padded groups, a^T row-major
+    (Kd, T') and b column-major (T', Nd); scales flattened per group (E*Kd,), (E*Nd,)."""
+    t = a.shape[0]
+    dest, pad_offsets, tp = padded_groups(offsets, t)
+
+    def spread(codes):  # (T, C) -> (C, T') uint8 row-major, rows of codes at their padded columns
+        out = torch.zeros((codes.shape[1], tp), dtype=torch.uint8, device=codes.device)
+        return out.index_copy_(1, dest, codes.t().view(torch.uint8))
+
+    at, bt = spread(a).view(E4M3), spread(b).view(E4M3)
+    dw = torch._scaled_grouped_mm(at, bt.t(), sa.float().reshape(-1).contiguous(), sb.float().reshape(-1).contiguous(),
+                                  offs=pad_offsets, out_dtype=torch.bfloat16)
+    return dw.to(out_dtype).contiguous()
+
+
+@functools.lru_cache(maxsize=None)
+def aten_why_not(device_type: str, index: int | None) -> str | None:
+    """None when torch._scaled_grouped_mm runs the three forms on this device (asked once, by tiny
+    calls), else the reason."""
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} has no torch._scaled_grouped_mm"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    try:
+        offs = torch.tensor([16, 32], dtype=torch.int32, device=dev)
+        a = torch.zeros(32, 16, device=dev).to(E4M3)
+        b = torch.zeros(2, 16, 16, device=dev).to(E4M3).transpose(1, 2)
+        one_a, one_b = torch.ones(32, device=dev), torch.ones(2, 16, device=dev)
+        aten_gmm(a, one_a, b, one_b, offs, torch.bfloat16)
+        aten_gmm_dw(a, one_b, a, one_b, offs, torch.bfloat16)
+    except (RuntimeError, NotImplementedError, TypeError, ValueError) as e:
+        return f"torch._scaled_grouped_mm refuses it: {str(e).splitlines()[0][:200]}"
+    return None
+
+
+# ----------------------------------------------------------------------------- backends
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels(name: str, device_type: str, interpret: bool) -> Kernels:
+    if name == "reference":
+        r = _ref
+        return Kernels(r.rows, r.w_fwd, r.w_dgrad, r.group_cols, r.gmm, r.gmm_dw)
+    if name == "triton":
+        from titan_kernels.triton import fp8_grouped_mm as t
+
+        return Kernels(t.rows, t.w_fwd, t.w_dgrad, t.group_cols, t.gmm, t.gmm_dw)
+    assert name == "aten", name
+    q = _kernels("triton" if _backend.backend_status("triton", device_type).available else "reference",
+                 device_type, interpret)
+    return Kernels(q.rows, q.w_fwd, q.w_dgrad, q.group_cols, aten_gmm, aten_gmm_dw)
+
+
+def kernels(name: str, device: torch.device) -> Kernels:
+    """The quantizers and GEMMs of backend ``name`` on ``device``."""
+    return _kernels(name, device.type, _backend.triton_interpret())
+
+
+@functools.lru_cache(maxsize=None)
+def why_not(name: str, device_type: str, index: int | None, dtype: str) -> str | None:
+    """None when backend ``name`` takes fp8_grouped_mm for this key, else the reason (asked once per key)."""
+    if name == "reference":
+        return None
+    if name == "triton":
+        st = _backend.backend_status("triton", device_type)
+        if not st.available:
+            return st.reason
+        try:
+            import titan_kernels.triton.fp8_grouped_mm  # noqa: F401
+        except ImportError as e:
+            return f"the Triton kernel does not import: {e}"
+        return None
+    assert name == "aten", name
+    if dtype != "bfloat16":
+        return f"torch._scaled_grouped_mm writes bfloat16 only; x is {dtype}"
+    return aten_why_not(device_type, index)
+
+
+@functools.lru_cache(maxsize=None)
+def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
+                   backward: bool) -> tuple[str, ...]:
+    """``cands`` fastest first, timed once per key on 16 experts of 512 rows, forward (+ dx and dw,
+    recipe rowwise, with ``backward``). Any failure keeps the given order."""
+    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    dt = getattr(torch, dtype)
+    try:
+        e, rows = 16, 512
+        x = torch.randn(e * rows, k, device=dev, dtype=dt)
+        w = torch.randn(e, k, n, device=dev, dtype=dt)
+        dy = torch.randn(e * rows, n, device=dev, dtype=dt)
+        offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * rows
+
+        def run(name):
+            def call():
+                _forward(x, w, offs, name)
+                if backward:
+                    _backward_kernel(dy, x, w, offs, "rowwise", True, True, name)
+            return call
+
+        times = {name: _gmm._time_call(run(name), dev) for name in cands}
+    except Exception:  # noqa: BLE001 - a failed measurement must not fail the op: keep the static order
+        return cands
+    return tuple(sorted(cands, key=lambda name: times[name]))
+
+
+def _requested(dev: str) -> str | None:
+    req = _backend.requested_backend()
+    if req in ("cpu", "cuda"):
+        if req != dev:
+            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} on {dev} tensors")
+        return "aten"
+    return req
+
+
+@torch.compiler.assume_constant_result
+def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
+    """The backend of an fp8_grouped_mm call (one of ``BACKENDS``): the request or the first of the
+    automatic order that takes the key (measured on CUDA). Under torch.compile it is decided once,
+    when the graph is traced. ``index`` -1: no device index."""
+    idx = None if index < 0 else index
+    req = _requested(device_type)
+    if req is not None:
+        if req not in BACKENDS:
+            raise RuntimeError(f"backend {req!r} does not implement titan op {OP!r}; implemented: {BACKENDS}")
+        why = why_not(req, device_type, idx, dtype)
+        if why is not None:
+            asked = _backend.requested_backend()  # "cpu"/"cuda" name aten's kernel of the device
+            raise RuntimeError(f"backend {asked!r} cannot run titan op {OP!r} ({dtype}, K {k}, N {n}) on "
+                               f"{device_type}: {why}")
+        return req
+    cands = tuple(name for name in AUTO_ORDER.get(device_type, ("reference",))
+                  if why_not(name, device_type, idx, dtype) is None)
+    fast = tuple(c for c in cands if c != "reference")
+    if len(fast) > 1 and _gmm._may_measure(device_type):
+        return measured_order(fast, device_type, idx, dtype, k, n, backward)[0]
+    return cands[0] if cands else "reference"
+
+
+def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+    x, w = _gmm._local(x), _gmm._local(w)
+    d = x.device
+    return choose(d.type, -1 if d.index is None else d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+
+
+def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
+    """(the backend fp8_grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
+    name = _choose_for(x, w, backward)
+    d = x.device
+    skipped = {}
+    for cand in AUTO_ORDER.get(d.type, ()) if _backend.requested_backend() is None else ():
+        if cand == name:
+            break
+        why = why_not(cand, d.type, d.index, _dt(x.dtype))
+        if why:
+            skipped[cand] = why
+    return name, skipped
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(x, w, offsets, recipe) -> None:
+    check_float(x, "x", FLOAT_DTYPES)
+    _gmm._validate(x, w, offsets)  # ranks, shapes, w's dtype, offsets int32 (E,), devices
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
+
+
+# ----------------------------------------------------------------------------- forward / backward functions
+# The only functions that run kernels; the ops and the eager fast path call them.
+
+
+def _empty(x, w) -> bool:
+    return x.shape[0] == 0 or x.shape[1] == 0 or w.shape[2] == 0
+
+
+def _forward(x, w, offsets, backend: str) -> torch.Tensor:
+    if _empty(x, w):  # nothing to quantize: an empty sum (or no rows / columns)
+        return x.new_zeros((x.shape[0], w.shape[2]))
+    k = kernels(backend, x.device)
+    xq, sx = k.rows(x)
+    wq, sw = k.w_fwd(w)
+    return k.gmm(xq, sx, wq, sw, offsets, x.dtype)
+
+
+def _high_precision_dw(dy, x, w, offsets, backend: str) -> torch.Tensor:
+    d = x.device
+    name = backend
+    if _gmm.why_not(name, d.type, d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), True) is not None:
+        with _backend.automatic():
+            name = _gmm._choose_for(x, w, True)
+    return _gmm._backward_kernel(dy, x, w, offsets, False, True, name)[1]
+
+
+def _backward_kernel(dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: bool, backend: str):
+    dx = dw = None
+    empty = _empty(x, w)
+    k = kernels(backend, x.device)
+    if need_dx:
+        if empty:
+            dx = x.new_zeros(x.shape)
+        else:
+            dyq, sdy = k.rows(dy)
+            wq, sw = k.w_dgrad(w)
+            dx = k.gmm(dyq, sdy, wq.transpose(1, 2), sw, offsets, x.dtype)
+    if need_dw:
+        if empty:
+            dw = w.new_zeros(w.shape)
+        elif recipe == "rowwise":
+            xq, sx = k.group_cols(x, offsets)
+            dyq, sdy = k.group_cols(dy, offsets)
+            dw = k.gmm_dw(xq, sx, dyq, sdy, offsets, w.dtype)
+        else:
+            dw = _high_precision_dw(dy, x, w, offsets, backend)
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+@torch.library.custom_op("titan::fp8_grouped_mm", mutates_args=())
+def fp8_grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
+                      backend: str | None = None) -> torch.Tensor:
+    """y (T, N) in x.dtype: y[group e] = x[group e] @ w[e] with float8 rowwise operands, rows past
+    offsets[-1] zero. ``backend``: one of BACKENDS (None: the automatic choice). See
+    ``titan_kernels.fp8_grouped_mm``."""
+    if backend is None:
+        backend = _choose_for(x, w, False)
+    return _forward(x, w, offsets, backend)
+
+
+@fp8_grouped_mm_op.register_fake
+def _(x, w, offsets, recipe, backend=None):
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("titan::fp8_grouped_mm_backward", mutates_args=())
+def fp8_grouped_mm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
+    need_dx: bool, need_dw: bool, backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of titan::fp8_grouped_mm: dx (T, K) in x.dtype (float8 dgrad, rows past the last
+    group zero) and dw (E, K, N) in w.dtype (float8 wgrad for ``rowwise``, high precision for
+    ``rowwise_with_gw_hp``; zero for an empty group). A gradient not asked for comes back as an
+    empty (T, 0) / (E, K, 0) tensor. ``backend``: the forward's (None: the automatic choice)."""
+    if backend is None:
+        backend = _choose_for(x, w, True)
+    dx, dw = _backward_kernel(dy, x, w, offsets, recipe, need_dx, need_dw, backend)
+    if dx is None:
+        dx = x.new_empty((x.shape[0], 0))
+    if dw is None:
+        dw = w.new_empty((w.shape[0], w.shape[1], 0))
+    return dx, dw
+
+
+@fp8_grouped_mm_backward_op.register_fake
+def _(dy, x, w, offsets, recipe, need_dx, need_dw, backend=None):
+    return (
+        x.new_empty((x.shape[0], x.shape[1] if need_dx else 0)),
+        w.new_empty((w.shape[0], w.shape[1], w.shape[2] if need_dw else 0)),
+    )
+
+
+# ----------------------------------------------------------------------------- autograd (one definition)
+
+
+def _setup(ctx, inputs, output):
+    x, w, offsets, recipe, backend = inputs
+    ctx.save_for_backward(x, w, offsets)
+    ctx.recipe = recipe
+    ctx.backend = backend if backend is not None else _choose_for(x, w, True)
+
+
+def _grads(ctx, dy, fast: bool):
+    x, w, offsets = ctx.saved_tensors
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (dy, x, w)):
+        raise RuntimeError(
+            "titan::fp8_grouped_mm: double backward (create_graph=True through fp8_grouped_mm) is not "
+            "implemented; its float8 casts are not differentiable"
+        )
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if fast:
+        dx, dw = _backward_kernel(dy, x, w, offsets, ctx.recipe, need_dx, need_dw, ctx.backend)
+    else:
+        dx, dw = torch.ops.titan.fp8_grouped_mm_backward(dy, x, w, offsets, ctx.recipe, need_dx, need_dw, ctx.backend)
+    return (dx if need_dx else None), (dw if need_dw else None)
+
+
+def _backward(ctx, dy):
+    dx, dw = _grads(ctx, dy, fast=False)
+    return dx, dw, None, None, None
+
+
+def _refuse_double_backward(ctx, ddx, ddw):
+    raise RuntimeError("titan::fp8_grouped_mm_backward: double backward of titan::fp8_grouped_mm is not implemented")
+
+
+def _setup_bwd(ctx, inputs, output):
+    pass
+
+
+fp8_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
+fp8_grouped_mm_backward_op.register_autograd(_refuse_double_backward, setup_context=_setup_bwd)
+
+
+class _Fp8GroupedMMFn(torch.autograd.Function):
+    """The eager fast path of titan::fp8_grouped_mm: the same ``_forward``, ``_setup`` and ``_grads``."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, recipe, backend):
+        y = _forward(x, w, offsets, backend)
+        _setup(ctx, (x, w, offsets, recipe, backend), y)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        dx, dw = _grads(ctx, dy, fast=True)
+        return dx, dw, None, None, None
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, recipe: str = "rowwise") -> torch.Tensor:
+    """Float8 grouped GEMM over experts: ``y[group e] = x[group e] @ w[e]`` with e4m3 operands.
+
+    x is quantized per token row and w per (expert, output column), both over K, with power-of-two
+    scales; the GEMM accumulates the codes in float32 and applies both scales to the result, which is
+    rounded once to x.dtype. The backward quantizes along each gradient GEMM's own reduction dim (see
+    the module docstring, and ``recipe``).
+
+    Args:
+        x: (T, K) tokens sorted by expert, float32/bfloat16/float16; T = 0 allowed.
+        w: (E, K, N) expert weights of x's dtype, any strides.
+        offsets: (E,) int32 cumulative group ends: group e is rows [offsets[e-1], offsets[e]) with
+            offsets[-1] = 0 before the first; non-decreasing, offsets[E-1] <= T; empty groups allowed.
+            No alignment of K, N or the groups is needed (backends that want it pad).
+        recipe: "rowwise" (dx and dw in float8 too) or "rowwise_with_gw_hp" (dw in high precision).
+
+    Returns:
+        (T, N) in x.dtype; rows >= offsets[E-1] are zero. Differentiable in x and w (dx in x.dtype,
+        dw in w.dtype). Accuracy against the unquantized product: float8 e4m3, about 3.7% relative
+        norm error on Gaussian operands (the team's tolerance 7e-2); against the product of the dequantized operands: float32
+        accumulation, then the output rounding.
+
+    Raises:
+        TypeError: x not float32/bf16/fp16, w of another dtype, offsets not int32.
+        ValueError: wrong ranks or shapes, no experts, mixed devices, unknown recipe, offsets not
+            non-decreasing in [0, T] (checked in eager mode on CPU, where it costs no device sync).
+        RuntimeError: a requested backend cannot take the case (the reason is given, e.g.
+            torch._scaled_grouped_mm on the CPU or with a float32 x), or create_graph=True through the
+            backward (double backward is not implemented).
+
+    Source: dynamic float8 scaling (Micikevicius et al. 2022, "FP8 Formats for Deep Learning",
+    section 4) along each GEMM's reduction dim, as in torchao's float8 rowwise MoE training and
+    DeepSeek-V3 (2024, section 3.3: fine-grained scaling, float32 promotion of tensor-core sums).
+    """
+    _validate(x, w, offsets, recipe)
+    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
+    backend = _choose_for(x, w, grad)
+    if eager_fast_path(x, w, offsets):
+        _gmm._validate_values(x, offsets)
+        if grad:
+            return _Fp8GroupedMMFn.apply(x, w, offsets, recipe, backend)
+        return _forward(x, w, offsets, backend)
+    if torch.distributed.is_available():
+        offsets = _gmm.replicate_like(x, offsets)
+    return torch.ops.titan.fp8_grouped_mm(x, w, offsets, recipe, backend)
