@@ -183,6 +183,28 @@ def _grouped_mm(backward=False, use_tma=True, dtype="bfloat16"):
     return drive
 
 
+def _fp8_grouped_mm(backward=False):
+    def drive(T):
+        import torch
+
+        # The Qwen3-30B-A3B expert shapes of _grouped_mm, bf16 in: quantizers, the float8 GEMMs (dgrad reads
+        # the dgrad codes transposed) and the weight gradient on token-major codes.
+        e, k, n = 8, 2048, 768
+        x, w = _t(1024, k), _t(e, k, n)
+        offsets = torch.tensor([0, 100, 300, 301, 600, 700, 1000, 1000], dtype=torch.int32)
+        if not backward:
+            (xq, sx), (wq, sw) = T.rows(x), T.w_fwd(w)
+            T.gmm(xq, sx, wq, sw, offsets, torch.bfloat16)
+        else:
+            dy = _t(1024, n)
+            (dq, sd), (wq, sw) = T.rows(dy), T.w_dgrad(w)
+            T.gmm(dq, sd, wq.transpose(1, 2), sw, offsets, torch.bfloat16)
+            (xc, sxc), (dc, sdc) = T.group_cols(x, offsets), T.group_cols(dy, offsets)
+            T.gmm_dw(xc, sxc, dc, sdc, offsets, torch.bfloat16)
+
+    return drive
+
+
 _TC = {"wgmma"}
 KERNELS: list[Row] = [
     # RMSNorm: Llama hidden sizes one pass (hot); 32k columns take the two-pass loop (reported).
@@ -235,6 +257,11 @@ KERNELS: list[Row] = [
         _grouped_mm(backward=True, use_tma=False), needs={"_gmm_kernel": _TC, "_gmm_dw_kernel": _TC}),
     Row("grouped_mm.bwd pointer 2048x768 fp32", "titan_kernels.triton.grouped_mm",
         _grouped_mm(backward=True, use_tma=False, dtype="float32")),  # IEEE fp32 products: no wgmma
+    # Its float8 rowwise variant: per-(group, column) quantizer, float8 GEMMs on wgmma with the scales in the epilogue.
+    Row("fp8_grouped_mm.fwd 2048x768", "titan_kernels.triton.fp8_grouped_mm", _fp8_grouped_mm(),
+        needs={"_fp8_gmm_kernel": _TC}),
+    Row("fp8_grouped_mm.bwd 2048x768", "titan_kernels.triton.fp8_grouped_mm", _fp8_grouped_mm(backward=True),
+        needs={"_fp8_gmm_kernel": _TC, "_fp8_gmm_dw_kernel": _TC}),
 ]
 
 

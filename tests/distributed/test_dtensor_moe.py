@@ -5,7 +5,9 @@ forward and backward, with the placements the rules give (Shard(1) / Partial) an
 gradients equal to the unsharded ones; a whole MoE feed-forward (permute -> colwise w1/w3 -> swiglu
 -> rowwise w2 -> unpermute of the Partial buffer) runs its forward with no collective and its
 backward with only the input-gradient reduction, and equals one process; a token-split x (which
-would cut the groups) is redistributed, never wrong.
+would cut the groups) is redistributed, never wrong. fp8_grouped_mm shares the colwise / rowwise rules
+(per-shard scales: colwise y and dw equal the unsharded op, the rest to float8 accuracy) and refuses a
+Partial input (reduced first, not quantized summand by summand).
 """
 from __future__ import annotations
 
@@ -62,6 +64,56 @@ def _check_tp(rank: int, world: int) -> None:
                 y = tk.grouped_mm(xd, distribute_tensor(w, mesh, [rep]), offsets)  # plain offsets: replicated
             assert comm.get_total_counts() > 0
             torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-5, atol=1e-5)
+
+
+def _check_fp8_tp(rank: int, world: int) -> None:
+    import titan_kernels as tk
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    t, k, n, e = 13, 16, 24, 4
+    x = torch.randn(t, k)
+    w = torch.randn(e, k, n) * k**-0.5
+    offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # an empty expert
+    dy = torch.randn(t, n)
+    rep = Replicate()
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    xx, ww = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_ref = tk.fp8_grouped_mm(xx, ww, offsets)
+    dx_ref, dw_ref = torch.autograd.grad(y_ref, (xx, ww), dy)
+    x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
+    bounds = [0, *offsets.tolist()]
+    y64 = torch.cat([x64[a:b] @ w64[i] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))])
+    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    for x_pl, w_pl, y_pl, dy_pl in (
+        (rep, Shard(2), Shard(1), Shard(1)),   # colwise: every forward / wgrad scale sees the whole K
+        (Shard(1), Shard(1), Partial(), rep),  # rowwise: per-K-shard scales of x and w
+    ):
+        xd = distribute_tensor(x, mesh, [x_pl]).requires_grad_()
+        wd = distribute_tensor(w, mesh, [w_pl]).requires_grad_()
+        od, dyd = distribute_tensor(offsets, mesh, [rep]), distribute_tensor(dy, mesh, [dy_pl])
+        with CommDebugMode() as comm:
+            y = tk.fp8_grouped_mm(xd, wd, od)
+            dx, dw = torch.autograd.grad(y, (xd, wd), dyd)
+        assert comm.get_total_counts() == 0, (w_pl, comm.get_comm_counts())
+        assert y.placements == (y_pl,) and dw.placements == (w_pl,), (w_pl, y.placements, dw.placements)
+        if w_pl == Shard(2):
+            assert rel(y.full_tensor(), y_ref) < 1e-6 and rel(dw.full_tensor(), dw_ref) < 1e-6
+        for got, want in ((y, y64), (dx, dx64), (dw, dw64)):
+            assert rel(got.full_tensor(), want) < 7e-2, (w_pl, rel(got.full_tensor(), want))
+    # A Partial x is reduced before it is quantized (a collective), and the result is right.
+    xd = DTensor.from_local(x / world, mesh, [Partial()], run_check=False)  # the sum over ranks is x
+    wd = distribute_tensor(w, mesh, [rep])
+    with CommDebugMode() as comm:
+        y = tk.fp8_grouped_mm(xd, wd, offsets)
+    assert comm.get_total_counts() > 0  # reduced (all-reduce or reduce-scatter onto a rowwise split)
+    assert rel(y.full_tensor(), y64.detach()) < 7e-2
 
 
 def _check_moe_ffn(rank: int, world: int) -> None:
@@ -129,6 +181,10 @@ def _check_moe_ffn(rank: int, world: int) -> None:
 
 def test_dtensor_grouped_mm_tensor_parallel():
     run_distributed(_check_tp, 2)
+
+
+def test_dtensor_fp8_grouped_mm_tensor_parallel():
+    run_distributed(_check_fp8_tp, 2)
 
 
 def test_dtensor_moe_ffn_tensor_parallel():
