@@ -499,7 +499,7 @@ def test_unsupported_qwen3_configs_are_refused_in_one_line(change, message):
                                         "score_func='sigmoid'"),
                                        (MoEArgs(num_experts=5, top_k=2, hidden_dim=20, route_scale=2.5),
                                         "route_scale=2.5")], ids=["shared", "sigmoid", "scale"])
-def test_export_of_what_hf_qwen3_moe_cannot_express_is_refused(tmp_path, moe, what):
+def test_export_of_what_hf_qwen3_moe_cannot_express_is_refused(tmp_path, capsys, moe, what):
     args = Q_MOE.replace(moe=moe)
     model = build_model(args, "cpu")
     model.init_weights(0)
@@ -507,9 +507,10 @@ def test_export_of_what_hf_qwen3_moe_cannot_express_is_refused(tmp_path, moe, wh
     with pytest.raises(HFCheckpointError, match=f"Hugging Face Qwen3-MoE has softmax routing .*{what}"):
         dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()  # refused before anything was written
-    proc = subprocess.run([sys.executable, "-m", "trainer.convert", "dcp-to-hf", str(tmp_path / "ckpt"),
-                           str(tmp_path / "hf2")], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and _one_line(proc.stderr) and what in proc.stderr, proc.stderr
+    capsys.readouterr()
+    assert convert_main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf2")]) == 1  # the CLI: exit 1
+    err = capsys.readouterr().err
+    assert _one_line(err) and err.startswith("python -m trainer.convert: error: ") and what in err, err
 
 
 def test_export_warns_that_hf_routes_without_our_balancing_bias(tmp_path, caplog):
