@@ -16,6 +16,18 @@ compared side by side. Both get the same recipe and the same filter:
   when N·K / (N + K) < 1024 (tensorwise) or 2048 (rowwise recipes). Llama 3 8B's FFN and wq/wo
   pass; its 1024-wide wk/wv do not; every layer of the debugmodel is filtered.
 
+Mixture-of-experts models: the routed experts (``trainer.models.moe.GroupedExperts``, three grouped
+GEMMs) run on ``titan_kernels.fp8_grouped_mm`` with ``--float8.impl titan``, under the same two
+filters (the size filter on each expert's dim x hidden GEMM shape). Their recipe follows
+``--float8.recipe`` (``EXPERT_RECIPE``): ``rowwise_with_gw_hp`` keeps the weight gradient in high
+precision, ``rowwise`` and ``tensorwise`` put all three GEMMs in float8 with rowwise scales (the grouped
+op has no tensorwise variant: one scale per expert would not factor out of a grouped kernel's tile
+any better than a row's, and rowwise is torchao's float8 MoE recipe). The router gates stay in high
+precision whatever the filters say (a float8 router flips top-k choices, and the router reads its
+weight directly). With ``--float8.impl torchao`` the experts stay in high precision (logged). By the
+cost model above, Qwen3-30B-A3B's experts (2048 x 768: N·K/(N+K) = 559) are kept in high precision by
+the automatic filter; ``--float8.auto_filter_small_kgemms false`` converts them.
+
 Conversion happens on the meta device, before activation checkpointing, compile and FSDP2
 (DESIGN.md section 4). MFU stays against the bf16 dense peak, as torchtitan reports it, and the log
 says so.
@@ -30,6 +42,8 @@ from torch import nn
 logger = logging.getLogger("trainer")
 
 _MIN_HARMONIC = {"tensorwise": 1024, "rowwise": 2048, "rowwise_with_gw_hp": 2048}
+# --float8.recipe -> the recipe of the routed experts' titan_kernels.fp8_grouped_mm (module docstring).
+EXPERT_RECIPE = {"tensorwise": "rowwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise_with_gw_hp"}
 
 
 def too_small_for_float8(in_features: int, out_features: int, recipe: str) -> bool:
@@ -66,14 +80,50 @@ def _torchao_convert(model: nn.Module, recipe: str, all_gather: bool, fn) -> Non
     convert_to_float8_training(model, config=config, module_filter_fn=fn)
 
 
+def convert_experts_to_float8(model: nn.Module, cfg) -> list[str]:
+    """Set ``float8_recipe`` on the routed experts of ``model`` that pass the filters of ``cfg``
+    (``EXPERT_RECIPE[cfg.recipe]``; impl titan only). Returns their names."""
+    from trainer.models.moe import GroupedExperts
+
+    experts = {fqn: m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    if not experts:
+        return []
+    if cfg.impl != "titan":
+        logger.info("float8 (%s): the %d MoE expert groups stay in high precision (titan_kernels.fp8_grouped_mm "
+                    "runs with --float8.impl titan)", cfg.impl, len(experts))
+        return []
+    recipe = EXPERT_RECIPE[cfg.recipe]
+    chosen = []
+    for fqn, m in experts.items():
+        dim, hidden = m.w1.shape[1], m.w1.shape[2]
+        if any(f and f in fqn for f in cfg.filter_fqns):
+            continue
+        if cfg.auto_filter_small_kgemms and too_small_for_float8(dim, hidden, recipe):
+            continue
+        m.float8_recipe = recipe
+        chosen.append(fqn)
+    logger.info("float8 (titan): %d of %d MoE expert groups on fp8_grouped_mm (recipe %s), %d kept in high "
+                "precision%s", len(chosen), len(experts), recipe, len(experts) - len(chosen),
+                " (auto filter of small layers)" if len(chosen) < len(experts) and cfg.auto_filter_small_kgemms else "")
+    return chosen
+
+
 def convert_model_to_float8(model: nn.Module, cfg) -> list[str]:
     """Convert ``model``'s Linear layers in place per the ``[float8]`` config section ``cfg``
-    (enable, recipe, impl, filter_fqns, auto_filter_small_kgemms, enable_fsdp_float8_all_gather).
+    (enable, recipe, impl, filter_fqns, auto_filter_small_kgemms, enable_fsdp_float8_all_gather),
+    and its MoE routed experts (``convert_experts_to_float8``); MoE router gates stay as they are.
 
-    Returns the names of the converted layers. Raises RuntimeError when ``impl`` is torchao and it
-    cannot be imported.
+    Returns the names of the converted layers and expert groups. Raises RuntimeError when ``impl`` is
+    torchao and it cannot be imported.
     """
-    keep = module_filter(cfg.filter_fqns, cfg.auto_filter_small_kgemms, cfg.recipe)
+    from trainer.models.moe import Router
+
+    gates = {f"{fqn}.gate" if fqn else "gate" for fqn, m in model.named_modules() if isinstance(m, Router)}
+    size_and_name = module_filter(cfg.filter_fqns, cfg.auto_filter_small_kgemms, cfg.recipe)
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        return fqn not in gates and size_and_name(mod, fqn)
+
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     chosen = [fqn for fqn, m in linears.items() if keep(m, fqn)]
     if cfg.impl == "torchao":
@@ -88,8 +138,9 @@ def convert_model_to_float8(model: nn.Module, cfg) -> list[str]:
         "(filter_fqns %s%s)", cfg.impl, cfg.recipe,
         ", float8 FSDP2 all-gather" if cfg.enable_fsdp_float8_all_gather else "", len(chosen), len(linears), skipped,
         cfg.filter_fqns, ", auto filter of small layers" if cfg.auto_filter_small_kgemms else "")
-    if not chosen:
+    experts = convert_experts_to_float8(model, cfg)
+    if not chosen and not experts:
         logger.warning("float8: no Linear layer was converted; all were filtered (see --float8.filter_fqns and "
                        "--float8.auto_filter_small_kgemms)")
     logger.info("float8: MFU is reported against the bf16 dense peak (the float8 peak is twice that)")
-    return chosen
+    return chosen + experts

@@ -11,7 +11,10 @@ GEMMs, optional shared experts, and load balancing (auxiliary-loss-free bias or 
    (``titan_kernels.moe_permute``); ``counts[e]`` rows go to expert e.
 3. Experts: ``w2_e(silu(x w1_e) * x w3_e)`` for every expert at once: three grouped GEMMs
    (``grouped_mm``: x (N, K) sorted by expert, w (E, K, N'), offsets = cumulative counts) and one
-   ``titan_kernels.swiglu``. Weights are stored (E, in, out), the layout grouped_mm takes.
+   ``titan_kernels.swiglu``. Weights are stored (E, in, out), the layout grouped_mm takes. With
+   ``--float8.enable`` (``trainer.float8`` sets ``GroupedExperts.float8_recipe``) the three GEMMs are
+   ``titan_kernels.fp8_grouped_mm``: rowwise e4m3 operands, forward, dgrad and (recipe ``rowwise``)
+   wgrad in float8.
    Under expert parallel (``trainer.parallel.expert_parallel``) the rows travel by all-to-all to
    the ranks holding their experts and back; this module does not change.
 4. Unpermute: every row's output times its weight, summed back into its token
@@ -62,13 +65,17 @@ def no_expert_counting():
         _counting_paused = before
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, float8: str | None = None) -> torch.Tensor:
     """``out[rows of group e] = x[rows of group e] @ w[e]``: x (T, K) sorted by group, w (E, K, N),
     offsets int32 (E,) cumulative group ends (offsets[-1] == T); returns (T, N) in x's dtype.
 
     ``titan_kernels.grouped_mm`` when the package has it, else ``torch._grouped_mm`` (float32 /
-    bfloat16; on the CPU its row strides must be multiples of 16 bytes). The one place to switch.
+    bfloat16; on the CPU its row strides must be multiples of 16 bytes); with ``float8`` (a recipe of
+    ``titan_kernels.fp8_grouped_mm``: "rowwise" or "rowwise_with_gw_hp") its float8 variant. The one
+    place to switch.
     """
+    if float8 is not None:
+        return titan_kernels.fp8_grouped_mm(x, w, offsets, recipe=float8)
     op = getattr(titan_kernels, "grouped_mm", None)
     if op is not None:
         return op(x, w, offsets)
@@ -82,13 +89,14 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor) -> torch.Tensor:
+                w3: torch.Tensor, float8: str | None = None) -> torch.Tensor:
     """SwiGLU experts on rows sorted by expert: x (N, dim), counts (E,) rows per expert, w1/w3
-    (E, dim, hidden), w2 (E, hidden, dim) -> (N, dim). Weights are cast to x's dtype (mixed precision)."""
+    (E, dim, hidden), w2 (E, hidden, dim) -> (N, dim). Weights are cast to x's dtype (mixed precision).
+    ``float8``: the fp8_grouped_mm recipe of the three GEMMs (None: high precision)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
-    h = titan_kernels.swiglu(grouped_mm(x, w1, offsets), grouped_mm(x, w3, offsets))
-    return grouped_mm(h, w2, offsets)
+    h = titan_kernels.swiglu(grouped_mm(x, w1, offsets, float8), grouped_mm(x, w3, offsets, float8))
+    return grouped_mm(h, w2, offsets, float8)
 
 
 class GroupedExperts(nn.Module):
@@ -97,6 +105,8 @@ class GroupedExperts(nn.Module):
     ``forward(x (N, dim) sorted by expert, counts (E,) int64) -> (N, dim)``. ``expert_parallel``
     (set by ``trainer.parallel.expert_parallel.apply_ep``) sends the rows to the ranks holding their
     experts and back; the parameters are then DTensors split on the expert dimension.
+    ``float8_recipe`` (set by ``trainer.float8.convert_model_to_float8``): the GEMMs run as
+    ``titan_kernels.fp8_grouped_mm`` with that recipe; None (default) keeps them in high precision.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
@@ -106,12 +116,14 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.expert_parallel = None
+        self.float8_recipe: str | None = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
+        f8 = self.float8_recipe
         if self.expert_parallel is not None:
-            return self.expert_parallel(x, counts, lambda xs, cs: run_experts(xs, cs, w1, w2, w3))
-        return run_experts(x, counts, w1, w2, w3)
+            return self.expert_parallel(x, counts, lambda xs, cs: run_experts(xs, cs, w1, w2, w3, f8))
+        return run_experts(x, counts, w1, w2, w3, f8)
 
 
 class Router(nn.Module):
