@@ -1,16 +1,18 @@
-"""The training loop: ``main(config) -> exit code``.
+"""The training run: :class:`Trainer` (``setup``, ``train_step``, ``train``, ``close``) and
+``main(config) -> exit code``, which ``python -m trainer`` calls.
 
-Order of work (DESIGN.md section 4): process group and device from the torchrun environment (gloo on
-CPU, NCCL on GPUs) -> tokenizer -> memory check of the flavor for this machine -> model on the meta
-device -> activation checkpointing -> compile per block -> FSDP2 (data parallel, HSDP; also on one
-GPU for bf16 mixed precision) -> materialize and initialize (or the seed checkpoint) -> AdamW and the
-LR schedule -> data loader -> resume from the newest complete checkpoint -> loop -> final checkpoint
-and summary.
-
-One optimizer step takes ``grad_accum = global_batch_size / (local_batch_size * dp)`` micro-batches
-per rank; the numerics of a step (the exact token-mean scaling over micro-batches and ranks, the
-clip, the non-finite flag) are in ``trainer/step.py``, the process around the run (OpenMP policy,
-logging, process group) in ``trainer/environment.py``.
+Order of work (DESIGN.md section 4), as :meth:`Trainer.setup` reads top to bottom: device and
+parallel layout from the torchrun environment -> tokenizer -> memory check of the flavor for this
+machine -> process group (gloo on CPU, NCCL on GPUs) and device mesh -> data loaders (a bad source
+fails here, before a model is built) -> model on the meta device -> float8 Linear layers -> the
+parallelisms in their order (``trainer.parallel.parallelize``: TP/SP, EP, activation checkpointing,
+compile per block, FSDP2, also on one GPU for bf16 mixed precision, pipeline stages), which
+materialize and initialize the weights -> AdamW and the LR schedule -> resume from the newest
+complete checkpoint (or the initial one) -> metrics, validation, profiler.
+Then :meth:`Trainer.train` runs the loop (:meth:`Trainer.train_step`, validation, checkpoint,
+profiler, garbage collection) and ends with the final checkpoint, the summary and the plot. The
+numerics of one step (the exact token-mean scaling over micro-batches and ranks, the clip, the
+non-finite flag) are in ``trainer/step.py``.
 
 Non-finite values. A step does not wait for the device to check its loss and gradient norm (that
 host synchronisation would stall every step): a device-side flag records the first step whose
@@ -23,6 +25,15 @@ that checkpoint).
 
 Exit codes: 0 done; 1 the run cannot proceed (model too large for the machine, non-finite loss,
 unusable checkpoint, data errors), with a one-line (or, for memory, a short) message and no traceback.
+
+As a library (one process, or one rank under torchrun)::
+
+    trainer = Trainer(parse_args(["--training.steps", "10"]))
+    try:
+        if trainer.setup():      # False: nothing to train (seed checkpoint written, or resumed at the end)
+            trainer.train()
+    finally:
+        trainer.close()
 """
 from __future__ import annotations
 
@@ -47,9 +58,23 @@ from trainer.environment import (
 import torch
 import torch.distributed as dist
 
+import titan_kernels
+from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
 from trainer.config import ConfigError, JobConfig
+from trainer.data import build_dataloader, build_tokenizer
+from trainer.estimate import Layout, detect_devices, fit_report
+from trainer.metrics import MetricsLogger
+from trainer.models.common import build_model, format_params, model_args
+from trainer.models.llama import cross_entropy_loss, linear_cross_entropy_loss
+from trainer.models.moe import load_metrics, moe_modules, update_load_balance
+from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
+from trainer.parallel.compile import compile_loss
+from trainer.parallel.parallel_dims import ParallelDims
+from trainer.parallel.parallelize import parallelize_llama, reduce_partial_grads
+from trainer.parallel.pipeline import pp_norm_group
+from trainer.profiling import Profiler
 # The step's pieces, also importable from here (the tests patch forward_backward and clip_grad_norm_
-# on this module: the loop looks them up here).
+# on this module: the Trainer looks them up here).
 from trainer.step import (  # noqa: F401
     IGNORE_INDEX,
     NonFiniteLossError,
@@ -59,10 +84,499 @@ from trainer.step import (  # noqa: F401
     forward_backward,
     micro_batch_loss,
 )
+from trainer.validate import Validator, build_validation_loader
 
 _rank_zero_warnings = rank_zero_warnings  # the name tests/trainer/test_train.py uses
 
 logger = logging.getLogger("trainer")
+
+
+class ModelTooLargeError(TrainingError):
+    """The flavor does not fit this machine's memory; the message is the memory report (several lines)."""
+
+
+class Trainer:
+    """One training run of ``config``: :meth:`setup`, then :meth:`train` (or :meth:`train_step` one
+    step at a time), then :meth:`close` (always, also after an error).
+
+    Args:
+        config: a validated :class:`trainer.config.JobConfig`.
+        world_size, rank, local_rank: this process's place among the ranks; None = from the torchrun
+            environment (WORLD_SIZE, RANK, LOCAL_RANK), one process without it.
+
+    After :meth:`setup`: ``device``, ``dims`` (the :class:`ParallelDims`), ``mesh``, ``model``,
+    ``optimizer``, ``scheduler``, ``loader``, ``checkpointer``, ``metrics`` and ``validator`` (None
+    without validation). ``step`` is the last finished optimizer step (the resumed one after a
+    resume) and ``tokens_seen`` the tokens trained on over all ranks.
+
+    Raises:
+        TrainingError: an environment variable that is not an integer.
+    """
+
+    def __init__(self, config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
+                 local_rank: int | None = None) -> None:
+        self.config = config
+        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.rank = _env_int("RANK", 0) if rank is None else rank
+        self.local_rank = _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
+        self.step = 0
+        self.tokens_seen = 0
+        self.device: torch.device | None = None
+        self.dims: ParallelDims | None = None
+        self.mesh = None
+        self.model: torch.nn.Module | None = None
+        self.optimizer = self.scheduler = None
+        self.loader = self.val_loader = None
+        self.checkpointer: Checkpointer | None = None
+        self.metrics: MetricsLogger | None = None
+        self.validator: Validator | None = None
+        self._t_start = time.perf_counter()
+        self._backend = contextlib.ExitStack()  # titan_kernels.use_backend, from the model's build to close()
+        self._owns_process_group = False
+        self._ready = False  # setup() returned True
+        self._started = False  # the first step ran: data iterator, gc off, metrics clock, profiler
+        self._stopped = False  # the loop's outputs are closed
+        self._gc_was_enabled = False
+
+    # -- setup ---------------------------------------------------------------------------------------
+
+    def setup(self) -> bool:
+        """Build the run in the order of the module docstring: device, layout, tokenizer, memory
+        check, process group and mesh, data, model, parallelisms, optimizer and schedule,
+        checkpointer (and resume), metrics, validation, profiler.
+
+        Returns True when there are steps to train; False when the run is complete already: the seed
+        checkpoint (``--checkpoint.create_seed_checkpoint``) is written, or the resumed checkpoint
+        holds step ``training.steps`` or later.
+
+        Raises:
+            ConfigError: a layout or batch size that does not fit the world size or the model.
+            ModelTooLargeError: the flavor does not fit this machine (the message is the memory report).
+            TrainingError: an unusable tokenizer, data source or checkpoint, or a missing optional package.
+        """
+        config, cfg_ckpt = self.config, self.config.checkpoint
+        seed_only = cfg_ckpt.create_seed_checkpoint
+        self._t_start = time.perf_counter()
+        self._setup_device_and_layout()
+        self._setup_tokenizer()
+        if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
+            message = _fit_message(config, self.args, self.dims, self.compute_dtype)
+            if message is not None:
+                raise ModelTooLargeError(message)
+        self._setup_mesh()
+        if not seed_only:
+            self._setup_data()
+        if config.kernels.backend != "auto":
+            self._backend.enter_context(titan_kernels.use_backend(config.kernels.backend))
+        self._build_model()
+        if seed_only:
+            self._save_seed_checkpoint()
+            return False
+        self._parallelize()
+        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.scheduler = build_lr_scheduler(self.optimizer, _schedule(config))
+        self._setup_checkpoint()
+        if self.step >= config.training.steps:
+            logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
+                        config.training.steps)
+            return False
+        self._setup_metrics()
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
+        self._moe_mods = moe_modules(self.model)
+        dp_group = self.dims.dp_group(self.mesh)
+        self._distributed = dist.is_initialized() and self.world_size > 1
+        # The ranks whose token losses add up to the global loss; False / None: one process.
+        self._dp_group = dp_group if self._distributed else False
+        self._moe_group = dp_group if self._distributed else None
+        self._setup_validation()
+        _log_outputs(config)
+        self._profiler = Profiler(config.profiling, config.job.dump_folder, self.rank, self.device, self.step)
+        self._watch = NonFiniteWatch(self.device)
+        self._ready = True
+        return True
+
+    def _setup_device_and_layout(self) -> None:
+        """The device, the parallel dimensions, micro-batches per step, compute dtype; seeds."""
+        config, p, cfg_t = self.config, self.config.parallelism, self.config.training
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        try:
+            self.dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, self.world_size,
+                                     tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree,
+                                     cp=p.context_parallel_degree, ep=p.expert_parallel_degree)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        self.grad_accum = config.grad_accum_steps(self.dims.dp_size)
+        self.compute_dtype = resolve_compute_dtype(config, self.device)
+        if config.checkpoint.create_seed_checkpoint and self.world_size != 1:
+            raise ConfigError("--checkpoint.create_seed_checkpoint: run it on one process, got a world size of "
+                              f"{self.world_size}")
+        torch.manual_seed(cfg_t.seed)
+        if cfg_t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.benchmark = False
+
+    def _setup_tokenizer(self) -> None:
+        """The tokenizer and the model's arguments (the flavor with the tokenizer's vocabulary)."""
+        config = self.config
+        self.tokenizer = _build_tokenizer(config)
+        try:
+            self.args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size,
+                                   config.training.seq_len, config.model)
+        except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
+            raise TrainingError(f"--model.tokenizer_path: {exc}") from None
+
+    def _setup_mesh(self) -> None:
+        """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""
+        self.mixed_precision = self.compute_dtype != torch.float32
+        self.use_fsdp = self.dims.fsdp_enabled or self.mixed_precision
+        if self.config.parallelism.enable_async_tensor_parallel and self.device.type != "cuda":
+            raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
+                              f"got {self.device.type}")
+        self._owns_process_group = init_distributed(self.world_size, self.rank, self.device,
+                                                     single_process_group=self.use_fsdp)
+        self.mesh = self.dims.build_mesh(self.device.type, single_process=self.use_fsdp)
+        self.dp_rank = self.dims.dp_rank(self.mesh)
+
+    def _setup_data(self) -> None:
+        """The training loader (and the validation one); an empty or binary source fails now, in one line."""
+        config, dp_size = self.config, self.dims.dp_size
+        try:
+            self.loader = build_dataloader(config, self.tokenizer, self.dp_rank, dp_size)
+            self.loader.check()
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise _data_error(exc, _dataset_key(config, "training")) from None
+        if config.validation.enable:
+            try:
+                self.val_loader = build_validation_loader(config, self.tokenizer, self.dp_rank, dp_size)
+                self.val_loader.check()
+            except (ValueError, RuntimeError, OSError) as exc:
+                raise _data_error(exc, _dataset_key(config, "validation")) from None
+
+    def _build_model(self) -> None:
+        """The model on the meta device (no memory yet); logs its size and the shape of a step."""
+        config, args, cfg_t, dims = self.config, self.args, self.config.training, self.dims
+        self.model = build_model(args, device="meta")
+        n_params = args.num_params()
+        moe = getattr(args, "moe", None)
+        logger.info(
+            "model %s %s: %s = %s (dim %d, %d layers, %d heads, %d kv heads, %s, vocab %d); "
+            "%.3g FLOPs/token", config.model.name, config.model.flavor, f"{n_params:,}", format_params(args), args.dim,
+            args.n_layers, args.n_heads, args.kv_heads,
+            f"ffn {args.ffn_hidden_dim}" if moe is None else
+            f"{moe.num_experts} experts of {moe.hidden_dim}, top-{moe.top_k}, balance {moe.load_balance}",
+            args.vocab_size, args.flops_per_token(cfg_t.seq_len))
+        logger.info(
+            "device %s, %s, compute %s, %d micro-batch(es) of %d x %d tokens per step and rank",
+            self.device, dims.describe(), str(self.compute_dtype).replace("torch.", ""), self.grad_accum,
+            cfg_t.local_batch_size, cfg_t.seq_len)
+
+    def _save_seed_checkpoint(self) -> None:
+        """``--checkpoint.create_seed_checkpoint``: the initial weights as step 0, on the CPU."""
+        config = self.config
+        self.model.to_empty(device="cpu")
+        self.model.init_weights(config.training.seed)
+        folder = Path(config.job.dump_folder) / config.checkpoint.folder
+        path = Checkpointer(folder, self.model, model_args=self.args, flavor=config.model.flavor).save_seed()
+        logger.info("seed checkpoint written to %s", path)
+
+    def _parallelize(self) -> None:
+        """float8, the loss function, then every parallelism (trainer.parallel.parallelize), which
+        materializes and initializes the weights."""
+        config, dims, model = self.config, self.dims, self.model
+        p, cfg_t = config.parallelism, config.training
+        if config.float8.enable:
+            from trainer.float8 import convert_model_to_float8
+
+            try:
+                convert_model_to_float8(model, config.float8)
+            except RuntimeError as exc:  # --float8.impl torchao without torchao
+                raise TrainingError(str(exc)) from None
+        # The loss is the fused output projection + cross-entropy (vocab-parallel under TP): the last
+        # stage returns hidden states, the logits are never materialized, and the loss needs no
+        # loss_parallel() context. It is one op, so there is nothing for compile to fuse. The logits
+        # path stays for --parallelism.disable_loss_parallel under TP and a float8 output layer.
+        fused_loss = (not (dims.tp_enabled and p.disable_loss_parallel)
+                      and type(model.output) in (torch.nn.Linear, type(None)))
+        if fused_loss:
+            model.return_hidden = True
+            loss_fn = functools.partial(linear_cross_entropy_loss, model)
+        else:
+            loss_fn = cross_entropy_loss
+            if config.compile.enable and "loss" in config.compile.components:
+                loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
+        try:
+            pm = parallelize_llama(
+                model, config, dims, self.mesh, self.device, use_fsdp=self.use_fsdp,
+                param_dtype=self.compute_dtype if self.mixed_precision else None,
+                reduce_dtype=DTYPES[cfg_t.mixed_precision_reduce] if self.mixed_precision else None, loss_fn=loss_fn,
+            )
+        except ValueError as exc:  # the model does not fit the layout
+            raise ConfigError(str(exc)) from None
+        self.pm = pm
+        self.model = pm.model
+        self.loss_fn = loss_fn
+        self._loss_context = contextlib.nullcontext if fused_loss else pm.loss_context
+        self._shard = pm.shard if pm.cp is not None else None
+
+    def _setup_checkpoint(self) -> None:
+        """The checkpointer; resumes from the newest complete checkpoint, else the initial one if given."""
+        config, c = self.config, self.config.checkpoint
+        self._ckpt_folder = Path(config.job.dump_folder) / c.folder
+        self.checkpointer = Checkpointer(
+            self._ckpt_folder, self.model, self.optimizer, self.scheduler, self.loader, self.dp_rank,
+            enable=c.enable, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode,
+            load_step=c.load_step, model_weights_only=c.model_weights_only, export_dtype=c.export_dtype,
+            model_args=self.args, flavor=config.model.flavor, last_save_in_hf=c.last_save_in_hf,
+        )
+        try:
+            # A run to resume wins; the initial checkpoint only starts a fresh one.
+            if c.enable and self.checkpointer.resolve_load_step() is not None:
+                self.step, self.tokens_seen = self.checkpointer.load()
+            elif c.initial_load_path:
+                self.step, self.tokens_seen = self.checkpointer.initial_load(
+                    c.initial_load_path, c.initial_load_model_only, c.initial_load_in_hf)
+        except CheckpointError as exc:
+            raise TrainingError(str(exc)) from None
+
+    def _setup_metrics(self) -> None:
+        """The metrics logger (console, metrics.jsonl, TensorBoard, Weights & Biases) on rank 0."""
+        config, m, cfg_t = self.config, self.config.metrics, self.config.training
+        wandb_logger = None
+        if m.enable_wandb and self.rank == 0:
+            from trainer.wandb_log import WandbLogger
+
+            try:
+                wandb_logger = WandbLogger(Path(config.job.dump_folder) / m.save_wandb_folder, m.wandb_project,
+                                           config.to_dict(), name=config.job.description or None)
+            except RuntimeError as exc:
+                raise TrainingError(str(exc)) from None
+        self.metrics = MetricsLogger(
+            config.job.dump_folder, m.log_freq, self.device, self.args.flops_per_token(cfg_t.seq_len),
+            cfg_t.steps, enabled=self.rank == 0, enable_tensorboard=m.enable_tensorboard,
+            tb_folder=m.save_tb_folder, enable_color=m.enable_color, wandb=wandb_logger,
+        )
+        logger.info(
+            "data: %s, tokenizer %s (vocab %d); training steps %d..%d; setup took %.1fs",
+            self.loader.source.name, self.tokenizer.name, self.tokenizer.vocab_size, self.step + 1, cfg_t.steps,
+            time.perf_counter() - self._t_start)
+
+    def _setup_validation(self) -> None:
+        """The validator: the same forward as training, under no_grad, on the validation loader."""
+        if self.val_loader is None:
+            return
+        v, cfg_t, pm = self.config.validation, self.config.training, self.pm
+        model, loss_fn = self.model, self.loss_fn
+        self.validator = Validator(
+            self.val_loader, v.steps, self.device,
+            lambda inputs, labels, pos: micro_batch_loss(model, loss_fn, inputs, labels, pos),
+            dp_group=self._dp_group, distributed=self._distributed,
+            document_masking=cfg_t.document_masking, shard=self._shard,
+            loss_context=self._loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
+        )
+        logger.info("validation: %s, %s every %d steps and at the end", self.val_loader.source.name,
+                    "the whole split" if v.steps == -1 else f"{v.steps} batches", v.freq)
+
+    # -- training ------------------------------------------------------------------------------------
+
+    def train_step(self) -> torch.Tensor:
+        """Run optimizer step ``self.step + 1``: this rank's micro-batches through forward and backward,
+        gradient reductions, clip, the non-finite check (on log and checkpoint steps), the optimizer
+        and LR schedule steps, the MoE routing bias, and the step's metrics.
+
+        :meth:`train` also validates, checkpoints, profiles and collects garbage after each step.
+
+        Returns the step's mean token loss over all ranks and micro-batches: a float32 scalar on the
+        device, detached (reading it waits for the device).
+
+        Raises:
+            RuntimeError: before a :meth:`setup` that returned True, after the last step, or after the
+                run was stopped (the end of :meth:`train`, or :meth:`close`).
+            NonFiniteLossError: at a log or checkpoint step, if this step or an earlier one was not
+                finite; raised before this step's update, ``step`` stays at the previous step.
+            TrainingError: the data source failed.
+        """
+        self._check_running("train_step")
+        cfg_t, dims, pm = self.config.training, self.dims, self.pm
+        if self.step >= cfg_t.steps:
+            raise RuntimeError(f"Trainer.train_step: all {cfg_t.steps} training.steps are done")
+        self._start()
+        step = self.step + 1
+        batches, data_wait = self._next_batches()
+        loss = forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
+                                dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
+                                loss_context=self._loss_context, pipeline=pm.pipeline)
+        reduce_partial_grads(pm.partial_grads)
+        pm.scale_expert_grads()
+        grad_norm = clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
+        self._watch.update(step, loss, grad_norm)
+        if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):
+            self._watch.check(step, self._kept)  # the only host syncs of a step (module docstring)
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        # MoE: the step's tokens per expert (over the data-parallel ranks) move the routing bias.
+        moe_load = update_load_balance(self._moe_mods, self._moe_group)
+        n_step_tokens = self.grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
+        self.tokens_seen += n_step_tokens * dims.dp_size
+        self.step = step
+        # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
+        self.metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
+                          grad_norm=grad_norm, lr=lr,
+                          extra=(lambda: load_metrics(self._moe_mods, moe_load)) if self._moe_mods else None)
+        return loss
+
+    def train(self) -> None:
+        """Train the steps after ``self.step`` up to ``training.steps``. After each step: validation
+        (every ``validation.freq`` steps and at the last), a checkpoint (every ``checkpoint.interval``
+        steps and at the last), the profiler's window, garbage collection (every ``training.gc_freq``).
+        At the end (also on an error): the profiler stops, the last checkpoint write completes and the
+        metrics files close; then (rank 0) the summary and ``metrics.png``.
+
+        Raises:
+            RuntimeError: before a :meth:`setup` that returned True, or when the run was stopped already.
+            NonFiniteLossError: at the first check that finds a non-finite step (module docstring).
+            TrainingError: the data source failed.
+        """
+        cfg_t, v = self.config.training, self.config.validation
+        self._check_running("train")
+        self._start()
+        try:
+            while self.step < cfg_t.steps:
+                self.train_step()
+                step = self.step
+                if self.validator is not None and (step % v.freq == 0 or step == cfg_t.steps):
+                    result = self.validator.evaluate()
+                    self.metrics.exclude(result["val_time_s"])
+                    self.metrics.log_validation(step, result)
+                self.checkpointer.poll()
+                if self.checkpointer.should_save(step, cfg_t.steps):
+                    self.checkpointer.save(step, self.tokens_seen, last=step == cfg_t.steps)
+                self._profiler.step(step)
+                if step % cfg_t.gc_freq == 0:
+                    gc.collect(1)
+        finally:
+            self._stop(*sys.exc_info())
+        self.metrics.print_summary()
+        if self.rank == 0 and self.config.metrics.save_plot:
+            _save_plot(self.config.job.dump_folder)
+        logger.info("done in %.1fs", time.perf_counter() - self._t_start)
+
+    def _check_running(self, name: str) -> None:
+        if not self._ready:
+            raise RuntimeError(f"Trainer.{name}: call setup() first (and only when it returned True)")
+        if self._stopped:
+            raise RuntimeError(f"Trainer.{name}: the run is over (train() ended or close() was called)")
+
+    def _start(self) -> None:
+        """Before the first step: the data iterator, gc by hand, the metrics clock, the profiler."""
+        if self._started:
+            return
+        self._started = True
+        self._data_iter = iter(self.loader)
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
+        gc.collect()
+        self.metrics.start()
+        self._profiler.__enter__()
+
+    def _next_batches(self) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """This rank's ``grad_accum`` micro-batches of the next step and the seconds spent waiting for them."""
+        data_wait = 0.0
+        batches = []
+        for _ in range(self.grad_accum):
+            t0 = time.perf_counter()
+            try:
+                batch = next(self._data_iter)
+            except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
+                raise _data_error(exc, _dataset_key(self.config, "training")) from None
+            if self.device.type == "cuda":
+                # A copy from pageable memory first waits for the stream (a host sync every step);
+                # from pinned memory the non_blocking copies in forward_backward are asynchronous.
+                batch = {k: v.pin_memory() for k, v in batch.items()}
+            batches.append(batch)
+            data_wait += time.perf_counter() - t0
+        return batches, data_wait
+
+    def _kept(self) -> str:
+        """Which checkpoint is good, for the non-finite message."""
+        done = complete_steps(self._ckpt_folder) if self.config.checkpoint.enable else []
+        if not done:
+            return "no checkpoint was written"
+        return f"the last good checkpoint is step-{done[-1]} in {self._ckpt_folder}"
+
+    # -- the end -------------------------------------------------------------------------------------
+
+    def _stop(self, exc_type=None, exc=None, tb=None) -> None:
+        """The loop's outputs end: the profiler (an out-of-memory error leaves a CUDA memory snapshot),
+        the checkpointer (an async write completes), the metrics files and Weights & Biases run."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._started:
+            self._profiler.__exit__(exc_type, exc, tb)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def close(self) -> None:
+        """Release the run: what :meth:`train` did not close (profiler, checkpointer, metrics files),
+        the kernel backend choice, garbage collection back on if it was, and the process group if the
+        trainer started it. Safe after a failed or partial setup and when called twice."""
+        self._stop()
+        self._backend.close()
+        if self._gc_was_enabled:
+            gc.enable()
+            self._gc_was_enabled = False
+        if self._owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_process_group = False
+
+
+# ------------------------------------------------------------------------------------------------
+# main
+
+
+def main(config: JobConfig) -> int:
+    """Run the training job described by ``config``; returns the process exit code.
+
+    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by torchrun); without them, one process.
+    Raises ConfigError for a layout or batch size that does not fit the world size (``__main__``
+    reports it); every other expected failure is reported here and gives exit code 1.
+    """
+    world_size = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    setup_logging(rank)
+    trainer = Trainer(config, world_size=world_size, rank=rank, local_rank=local_rank)
+    try:
+        with rank_zero_warnings(rank):
+            if trainer.setup():
+                trainer.train()
+        return 0
+    except ModelTooLargeError as exc:
+        if rank == 0:
+            print(f"python -m trainer: error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    except TrainingError as exc:
+        where = f"[rank {rank}] " if world_size > 1 else ""
+        print(f"python -m trainer: error: {where}{exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        with rank_zero_warnings(rank):
+            trainer.close()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------------------------
+# Helpers
 
 
 def _env_int(name: str, default: int) -> int:
@@ -88,8 +602,6 @@ def _dataset_key(config: JobConfig, section: str) -> str:
 
 
 def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
-    from trainer.estimate import Layout, detect_devices, fit_report
-
     p = config.parallelism
     return fit_report(
         args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
@@ -103,8 +615,6 @@ def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> s
 
 
 def _build_tokenizer(config: JobConfig):
-    from trainer.data import build_tokenizer
-
     path = config.model.tokenizer_path or None
     try:
         return build_tokenizer(path)
@@ -112,9 +622,7 @@ def _build_tokenizer(config: JobConfig):
         raise TrainingError(f"--model.tokenizer_path: {exc}") from None
 
 
-def _schedule(config: JobConfig):
-    from trainer.optim import LRSchedule
-
+def _schedule(config: JobConfig) -> LRSchedule:
     s, steps = config.lr_scheduler, config.training.steps
     warmup = s.warmup_steps
     if warmup > steps:
@@ -123,313 +631,6 @@ def _schedule(config: JobConfig):
         warmup = steps
     return LRSchedule(steps=steps, warmup_steps=warmup, decay_type=s.decay_type, decay_ratio=s.decay_ratio,
                       min_lr_factor=s.min_lr_factor)
-
-
-# ------------------------------------------------------------------------------------------------
-# main
-
-
-def main(config: JobConfig) -> int:
-    """Run the training job described by ``config``; returns the process exit code.
-
-    Reads RANK, WORLD_SIZE and LOCAL_RANK (set by torchrun); without them, one process.
-    Raises ConfigError for a layout or batch size that does not fit the world size (``__main__``
-    reports it); every other expected failure is reported here and gives exit code 1.
-    """
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    setup_logging(rank)
-    gc_was_enabled = gc.isenabled()
-    try:
-        with rank_zero_warnings(rank):
-            return _run(config, world_size, rank, local_rank)
-    except TrainingError as exc:
-        where = f"[rank {rank}] " if world_size > 1 else ""
-        print(f"python -m trainer: error: {where}{exc}", file=sys.stderr, flush=True)
-        return 1
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _run(config: JobConfig, world_size: int, rank: int, local_rank: int) -> int:
-    from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
-    from trainer.metrics import MetricsLogger
-    from trainer.models.common import build_model, format_params, model_args
-    from trainer.models.llama import cross_entropy_loss, linear_cross_entropy_loss
-    from trainer.models.moe import load_metrics, moe_modules, update_load_balance
-    from trainer.optim import build_lr_scheduler, build_optimizer
-    from trainer.parallel.compile import compile_loss
-    from trainer.parallel.parallel_dims import ParallelDims
-    from trainer.parallel.parallelize import parallelize_llama, reduce_partial_grads
-    from trainer.parallel.pipeline import pp_norm_group
-
-    import titan_kernels
-
-    t_start = time.perf_counter()
-    cfg_t, cfg_ckpt = config.training, config.checkpoint
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    p = config.parallelism
-    try:
-        dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, world_size,
-                            tp=p.tensor_parallel_degree, pp=p.pipeline_parallel_degree, cp=p.context_parallel_degree,
-                            ep=p.expert_parallel_degree)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    grad_accum = config.grad_accum_steps(dims.dp_size)
-    compute_dtype = resolve_compute_dtype(config, device)
-    if cfg_ckpt.create_seed_checkpoint and world_size != 1:
-        raise ConfigError(f"--checkpoint.create_seed_checkpoint: run it on one process, got a world size of {world_size}")
-
-    torch.manual_seed(cfg_t.seed)
-    if cfg_t.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-
-    tokenizer = _build_tokenizer(config)
-    try:
-        args = model_args(config.model.name, config.model.flavor, tokenizer.vocab_size, cfg_t.seq_len, config.model)
-    except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
-        raise TrainingError(f"--model.tokenizer_path: {exc}") from None
-
-    # Before anything large is allocated: can this machine hold the run at all?
-    if not cfg_ckpt.create_seed_checkpoint:
-        message = _fit_message(config, args, dims, compute_dtype)
-        if message is not None:
-            if rank == 0:
-                print(f"python -m trainer: error: {message}", file=sys.stderr, flush=True)
-            return 1
-
-    mixed_precision = compute_dtype != torch.float32
-    use_fsdp = dims.fsdp_enabled or mixed_precision
-    if p.enable_async_tensor_parallel and device.type != "cuda":
-        raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
-                          f"got {device.type}")
-    init_distributed(world_size, rank, device, single_process_group=use_fsdp)
-    mesh = dims.build_mesh(device.type, single_process=use_fsdp)
-    dp_rank = dims.dp_rank(mesh)
-
-    # The data first: an empty or binary dataset fails now, in one line, before a model is built.
-    loader = val_loader = None
-    if not cfg_ckpt.create_seed_checkpoint:
-        from trainer.data import build_dataloader
-
-        try:
-            loader = build_dataloader(config, tokenizer, dp_rank, dims.dp_size)
-            loader.check()
-        except (ValueError, RuntimeError, OSError) as exc:
-            raise _data_error(exc, _dataset_key(config, "training")) from None
-        if config.validation.enable:
-            from trainer.validate import build_validation_loader
-
-            try:
-                val_loader = build_validation_loader(config, tokenizer, dp_rank, dims.dp_size)
-                val_loader.check()
-            except (ValueError, RuntimeError, OSError) as exc:
-                raise _data_error(exc, _dataset_key(config, "validation")) from None
-
-    stack = contextlib.ExitStack()
-    if config.kernels.backend != "auto":
-        stack.enter_context(titan_kernels.use_backend(config.kernels.backend))
-    with stack:
-        model = build_model(args, device="meta")
-        n_params = args.num_params()
-        moe = getattr(args, "moe", None)
-        logger.info(
-            "model %s %s: %s = %s (dim %d, %d layers, %d heads, %d kv heads, %s, vocab %d); "
-            "%.3g FLOPs/token", config.model.name, config.model.flavor, f"{n_params:,}", format_params(args), args.dim,
-            args.n_layers, args.n_heads, args.kv_heads,
-            f"ffn {args.ffn_hidden_dim}" if moe is None else
-            f"{moe.num_experts} experts of {moe.hidden_dim}, top-{moe.top_k}, balance {moe.load_balance}",
-            args.vocab_size, args.flops_per_token(cfg_t.seq_len))
-        logger.info(
-            "device %s, %s, compute %s, %d micro-batch(es) of %d x %d tokens per step and rank",
-            device, dims.describe(), str(compute_dtype).replace("torch.", ""), grad_accum, cfg_t.local_batch_size,
-            cfg_t.seq_len)
-
-        if cfg_ckpt.create_seed_checkpoint:
-            model.to_empty(device="cpu")
-            model.init_weights(cfg_t.seed)
-            folder = Path(config.job.dump_folder) / cfg_ckpt.folder
-            path = Checkpointer(folder, model, model_args=args, flavor=config.model.flavor).save_seed()
-            logger.info("seed checkpoint written to %s", path)
-            return 0
-
-        if config.float8.enable:
-            from trainer.float8 import convert_model_to_float8
-
-            try:
-                convert_model_to_float8(model, config.float8)
-            except RuntimeError as exc:  # --float8.impl torchao without torchao
-                raise TrainingError(str(exc)) from None
-        # The loss is the fused output projection + cross-entropy (vocab-parallel under TP): the last
-        # stage returns hidden states, the logits are never materialized, and the loss needs no
-        # loss_parallel() context. It is one op, so there is nothing for compile to fuse. The logits
-        # path stays for --parallelism.disable_loss_parallel under TP and a float8 output layer.
-        fused_loss = not (dims.tp_enabled and p.disable_loss_parallel) and type(model.output) in (torch.nn.Linear, type(None))
-        if fused_loss:
-            model.return_hidden = True
-            loss_fn = functools.partial(linear_cross_entropy_loss, model)
-        else:
-            loss_fn = cross_entropy_loss
-            if config.compile.enable and "loss" in config.compile.components:
-                loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
-        try:
-            pm = parallelize_llama(
-                model, config, dims, mesh, device, use_fsdp=use_fsdp,
-                param_dtype=compute_dtype if mixed_precision else None,
-                reduce_dtype=DTYPES[cfg_t.mixed_precision_reduce] if mixed_precision else None, loss_fn=loss_fn,
-            )
-        except ValueError as exc:  # the model does not fit the layout
-            raise ConfigError(str(exc)) from None
-        model = pm.model
-        loss_context = contextlib.nullcontext if fused_loss else pm.loss_context
-
-        optimizer = build_optimizer(model, config.optimizer)
-        scheduler = build_lr_scheduler(optimizer, _schedule(config))
-
-        ckpt_folder = Path(config.job.dump_folder) / cfg_ckpt.folder
-        checkpointer = Checkpointer(
-            ckpt_folder, model, optimizer, scheduler, loader, dp_rank, enable=cfg_ckpt.enable,
-            interval=cfg_ckpt.interval, keep_latest_k=cfg_ckpt.keep_latest_k, async_mode=cfg_ckpt.async_mode,
-            load_step=cfg_ckpt.load_step, model_weights_only=cfg_ckpt.model_weights_only,
-            export_dtype=cfg_ckpt.export_dtype, model_args=args, flavor=config.model.flavor,
-            last_save_in_hf=cfg_ckpt.last_save_in_hf,
-        )
-        start_step, tokens_seen = 0, 0
-        try:
-            # A run to resume wins; the initial checkpoint only starts a fresh one.
-            if cfg_ckpt.enable and checkpointer.resolve_load_step() is not None:
-                start_step, tokens_seen = checkpointer.load()
-            elif cfg_ckpt.initial_load_path:
-                start_step, tokens_seen = checkpointer.initial_load(
-                    cfg_ckpt.initial_load_path, cfg_ckpt.initial_load_model_only, cfg_ckpt.initial_load_in_hf)
-        except CheckpointError as exc:
-            raise TrainingError(str(exc)) from None
-        if start_step >= cfg_t.steps:
-            logger.info("checkpoint step %d >= training.steps %d: nothing to train", start_step, cfg_t.steps)
-            checkpointer.close()
-            return 0
-
-        wandb_logger = None
-        if config.metrics.enable_wandb and rank == 0:
-            from trainer.wandb_log import WandbLogger
-
-            try:
-                wandb_logger = WandbLogger(Path(config.job.dump_folder) / config.metrics.save_wandb_folder,
-                                           config.metrics.wandb_project, config.to_dict(),
-                                           name=config.job.description or None)
-            except RuntimeError as exc:
-                raise TrainingError(str(exc)) from None
-        metrics = MetricsLogger(
-            config.job.dump_folder, config.metrics.log_freq, device, args.flops_per_token(cfg_t.seq_len),
-            cfg_t.steps, enabled=rank == 0, enable_tensorboard=config.metrics.enable_tensorboard,
-            tb_folder=config.metrics.save_tb_folder, enable_color=config.metrics.enable_color, wandb=wandb_logger,
-        )
-        logger.info(
-            "data: %s, tokenizer %s (vocab %d); training steps %d..%d; setup took %.1fs",
-            loader.source.name, tokenizer.name, tokenizer.vocab_size, start_step + 1, cfg_t.steps,
-            time.perf_counter() - t_start)
-
-        params = [p for p in model.parameters() if p.requires_grad]
-        moe_mods = moe_modules(model)
-        dp_group = dims.dp_group(mesh)
-        distributed = dist.is_initialized() and world_size > 1
-        validator = None
-        if val_loader is not None:
-            from trainer.validate import Validator
-
-            validator = Validator(
-                val_loader, config.validation.steps, device,
-                lambda inputs, labels, pos: micro_batch_loss(model, loss_fn, inputs, labels, pos),
-                dp_group=dp_group if distributed else False, distributed=distributed,
-                document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
-                loss_context=loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
-            )
-            logger.info("validation: %s, %s every %d steps and at the end", val_loader.source.name,
-                        "the whole split" if config.validation.steps == -1 else f"{config.validation.steps} batches",
-                        config.validation.freq)
-        _log_outputs(config)
-        from trainer.profiling import Profiler
-
-        profiler = Profiler(config.profiling, config.job.dump_folder, rank, device, start_step)
-        watch = NonFiniteWatch(device)
-
-        def kept() -> str:
-            done = complete_steps(ckpt_folder) if cfg_ckpt.enable else []
-            return f"the last good checkpoint is step-{done[-1]} in {ckpt_folder}" if done else "no checkpoint was written"
-
-        data_iter = iter(loader)
-        gc.disable()  # collected every gc_freq steps instead, at the same point on every rank
-        gc.collect()
-        metrics.start()
-        profiler.__enter__()
-        try:
-            for step in range(start_step + 1, cfg_t.steps + 1):
-                data_wait = 0.0
-                batches = []
-                for _ in range(grad_accum):
-                    t0 = time.perf_counter()
-                    try:
-                        batch = next(data_iter)
-                    except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
-                        raise _data_error(exc, _dataset_key(config, "training")) from None
-                    if device.type == "cuda":
-                        # A copy from pageable memory first waits for the stream (a host sync every step);
-                        # from pinned memory the non_blocking copies in forward_backward are asynchronous.
-                        batch = {k: v.pin_memory() for k, v in batch.items()}
-                    batches.append(batch)
-                    data_wait += time.perf_counter() - t0
-                loss = forward_backward(model, loss_fn, batches, device, dp_size=pm.grad_scale,
-                                        dp_group=dp_group if distributed else False,
-                                        document_masking=cfg_t.document_masking, shard=pm.shard if pm.cp is not None else None,
-                                        loss_context=loss_context, pipeline=pm.pipeline)
-                reduce_partial_grads(pm.partial_grads)
-                pm.scale_expert_grads()
-                grad_norm = clip_grad_norm_(params, cfg_t.max_norm, pp_group=pp_norm_group(mesh and mesh["pp"]))
-                watch.update(step, loss, grad_norm)
-                saving = checkpointer.should_save(step, cfg_t.steps)
-                if saving or metrics.should_log(step):  # the only host syncs of a step (module docstring)
-                    watch.check(step, kept)
-                lr = scheduler.get_last_lr()[0]
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                # MoE: the step's tokens per expert (over the data-parallel ranks) move the routing bias.
-                moe_load = update_load_balance(moe_mods, dp_group if distributed else None)
-                n_step_tokens = grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
-                tokens_seen += n_step_tokens * dims.dp_size
-                # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
-                metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
-                             grad_norm=grad_norm, lr=lr,
-                             extra=(lambda: load_metrics(moe_mods, moe_load)) if moe_mods else None)
-                if validator is not None and (step % config.validation.freq == 0 or step == cfg_t.steps):
-                    result = validator.evaluate()
-                    metrics.exclude(result["val_time_s"])
-                    metrics.log_validation(step, result)
-                checkpointer.poll()
-                if saving:
-                    checkpointer.save(step, tokens_seen, last=step == cfg_t.steps)
-                profiler.step(step)
-                if step % cfg_t.gc_freq == 0:
-                    gc.collect(1)
-        finally:
-            profiler.__exit__(*sys.exc_info())
-            checkpointer.close()
-            metrics.close()
-        metrics.print_summary()
-        if rank == 0 and config.metrics.save_plot:
-            _save_plot(config.job.dump_folder)
-        logger.info("done in %.1fs", time.perf_counter() - t_start)
-    return 0
 
 
 def _log_outputs(config: JobConfig) -> None:

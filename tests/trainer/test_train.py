@@ -1,4 +1,6 @@
-"""The training loop: accumulation equivalence, loss reporting, clipping, determinism, errors, metrics."""
+"""The training loop: accumulation equivalence, loss reporting, clipping, determinism, errors, metrics,
+the Trainer as a library."""
+import gc
 import json
 import math
 from pathlib import Path
@@ -332,6 +334,60 @@ def test_progress_elapsed_eta_outputs_and_the_summary_after_a_resume(tmp_path, c
     rc, recs = _run(tmp_path, *ckpt)  # resumes from step 3
     out = capsys.readouterr().out
     assert rc == 0 and "summary: 3 steps (4..6, resumed) in" in out
+
+
+# ---- the Trainer as a library ---------------------------------------------------------------------
+
+
+def test_trainer_runs_as_a_library_step_by_step_then_the_loop(tmp_path, monkeypatch):
+    """Trainer(config): setup(), one train_step(), train() for the rest, close(); the same losses as main()."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
+            "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--metrics.enable_color", "false",
+            "--metrics.save_plot", "false", "--checkpoint.enable", "--checkpoint.interval", "2"]
+    trainer = train.Trainer(parse_args([*argv, "--job.dump_folder", str(tmp_path / "lib")]))
+    assert (trainer.world_size, trainer.rank, trainer.local_rank) == (1, 0, 0)
+    with pytest.raises(RuntimeError, match="call setup"):
+        trainer.train_step()
+    try:
+        assert trainer.setup() is True
+        assert trainer.step == 0 and trainer.tokens_seen == 0 and trainer.device == torch.device("cpu")
+        loss = trainer.train_step()
+        assert isinstance(loss, torch.Tensor) and loss.dtype == torch.float32 and not loss.requires_grad
+        first = float(loss)
+        assert math.isfinite(first) and first == pytest.approx(math.log(258), rel=0.03)  # ln(vocab) at the start
+        assert trainer.step == 1 and trainer.tokens_seen == 2 * 32
+        trainer.train()
+        assert trainer.step == 3 and trainer.tokens_seen == 3 * 2 * 32
+        with pytest.raises(RuntimeError, match="the run is over"):
+            trainer.train_step()
+    finally:
+        trainer.close()
+    trainer.close()  # a second close does nothing
+    assert gc.isenabled()  # collected by hand during the loop, back on after it
+    lib = [json.loads(line) for line in (tmp_path / "lib" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lib] == [1, 2, 3] and lib[0]["loss"] == pytest.approx(first, rel=1e-6)
+    assert sorted(p.name for p in (tmp_path / "lib" / "checkpoint").iterdir()) == ["step-2", "step-3"]
+    assert train.main(parse_args([*argv, "--job.dump_folder", str(tmp_path / "main")])) == 0
+    ref = [json.loads(line) for line in (tmp_path / "main" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in lib] == [r["loss"] for r in ref]
+    assert [r["grad_norm"] for r in lib] == [r["grad_norm"] for r in ref]
+
+
+def test_trainer_setup_says_when_there_is_nothing_to_train(tmp_path):
+    argv = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2",
+            "--metrics.save_plot", "false", "--checkpoint.enable", "--job.dump_folder", str(tmp_path)]
+    assert train.main(parse_args(argv)) == 0
+    records = (tmp_path / "metrics.jsonl").read_text()
+    trainer = train.Trainer(parse_args(argv), world_size=1, rank=0, local_rank=0)
+    try:
+        assert trainer.setup() is False and trainer.step == 2  # resumed at the last step
+        with pytest.raises(RuntimeError, match="call setup"):
+            trainer.train()
+    finally:
+        trainer.close()
+    assert (tmp_path / "metrics.jsonl").read_text() == records and trainer.metrics is None
 
 
 def test_python_warnings_print_on_rank_zero_only():
