@@ -258,7 +258,7 @@ def test_cuda_order(libs, fake_cuda):
     choice = choose(dtype=torch.float32)
     assert names(choice) == ("sdpa_efficient", ["fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton"])
     fake_cuda["sdpa"]["sdpa_efficient"] = False
-    with pytest.raises(RuntimeError, match="no attention backend can run this case.*can_use_efficient_attention"):
+    with pytest.raises(RuntimeError, match="no backend can run titan op 'flash_attn' on cuda.*can_use_efficient_attention"):
         choose(dtype=torch.float32)
     # varlen in float32 without Triton: nothing automatic takes it, and the reference is only explicit.
     with pytest.raises(RuntimeError, match="backend='reference' runs anything"):
@@ -294,9 +294,11 @@ def test_runtime_failure_falls_back_once(monkeypatch):
         calls.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    monkeypatch.setitem(AT.IMPLS, ("sdpa_flash", "cpu"), (broken, broken))
-    monkeypatch.setitem(A.AUTO_ORDER, "cpu", ("sdpa_flash", "reference"))
+    orders = dict(A.AUTO_ORDER)
+    _backend.set_order(A.OP, {**orders, "cpu": ("sdpa_flash", "reference")})
+    swap = _backend.replace_impl(A.OP, "sdpa_flash", (broken, broken), family="cpu")
     try:
+        swap.__enter__()
         with pytest.warns(RuntimeWarning, match="sdpa_flash.*no kernel image"):
             out = tk.flash_attn(q, k, v)
         assert rel(out, dense64(q, k, v, True, 16 ** -0.5)[0]) < 1e-5
@@ -306,6 +308,8 @@ def test_runtime_failure_falls_back_once(monkeypatch):
         with pytest.raises(RuntimeError, match="no kernel image"):
             tk.flash_attn(q, k, v, backend="sdpa_flash")
     finally:
+        swap.__exit__(None, None, None)
+        _backend.set_order(A.OP, orders)
         A.clear_caches()
 
 
@@ -337,7 +341,7 @@ def test_overrides(libs, fake_cuda):
         A.clear_caches()
         assert A.choose_backend(cuda_case()).backend == "fa2"
         assert A.choose_backend(cuda_case(dtype=torch.float32)).backend == "sdpa_efficient"
-    with pytest.raises(RuntimeError, match="backend 'fa3' cannot run this attention.*sm_90"):
+    with pytest.raises(RuntimeError, match="backend 'fa3' cannot run titan op 'flash_attn'.*sm_90"):
         A.choose_backend(cuda_case(), "fa3")
     with pytest.raises(RuntimeError, match="fa2.*float16/bfloat16"):
         A.choose_backend(cuda_case(dtype=torch.float32), "fa2")
@@ -368,7 +372,7 @@ def test_cpu_choices(monkeypatch):
         tk.attention_backend(q, k, k, backend="cuda")
     with pytest.raises(RuntimeError, match="fa3.*runs on CUDA tensors"):
         tk.flash_attn(q, k, k, backend="fa3")
-    with pytest.raises(RuntimeError, match="sdpa_cudnn.*no cudnn attention kernel for cpu"):
+    with pytest.raises(RuntimeError, match="sdpa_cudnn.*runs on CUDA tensors, not cpu"):
         tk.flash_attn(q, k, k, backend="sdpa_cudnn")
 
 
@@ -385,9 +389,14 @@ def test_backward_uses_the_forwards_backend(monkeypatch):
     # reference backward too, outside the context, on both the fast path and the op path.
     q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
     seen = []
-    ref_fwd, ref_bwd = _backend._impls["flash_attn"]["reference"]
-    monkeypatch.setitem(_backend._impls["flash_attn"], "reference",
-                        (ref_fwd, lambda *a, **kw: seen.append("reference") or ref_bwd(*a, **kw)))
+    ref_fwd, ref_bwd = R.attention_fwd, R.attention_bwd
+    swap = _backend.replace_impl("flash_attn", "reference",
+                                 (ref_fwd, lambda *a, **kw: seen.append("reference") or ref_bwd(*a, **kw)))
+    with swap:
+        _check_backward_backend(q, k, v, seen)
+
+
+def _check_backward_backend(q, k, v, seen):
     for path in ("fast", "op"):
         seen.clear()
         with tk.use_backend("reference"):

@@ -141,13 +141,10 @@ def test_recipe_casts():
         pytest.skip("torch._scaled_mm unavailable on " + TEST_DEVICE)
     for recipe, want in expect.items():
         calls.clear()
-        ops_fp8.scaled_mm_gemm = spy
-        try:
+        with backend.replace_impl(ops_fp8.OP_GEMM, "scaled_mm", spy):
             x = randn(9, 16).requires_grad_()
             w = randn(12, 16).requires_grad_()
             tk.fp8_linear(x, w, recipe).sum().backward()
-        finally:
-            ops_fp8.scaled_mm_gemm = real
         assert calls == want, recipe
 
 
@@ -381,3 +378,6 @@ def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
     # dequantized GEMM the automatic choice skips it (ops.fp8._cpu_scaled_mm_pays), so take it here.
     monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda: True)
+    backend.clear_choices()  # choices are cached per case: decide again with the patched timing
+    yield
+    backend.clear_choices()

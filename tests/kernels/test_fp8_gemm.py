@@ -23,7 +23,7 @@ OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 
 def _status(name):
-    if name == "_scaled_mm":
+    if name == "scaled_mm":
         ok = ops_fp8.scaled_mm_available(TEST_DEVICE)
         return ok, "" if ok else "this torch has no float8 torch._scaled_mm on " + TEST_DEVICE
     st = backend.backend_status("triton" if name.startswith("triton") else name, TEST_DEVICE)
@@ -34,7 +34,7 @@ def _status(name):
 
 def backends_here() -> list:
     out = []
-    for name in ("_scaled_mm", "reference", "triton", "triton-tma"):
+    for name in ("scaled_mm", "reference", "triton", "triton-tma"):
         ok, why = _status(name)
         marks = [] if ok else [pytest.mark.skip(reason=f"{name} unavailable: {why}")]
         out.append(pytest.param(name, marks=marks, id=name))
@@ -51,10 +51,10 @@ def gemm(be, a, b, sa, sb, **kw):
 
         return tri.fp8_gemm(a, b, sa, sb, kw.get("out_dtype", torch.bfloat16), kw.get("bias"),
                             kw.get("use_fast_accum", False), use_tma=True)
-    ctx = contextlib.nullcontext() if be == "_scaled_mm" else tk.use_backend(be)
+    ctx = contextlib.nullcontext() if be == "scaled_mm" else tk.use_backend(be)
     with ctx:
-        if be == "_scaled_mm":
-            assert ops_fp8.gemm_backend_name(a.device) == "_scaled_mm"
+        if be == "scaled_mm":
+            assert ops_fp8.gemm_backend_name(a.device) == "scaled_mm"
         return tk.fp8_gemm(a, b, sa, sb, **kw)
 
 
@@ -229,7 +229,7 @@ def test_opcheck(be, gran):
     # ("mul_cpu_reduced_float" not implemented for Float8_e4m3fn), so the schema part (no mutation,
     # no aliasing) is checked by hand below, on the bytes.
     utils = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    ctx = contextlib.nullcontext() if be == "_scaled_mm" else tk.use_backend(be)
+    ctx = contextlib.nullcontext() if be == "scaled_mm" else tk.use_backend(be)
     with ctx:
         for aa, bb in ((a, b), (a.t().contiguous().t(), b.t().contiguous().t())):  # contiguous and transposed
             for args in ((aa, bb, sa, sb, torch.bfloat16, bias, False), (aa, bb, sa, sb, torch.float32, None, True)):
@@ -250,7 +250,7 @@ def test_compile_fullgraph(be):
 
     x = torch.randn(17, 48, device=TEST_DEVICE)
     w = torch.randn(24, 48, device=TEST_DEVICE)
-    ctx = contextlib.nullcontext() if be == "_scaled_mm" else tk.use_backend(be)
+    ctx = contextlib.nullcontext() if be == "scaled_mm" else tk.use_backend(be)
     with ctx:
         eager = f(x, w)
         compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, w)
@@ -263,3 +263,6 @@ def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
     # dequantized GEMM the automatic choice skips it (ops.fp8._cpu_scaled_mm_pays), so take it here.
     monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda: True)
+    backend.clear_choices()  # choices are cached per case: decide again with the patched timing
+    yield
+    backend.clear_choices()

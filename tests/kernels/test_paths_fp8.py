@@ -7,6 +7,8 @@ backward is refused with a RuntimeError naming the op, in both paths.
 """
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -39,25 +41,21 @@ def test_paths_equal(be, recipe):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-class _Counting:
+@pytest.fixture
+def count():
     """Counts the reference backend's GEMM calls (the backward's two GEMMs run there or not)."""
+    counter = types.SimpleNamespace(calls=0)
 
-    def __init__(self, monkeypatch):
-        self.calls = 0
-        impls = backend._impls[ops_fp8.OP_GEMM]
-        ref = impls["reference"]
+    def counting(*args, **kw):
+        counter.calls += 1
+        return ref(*args, **kw)
 
-        def counting(*args, **kw):
-            self.calls += 1
-            return ref(*args, **kw)
-
-        monkeypatch.setitem(impls, "reference", counting)
-        backend._resolved.clear()
+    with backend.replace_impl(ops_fp8.OP_GEMM, "reference", counting) as ref:
+        yield counter
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_backward_runs_on_the_forwards_backend(monkeypatch, path):
-    count = _Counting(monkeypatch)
+def test_backward_runs_on_the_forwards_backend(count, path):
     x = randn(5, 32).requires_grad_()
     w = randn(16, 32).requires_grad_()
     with tk.use_backend("reference"):
@@ -72,7 +70,7 @@ def test_backward_runs_on_the_forwards_backend(monkeypatch, path):
         y.sum().backward()
     auto_is_reference = ops_fp8.gemm_backend_name(TEST_DEVICE) == "reference"
     assert count.calls == (3 if auto_is_reference else 0)
-    backend._resolved.clear()
+    backend.clear_choices()
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -89,10 +87,10 @@ def test_cpu_gemm_choice_follows_the_timing(monkeypatch):
     # dequantized float32 GEMM; an explicit "cpu" request still runs _scaled_mm.
     if not ops_fp8.scaled_mm_available("cpu"):
         pytest.skip("this torch has no float8 torch._scaled_mm on the CPU")
-    for pays, want in ((True, "_scaled_mm"), (False, "reference")):
+    for pays, want in ((True, "scaled_mm"), (False, "reference")):
         monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
-        backend._resolved.clear()
+        backend.clear_choices()
         assert ops_fp8.gemm_backend_name("cpu") == want
         with tk.use_backend("cpu"):
-            assert ops_fp8.gemm_backend_name("cpu") == "_scaled_mm"
-    backend._resolved.clear()
+            assert ops_fp8.gemm_backend_name("cpu") == "scaled_mm"
+    backend.clear_choices()

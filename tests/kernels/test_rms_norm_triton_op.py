@@ -116,7 +116,7 @@ def _trace_report() -> dict:
     real_status = backend._status
     backend._status = lambda name, dev, interp: (
         backend.BackendStatus(name, True) if (name == "triton" and dev == "cuda") else real_status(name, dev, interp))
-    backend._resolved.clear()
+    backend.clear_choices()
     tri._num_programs = lambda device, n_tiles: max(1, min(n_tiles, 2 * 132))  # no device to ask its SM count
 
     def summary(gm) -> dict:

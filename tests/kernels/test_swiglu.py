@@ -5,6 +5,8 @@ Triton kernels run under TRITON_INTERPRET=1 (set in tests/conftest.py), so shape
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -154,14 +156,12 @@ def test_fast_path_equals_op_path(be):
 def test_backward_uses_the_forward_backend(path, monkeypatch):
     """A forward under use_backend("reference") runs the reference backward, even outside the block."""
     calls = []
-    impls = backend._impls[swiglu_ops.OP]
-    for name, (fwd, bwd) in list(impls.items()):
-        def spy_bwd(*a, _name=name, _bwd=bwd):
-            calls.append(_name)
-            return _bwd(*a)
-        monkeypatch.setitem(impls, name, (fwd, spy_bwd))
-    backend._resolved.clear()
-    try:
+    with contextlib.ExitStack() as stack:
+        for impl in list(backend._impls[swiglu_ops.OP]):
+            def spy_bwd(*a, _name=impl.name, _bwd=impl.fn[1]):
+                calls.append(_name)
+                return _bwd(*a)
+            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.fn[0], spy_bwd), impl.family))
         g = randn(3, 8).requires_grad_()
         u = randn(3, 8).requires_grad_()
         with tk.use_backend("reference"):
@@ -170,8 +170,6 @@ def test_backward_uses_the_forward_backend(path, monkeypatch):
             else:
                 y = torch.ops.titan.swiglu(g, u)  # backend None: resolved by the autograd setup
         y.sum().backward()
-    finally:
-        backend._resolved.clear()
     assert calls == ["reference"]
 
 

@@ -17,11 +17,13 @@ GEMMs do not (torchao's defaults). The backward re-quantizes x and W from the hi
 tensors saved by the forward (the same memory as a bf16 Linear; the same codes as the forward).
 
 Backends. ``fp8_quantize``: ``reference`` and ``triton``. ``fp8_gemm``: ``reference``
-(dequantize + float32 matmul), ``triton`` (our persistent GEMM, TMA on sm_90) and, as its native
-implementation on ``cpu``/``cuda``, ``torch._scaled_mm`` (cuBLASLt / CUTLASS on CUDA; the CPU kernel
-of torch >= 2.13). ``_scaled_mm`` runs whenever no backend is requested (or ``cpu``/``cuda`` is) and
-torch supports it on the device: it needs no native extension of ours. The ops follow the
-rms_norm pattern: ``custom_op`` + fake + ``register_autograd`` (fp8_linear), and an eager fast path.
+(dequantize + float32 matmul), ``triton`` (our persistent GEMM, TMA on sm_90) and ``scaled_mm``,
+``torch._scaled_mm`` (cuBLASLt / CUTLASS on CUDA; the CPU kernel of torch >= 2.13), registered in
+``titan_kernels.backend`` as the native implementation of both the ``cpu`` and ``cuda`` families (it
+needs no extension of ours). The automatic choice takes it first where torch has it for the device
+and, on the CPU, where a one-time timing shows it is not slower than the reference GEMM. The ops
+follow the rms_norm pattern: ``custom_op`` + fake + ``register_autograd`` (fp8_linear), and an
+eager fast path.
 
 Under DTensor, ``fp8_linear`` runs on local shards (rules in ``titan_kernels.dtensor``): each
 shard is scaled on its own (per-shard amax), which is exact dequantized math for that shard; the
@@ -100,13 +102,6 @@ def scaled_mm_available(device: torch.device | str) -> bool:
     if dev.type == "cuda" and not torch.cuda.is_available():
         return False
     return _scaled_mm_works(str(dev), E4M3, E4M3, False, torch.bfloat16, False)
-
-
-def scaled_mm_is_fastest(device: torch.device | str) -> bool:
-    """Whether the automatic choice takes ``torch._scaled_mm``: available and, on the CPU, not slower
-    than the dequantized float32 GEMM of the reference backend (``_cpu_scaled_mm_pays``)."""
-    dev = torch.device(device)
-    return scaled_mm_available(dev) and (dev.type != "cpu" or _cpu_scaled_mm_pays())
 
 
 @functools.lru_cache(maxsize=None)
@@ -205,33 +200,37 @@ def scaled_mm_gemm(
 # ----------------------------------------------------------------------------- backend choice
 
 
+def _why_not_scaled_mm(device: torch.device, case) -> str | None:
+    return None if scaled_mm_available(device) else "this torch has no float8 torch._scaled_mm for the device"
+
+
+def _scaled_mm_slower(device: torch.device, case) -> str | None:
+    if device.type != "cpu" or _cpu_scaled_mm_pays():
+        return None
+    return "measured slower than the dequantized float32 GEMM on this CPU (asked for by name it still runs)"
+
+
+# torch._scaled_mm is the native GEMM of both device types (no extension of ours needed): "cpu" /
+# "cuda" / "scaled_mm" ask for it; the automatic choice takes it first where it is not slower.
+for _fam in ("cpu", "cuda"):
+    _backend.register_impl(OP_GEMM, _fam, scaled_mm_gemm, name="scaled_mm", why_not=_why_not_scaled_mm,
+                           auto=_scaled_mm_slower)
+
+
 def _quant_impl(device: torch.device):
     return _backend.get_impl(OP_QUANT, device)
 
 
 def _gemm_impl(device: torch.device):
-    """The GEMM implementation for ``device``: torch._scaled_mm as the native (cpu/cuda) backend,
-    else reference/triton through ``titan_kernels.backend``."""
-    req = _backend.requested_backend()
-    if req in ("cpu", "cuda") or req is None:
-        if req is not None and req != device.type:
-            raise RuntimeError(f"backend {req!r} cannot run titan op {OP_GEMM!r} on {device.type} tensors")
-        if scaled_mm_is_fastest(device) if req is None else scaled_mm_available(device):
-            return scaled_mm_gemm
-        if req is not None:
-            raise RuntimeError(
-                f"backend {req!r} cannot run titan op {OP_GEMM!r} on {device.type}: this torch has no "
-                "float8 torch._scaled_mm for the device"
-            )
+    """The GEMM implementation for ``device``, chosen by ``titan_kernels.backend`` (torch._scaled_mm
+    as the native one, else triton / reference)."""
     return _backend.get_impl(OP_GEMM, device)
 
 
 def gemm_backend_name(device: torch.device | str) -> str:
     """The name of the GEMM implementation ``fp8_gemm`` would use now on ``device``
-    ("_scaled_mm", "triton" or "reference")."""
-    dev = torch.device(device)
-    impl = _gemm_impl(dev)
-    return "_scaled_mm" if impl is scaled_mm_gemm else _backend.resolve(OP_GEMM, dev)
+    ("scaled_mm", "triton" or "reference")."""
+    return _backend.resolve(OP_GEMM, torch.device(device))
 
 
 # ----------------------------------------------------------------------------- validation

@@ -225,33 +225,39 @@ def _may_measure(device_type: str) -> bool:
             and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack())
 
 
-def _requested(dev: str) -> str | None:
-    req = _backend.requested_backend()
-    if req in ("cpu", "cuda"):
-        if req != dev:
-            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} on {dev} tensors")
-        return "aten"
-    return req
+def _rank(device: torch.device, case: tuple, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The automatic candidates that take the key, reordered by ``measured_order`` where it may time."""
+    fast = tuple(c for c in names if c != "reference")  # the reference is the fallback, never timed
+    if len(fast) > 1 and _may_measure(device.type):
+        return measured_order(fast, device.type, device.index, *case)
+    return names
+
+
+def _register() -> None:
+    """The implementations in ``titan_kernels.backend``: aten in the cpu and cuda families (the native
+    kernel of each device), triton, reference; automatic order ``AUTO_ORDER``, measured on CUDA."""
+    def ask(name):
+        return lambda device, case: why_not(name, device.type, device.index, *case)
+
+    for fam in ("cpu", "cuda"):
+        _backend.register_impl(OP, fam, _IMPLS["aten"], name="aten", why_not=ask("aten"))
+    _backend.register_impl(OP, "triton", _IMPLS["triton"], why_not=ask("triton"))
+    _backend.register_impl(OP, "reference", _IMPLS["reference"], why_not=ask("reference"))
+    _backend.set_order(OP, AUTO_ORDER, rank=_rank)
+
+
+_register()
 
 
 @torch.compiler.assume_constant_result
 def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
-    """The backend of a grouped_mm call (one of ``BACKENDS``): the request (use_backend /
-    TITAN_KERNELS_BACKEND) or the first of the automatic order that takes the key. Under
-    torch.compile it is decided once, when the graph is traced. ``index`` -1: no device index."""
-    idx = None if index < 0 else index
-    req = _requested(device_type)
-    if req is not None:
-        why = why_not(req, device_type, idx, dtype, k, n, backward)
-        if why is not None:
-            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} ({dtype}, K {k}, N {n}) on {device_type}: {why}")
-        return req
-    cands = tuple(name for name in AUTO_ORDER.get(device_type, ("reference",))
-                  if why_not(name, device_type, idx, dtype, k, n, backward) is None)
-    fast = tuple(c for c in cands if c != "reference")  # the reference is the fallback, never timed
-    if len(fast) > 1 and _may_measure(device_type):
-        return measured_order(fast, device_type, idx, dtype, k, n, backward)[0]
-    return cands[0] if cands else "reference"
+    """The backend of a grouped_mm call (one of ``BACKENDS``), chosen by ``titan_kernels.backend``:
+    the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean aten) or the first of the
+    automatic order that takes the key (measured on CUDA). Under torch.compile it is decided once,
+    when the graph is traced. ``index`` -1: no device index. Raises RuntimeError (with the reason)
+    when a requested backend cannot take the key."""
+    dev = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
+    return _backend.choose(OP, dev, (dtype, k, n, backward)).backend
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -277,16 +283,9 @@ def replicate_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
 
 def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
     """(the backend grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    name = _choose_for(x, w, backward)
-    d = x.device
-    skipped = {}
-    for cand in AUTO_ORDER.get(d.type, ()) if _backend.requested_backend() is None else ():
-        if cand == name:
-            break
-        why = why_not(cand, d.type, d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
-        if why:
-            skipped[cand] = why
-    return name, skipped
+    x, w = _local(x), _local(w)
+    choice = _backend.choose(OP, x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward))
+    return choice.backend, dict(choice.skipped)
 
 
 # ----------------------------------------------------------------------------- validation

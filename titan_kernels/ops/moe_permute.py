@@ -27,8 +27,16 @@ from titan_kernels.ops._common import check_float, check_same_device, check_tens
 from titan_kernels.reference import moe as _ref
 
 OP = "moe_permute"
+
+
+def _float64_on_reference(device, float64: bool) -> str | None:
+    # The automatic choice's case key is whether the rows are float64: the kernels accumulate in float32.
+    return "float64 runs on the reference (the kernels accumulate in float32)" if float64 else None
+
+
 _backend.register_impl(OP, "reference", (_ref.permute_rows, _ref.combine_rows))
-_backend.register_impl(OP, "cpu", (_ref.permute_rows, _ref.combine_rows))  # aten's CPU index kernels
+# aten's CPU index kernels
+_backend.register_impl(OP, "cpu", (_ref.permute_rows, _ref.combine_rows), auto=_float64_on_reference)
 
 
 def _register_triton() -> None:
@@ -36,7 +44,7 @@ def _register_triton() -> None:
         from titan_kernels.triton import moe_permute as _tri
     except ImportError:  # triton not installed: the backend reports itself unavailable
         return
-    _backend.register_impl(OP, "triton", (_tri.permute_rows, _tri.combine_rows))
+    _backend.register_impl(OP, "triton", (_tri.permute_rows, _tri.combine_rows), auto=_float64_on_reference)
 
 
 _register_triton()
@@ -50,9 +58,7 @@ def _choose(device_type: str, float64: bool = False) -> str:
     """The backend for this call (use_backend > env > automatic); under torch.compile decided once,
     when the graph is traced. Float64 runs on the reference unless asked otherwise (the kernels
     accumulate in float32)."""
-    if float64 and _backend.requested_backend() is None:
-        return "reference"
-    return _backend.resolve(OP, device_type)
+    return _backend.resolve(OP, device_type, key=bool(float64))
 
 
 def _impl(device: torch.device, backend: str | None):

@@ -29,7 +29,6 @@ An explicitly requested backend that cannot take the case raises RuntimeError wi
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -44,10 +43,6 @@ ATTENTION_BACKENDS = ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_
 
 AUTO_ORDER = {
     "cuda": ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient"),
-    "cpu": ("sdpa_flash",),
-}
-GENERIC = {
-    "cuda": ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient"),
     "cpu": ("sdpa_flash",),
 }
 _HALF = (torch.float16, torch.bfloat16)
@@ -77,9 +72,23 @@ class AttentionCase:
 
     def key(self) -> tuple:
         """Everything a capability answer depends on (not the batch or the exact lengths)."""
-        shape = (self.seq_q > self.seq_k) - (self.seq_q < self.seq_k)  # -1, 0, 1
-        return (self.device.type, self.device.index, self.dtype, self.head_dim, self.causal, shape, self.varlen,
-                self.need_lse, self.backward, self.has_dlse, self.n_heads != self.n_kv_heads)
+        return _key(self.device, self.dtype, self.head_dim, self.causal, self.seq_q, self.seq_k, self.varlen,
+                    self.need_lse, self.backward, self.has_dlse, self.n_heads != self.n_kv_heads)
+
+
+def _key(device, dtype, head_dim, causal, seq_q, seq_k, varlen, need_lse, backward, has_dlse, gqa) -> tuple:
+    shape = (seq_q > seq_k) - (seq_q < seq_k)  # -1, 0, 1
+    return (device.type, device.index, dtype, head_dim, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
+
+
+def case_key(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
+    """``make_case(...).key()`` without building the case (it runs on every call)."""
+    if cu_seqlens_q is not None:
+        seq_q, seq_k = int(max_seqlen_q), int(max_seqlen_k)
+    else:
+        seq_q, seq_k = q.shape[1], k.shape[1]
+    return _key(q.device, q.dtype, q.shape[-1], bool(causal), seq_q, seq_k, cu_seqlens_q is not None, bool(need_lse),
+                backward, has_dlse, q.shape[-2] != k.shape[-2])
 
 
 def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
@@ -91,21 +100,6 @@ def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_ls
         q.device, q.dtype, batch, seq_q, seq_k, q.shape[-2], k.shape[-2], q.shape[-1], bool(causal),
         cu_seqlens_q is not None, bool(need_lse), backward, has_dlse, (q, k, v),
     )
-
-
-@dataclass(frozen=True)
-class AttentionChoice:
-    """The backend that runs an attention call, why, and why the ones before it were skipped."""
-
-    backend: str
-    reason: str
-    skipped: tuple[tuple[str, str], ...] = ()
-    explicit: bool = False
-
-    def __str__(self) -> str:
-        lines = [f"{self.backend}: {self.reason}"]
-        lines += [f"  skipped {name}: {why}" for name, why in self.skipped]
-        return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- capabilities
@@ -186,9 +180,8 @@ def _why_not_triton(case: AttentionCase) -> str | None:
     return None
 
 
-# Capability answers per (backend, case key), and backends that raised at run time in auto mode.
+# Capability answers per (backend, case key); the choices themselves are cached by titan_kernels.backend.
 _answers: dict[tuple, str | None] = {}
-_failed: dict[tuple, str] = {}
 
 
 def _compute_why_not(name: str, case: AttentionCase) -> str | None:
@@ -204,109 +197,70 @@ def _compute_why_not(name: str, case: AttentionCase) -> str | None:
 def why_not(name: str, case: AttentionCase) -> str | None:
     """Why backend ``name`` cannot run ``case``, or None when it can (cached per case key)."""
     k = (name, case.key())
-    failed = _failed.get(k)
-    if failed is not None:
-        return failed
     if k not in _answers:
         _answers[k] = _compute_why_not(name, case)
     return _answers[k]
 
 
 def clear_caches() -> None:
-    """Forget cached capability answers and run-time failures (after installing a library, in tests)."""
+    """Forget cached capability answers, choices and run-time failures (after installing a library, in tests)."""
     _answers.clear()
-    _failed.clear()
-    _choices.clear()
+    _backend.clear_choices()
     flash_lib.cache_clear()
 
 
-def mark_failed(name: str, case: AttentionCase, error: BaseException) -> None:
-    """Record that an automatically chosen backend raised for this kind of case; later calls skip it."""
-    why = f"raised at run time: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    _failed[(name, case.key())] = why
-    _choices.clear()
-    warnings.warn(f"titan flash_attn: backend {name!r} {why}; falling back to the next backend for such calls",
-                  RuntimeWarning, stacklevel=3)
+# ----------------------------------------------------------------------------- the registry
 
 
-# ----------------------------------------------------------------------------- implementations
+def _register() -> None:
+    """Every attention backend as an implementation of titan op ``flash_attn`` in ``titan_kernels.backend``
+    (family: reference, triton, or the device type of the native kernels), with the orders above."""
+    def ask(name):
+        return lambda device, case: why_not(name, case)
+
+    reg = _backend.register_impl
+    reg(OP, "reference", (_ref.attention_fwd, _ref.attention_bwd), why_not=ask("reference"))
+    try:
+        from titan_kernels.triton import flash_attn as _tri
+    except ImportError:  # triton not installed: requesting it says so
+        pass
+    else:
+        reg(OP, "triton", (_tri.attention_fwd, _tri.attention_bwd), why_not=ask("triton"))
+    for name in ("fa3", "fa2"):
+        reg(OP, "cuda", (flash_fwd(name), flash_bwd(name)), name=name, why_not=ask(name))
+    for (name, dev), fns in _aten.IMPLS.items():
+        reg(OP, dev, fns, name=name, why_not=ask(name))
+    _backend.set_order(OP, AUTO_ORDER, hint="backend='reference' runs anything, with O(seq_q * seq_k) memory")
+
+
+_register()
 
 
 def impl(name: str, device_type: str):
-    """(fwd, bwd) of backend ``name`` for ``device_type``, both with the contract of
-    ``titan_kernels.reference.attention``."""
-    if name in ("reference", "triton"):
-        return _backend._impls[OP][name]
-    if name in ("fa3", "fa2"):
-        return flash_fwd(name), flash_bwd(name)
-    return _aten.IMPLS[(name, device_type)]
-
-
-_backend.register_impl(OP, "reference", (_ref.attention_fwd, _ref.attention_bwd))
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import flash_attn as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", (_tri.attention_fwd, _tri.attention_bwd))
-
-
-_register_triton()
+    """(fwd, bwd) of backend ``name`` as registered for ``device_type``, both with the contract of
+    ``titan_kernels.reference.attention`` (the adapters, called directly in tests and benchmarks)."""
+    for i in _backend._impls[OP]:
+        if i.name == name and (i.family not in ("cpu", "cuda") or i.family == device_type):
+            return i.fn
+    raise KeyError(f"no attention backend {name!r} for {device_type} tensors")
 
 
 # ----------------------------------------------------------------------------- the choice
 
-
-def _requested(backend: str | None) -> tuple[str | None, str]:
-    if backend:
-        return backend, f"requested by backend={backend!r}"
-    name = _backend.requested_backend()
-    if name is None:
-        return None, ""
-    return name, f"requested by use_backend({name!r}) or {_backend.ENV_VAR}"
-
-
-_choices: dict[tuple, AttentionChoice] = {}
+AttentionChoice = _backend.Choice
 
 
 def choose_backend(case: AttentionCase, backend: str | None = None) -> AttentionChoice:
     """The backend that runs ``case``: ``backend`` (a name of ``ATTENTION_BACKENDS``, "cpu", "cuda" or
-    None), else ``use_backend`` / ``TITAN_KERNELS_BACKEND``, else the automatic order.
+    None), else ``use_backend`` / ``TITAN_KERNELS_BACKEND``, else the automatic order; chosen by
+    ``titan_kernels.backend.choose`` and cached per case key.
 
     Raises RuntimeError when an explicitly requested backend cannot take the case (with why), or when
     no automatic backend can.
     """
-    name, why_requested = _requested(backend)
-    ck = (name, case.key())
-    hit = _choices.get(ck)
-    if hit is not None:
-        return hit
-    dev = case.device.type
-    if name is None:
-        chain, explicit = AUTO_ORDER.get(dev, ()), False
-    elif name in GENERIC:
-        if dev != name:
-            raise RuntimeError(f"backend {name!r} runs on {name} tensors, got {dev} tensors ({why_requested})")
-        chain, explicit = GENERIC[name], True
-    else:
-        chain, explicit = (name,), True
-    skipped = []
-    for cand in chain:
-        why = why_not(cand, case)
-        if why is None:
-            if explicit:
-                reason = why_requested
-            elif skipped:
-                reason = f"first backend of the {dev} order that takes this case"
-            else:
-                reason = f"first backend of the {dev} order"
-            choice = _choices[ck] = AttentionChoice(cand, reason, tuple(skipped), explicit)
-            return choice
-        skipped.append((cand, why))
-    detail = "; ".join(f"{n}: {w}" for n, w in skipped) or f"no backend is ordered for {dev} tensors"
-    if name is None:
-        raise RuntimeError(f"no attention backend can run this case on {dev} ({detail}); "
-                           "backend='reference' runs anything, with O(seq_q * seq_k) memory")
-    raise RuntimeError(f"backend {name!r} cannot run this attention ({why_requested}): {detail}")
+    return _backend.choose(OP, case.device, case.key(), case=case, backend=backend)
+
+
+def mark_failed(choice: AttentionChoice, case: AttentionCase, error: BaseException) -> None:
+    """Record that an automatically chosen backend raised for this kind of case; later calls skip it."""
+    _backend.mark_failed(OP, choice, case.device, case.key(), error)

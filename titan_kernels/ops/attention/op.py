@@ -45,55 +45,48 @@ def _empty_fwd(q, cu_q):
     return out, torch.full(shape, float("-inf"), dtype=torch.float32, device=q.device)
 
 
-def _with_fallback(choice, case, request, call):
-    """Run ``call(name)`` on the chosen backend. An automatically chosen backend that raises (a kernel
-    or library that fails on this device) is recorded, with a warning, and the next one runs."""
+def _run(request, q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse, call):
+    """``call(fn)`` on the implementation ``titan_kernels.backend`` chooses for this case (cached per key).
+    An automatically chosen backend that raises (a kernel or library that fails on this device) is
+    recorded, with a warning, and the next one runs."""
+    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
+
+    def case():
+        return _d.make_case(q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
+
     while True:
+        choice = _backend.choose(_d.OP, q.device, key, case=case, backend=request or None)
         try:
-            return call(choice.backend)
+            return call(choice.fn)
         except torch.OutOfMemoryError:
             raise
         except (RuntimeError, NotImplementedError) as e:
             if choice.explicit or choice.backend == "reference":
                 raise
-            _d.mark_failed(choice.backend, case, e)
-            choice = _d.choose_backend(case, request or None)
-
-
-def _case(q, k, v, cu_q, max_q, max_k, causal, return_lse, backward=False, has_dlse=False):
-    return _d.make_case(q, k, v, cu_q, max_q, max_k, causal, return_lse, backward, has_dlse)
+            _backend.mark_failed(_d.OP, choice, q.device, key, e)
 
 
 def _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
     if _trivial(q, k, cu_q):
         return _empty_fwd(q, cu_q)
-    case = _case(q, k, v, cu_q, max_q, max_k, causal, return_lse)
 
-    def call(name):
-        out, lse = _d.impl(name, q.device.type)[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    def call(fns):
+        out, lse = fns[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
         return out.contiguous(), lse.contiguous()
 
-    return _with_fallback(_d.choose_backend(case, request or None), case, request, call)
-
-
-def _backward_choice(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, has_dlse):
-    case = _case(q, k, v, cu_q, max_q, max_k, causal, return_lse, True, has_dlse)
-    choice = _d.choose_backend(case, request or None)
-    return case, choice
+    return _run(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, False, False, call)
 
 
 def _backward(request, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
     if _trivial(q, k, cu_q):
         return tuple(torch.zeros(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-    case, choice = _backward_choice(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, dlse is not None)
 
-    def call(name):
-        bwd = _d.impl(name, q.device.type)[1]
+    def call(fns):
         extra = {} if dlse is None else {"dlse": dlse}
-        grads = bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, **extra)
+        grads = fns[1](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, **extra)
         return tuple(g.contiguous() for g in grads)  # the fake implementation's strides
 
-    return _with_fallback(choice, case, request, call)
+    return _run(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, True, dlse is not None, call)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -214,14 +207,10 @@ class _FlashAttnFn(torch.autograd.Function):
         return (*_grads(ctx, dout, dlse), None, None, None, None, None, None, None, None)
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-
-
 def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend):
     if eager_fast_path(q, k, v, cu_q, cu_k):
         request = backend or _backend.requested_backend() or ""
-        if _needs_grad(q, k, v):
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _FlashAttnFn.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, request)
         else:
             out, lse = _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse)
@@ -232,12 +221,14 @@ def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend)
     return (out, lse) if return_lse else out
 
 
+_BACKEND_NAMES = _d.ATTENTION_BACKENDS + ("cpu", "cuda")
+
+
 def _check_backend_arg(backend) -> str:
-    names = _d.ATTENTION_BACKENDS + tuple(_d.GENERIC)
     if backend is None or backend == "":
         return ""
-    if not isinstance(backend, str) or backend not in names:
-        raise ValueError(f"backend: expected None or one of {names}, got {backend!r}")
+    if not isinstance(backend, str) or backend not in _BACKEND_NAMES:
+        raise ValueError(f"backend: expected None or one of {_BACKEND_NAMES}, got {backend!r}")
     return backend
 
 
@@ -345,7 +336,7 @@ def attention_backend(
     max_seqlen_k: int | None = None,
     backward: bool = False,
     backend: str | None = None,
-) -> AttentionChoice:
+) -> _d.AttentionChoice:
     """Which backend ``flash_attn`` (or ``flash_attn_varlen``, when cu_seqlens_q is given) would run
     for these inputs, why, and why each backend before it was skipped.
 
@@ -361,5 +352,5 @@ def attention_backend(
         check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q.shape[0], q.device, None)
         max_seqlen_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
         max_seqlen_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    case = _case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse, backward)
+    case = _d.make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, return_lse, backward)
     return _d.choose_backend(case, backend or None)

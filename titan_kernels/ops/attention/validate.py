@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from titan_kernels.ops._common import check_float, check_tensor, check_same_device
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor
 
 MAX_HEAD_DIM = 256
 
@@ -21,7 +21,26 @@ def check_scale(softmax_scale, head_dim: int) -> float:
     return s
 
 
+_DTYPES = frozenset(FLOAT_DTYPES)
+
+
+def _valid_qkv(q, k, v, rank: int) -> bool:
+    """The common case in one pass (this runs on every call); anything else gets the detailed checks."""
+    try:
+        qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
+        if not (len(qs) == rank and len(ks) == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
+                and v.dtype == dt and k.device == dev and v.device == dev):
+            return False
+        d, hkv = qs[-1], ks[-2]
+        return ks[-1] == d and 1 <= d <= MAX_HEAD_DIM and hkv >= 1 and qs[-2] % hkv == 0
+    except (AttributeError, TypeError):
+        return False
+
+
 def check_qkv(q, k, v, rank: int, layout: str) -> None:
+    if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
+            and _valid_qkv(q, k, v, rank):
+        return  # the detailed checks below name the argument and what was expected
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(t, name)
         if t.dim() != rank:
