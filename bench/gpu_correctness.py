@@ -10,7 +10,10 @@ fp32. The relative-norm tolerances are the team's (fp32 1e-5, bf16 1e-2, float8 
 1.2e-1). Ops: rms_norm, add_rms_norm, apply_rotary_emb (both layouts), fp8_quantize (three
 granularities), fp8_gemm (tensorwise, rowwise), fp8_linear (three recipes), flash_attn (every
 attention backend causal, the automatic choice non-causal, plus varlen), and swiglu /
-linear_cross_entropy / grouped_mm when ``titan_kernels`` has them (moe_permute is not covered yet).
+linear_cross_entropy / grouped_mm / fp8_grouped_mm / moe_permute + moe_unpermute when
+``titan_kernels`` has them. fp8_grouped_mm is checked twice: against the unquantized float64 product
+(float8 tolerance) and against float64 on the dequantized operands (the codes of the reference
+quantizers, bit-identical to every backend's: the GEMMs' own accuracy, at the dtype's tolerance).
 A backend that cannot take a case is listed with the reason, not failed.
 
 Writes the ``correctness`` section of PREFIX.json after each op (a time-out loses only the rest) and
@@ -382,6 +385,123 @@ def check_grouped_mm(c: Checks, dev, S) -> None:
             c.add("grouped_mm", label, case, qn, got, want, _tol(dtype))
 
 
+def _uneven_offsets(t: int, e: int, dev):
+    """Cumulative ends of e uneven groups over t - 7 rows, group 1 empty, 7 rows past the last group."""
+    import torch
+
+    ends = torch.linspace(0, t - 7, e + 1)[1:].round().long()
+    ends[1] = ends[0]
+    return ends.to(torch.int32).to(dev)
+
+
+def _loop64(x, w, offsets):
+    """float64 per-expert loop: y[group e] = x[group e] @ w[e], rows past the last group 0."""
+    import torch
+
+    bounds = [0, *offsets.tolist()]
+    y = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64, device=x.device)
+    for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        y[a:b] = x[a:b].double() @ w[i].double()
+    return y
+
+
+def check_fp8_grouped_mm(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+    from titan_kernels.reference import fp8_grouped_mm as q
+
+    for (t, k, n, e), dtype in S.fp8_gmm:
+        offsets = _uneven_offsets(t, e, dev)
+        bounds = [0, *offsets.tolist()]
+        for be in ("reference", "triton", dev.type):
+            x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
+            w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+            g = _randn(t, n, dtype=dtype, dev=dev)
+            label = f"{be} (torch._scaled_grouped_mm)" if be == dev.type else be
+            case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
+            try:
+                with tk.use_backend(be):
+                    y = tk.fp8_grouped_mm(x, w, offsets)
+                    dx, dw = _grad(y, (x, w), g)
+            except RuntimeError as err:  # e.g. torch._scaled_grouped_mm: bf16 only, or not on this device
+                c.skip(f"fp8_grouped_mm [{label}] {case}: {str(err).splitlines()[0][:160]}")
+                continue
+            x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+            y64 = _loop64(x64, w64, offsets)
+            dx64, dw64 = _grad(y64, (x64, w64), g.double())
+            for qn, got, want in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
+                c.add("fp8_grouped_mm", label, case, f"{qn} vs float64", got, want, E4M3_TOL)
+            # The operands each GEMM sees, dequantized in float64: forward x rowwise / w per column,
+            # dgrad dy rowwise / w per row, wgrad x and dy per (expert, column) over its tokens.
+            xd, wd = x.detach(), w.detach()
+            (xq, sx), (wq, sw) = q.rows(xd), q.w_fwd(wd)
+            (gq, sg), (wr, swr) = q.rows(g), q.w_dgrad(wd)
+            gid = q.group_ids(offsets, t).clamp_max(e - 1)
+            (xc, sxc), (gc, sgc) = q.group_cols(xd, offsets), q.group_cols(g, offsets)
+            xcd, gcd = xc.double() * sxc.double()[gid], gc.double() * sgc.double()[gid]
+            want = {
+                "y": _loop64(xq.double() * sx.double()[:, None], wq.double() * sw.double()[:, None, :], offsets),
+                "dx": _loop64(gq.double() * sg.double()[:, None],
+                              (wr.double() * swr.double()[:, :, None]).transpose(1, 2), offsets),
+                "dw": torch.stack([xcd[a:b].t() @ gcd[a:b] for a, b in zip(bounds[:-1], bounds[1:])]),
+            }
+            for qn, got in (("y", y), ("dx", dx), ("dw", dw)):
+                c.add("fp8_grouped_mm", label, case, f"{qn} vs dequantized float64", got, want[qn], _tol(dtype))
+
+
+def check_moe_permute(c: Checks, dev, S) -> None:
+    import torch
+
+    import titan_kernels as tk
+
+    (t, d, e, top_k, align), dtype = S.permute
+    idx = torch.rand(t, e).topk(top_k, dim=1).indices.to(dev)  # distinct experts per token
+    idx[: t // 3] = idx[0]  # a crowd on the same experts: uneven groups
+    # The permutation written out: slots (token order) of each expert, groups padded to align.
+    flat = idx.reshape(-1).cpu().tolist()
+    counts = [flat.count(i) for i in range(e)]
+    padded = [-(-cnt // align) * align for cnt in counts]
+    starts = [sum(padded[:i]) for i in range(e)]
+    rank = [0] * e
+    dst = []
+    for expert in flat:
+        dst.append(starts[expert] + rank[expert])
+        rank[expert] += 1
+    dst64 = torch.tensor(dst, device=dev).view(t, top_k)
+    rows = t * top_k + e * (align - 1)
+    offsets64 = torch.tensor([s + p for s, p in zip(starts, padded)], device=dev)
+    for be in ("reference", "triton", dev.type):
+        case = f"T{t} top-{top_k} of {e} experts, D {d}, align {align} {str(dtype)[6:]}"
+        x = _randn(t, d, dtype=dtype, dev=dev).requires_grad_()
+        yp = _randn(rows, d, dtype=dtype, dev=dev).requires_grad_()
+        scores = torch.rand(t, top_k, device=dev).requires_grad_()
+        gp, go = _randn(rows, d, dtype=dtype, dev=dev), _randn(t, d, dtype=dtype, dev=dev)
+        try:
+            with tk.use_backend(be):
+                xp, routing = tk.moe_permute(x, idx, e, align)
+                (dx,) = _grad(xp, (x,), gp)
+                out = tk.moe_unpermute(yp, routing, scores)
+                dyp, ds = _grad(out, (yp, scores), go)
+        except RuntimeError as err:
+            c.skip(f"moe_permute [{be}] {case}: {str(err).splitlines()[0][:160]}")
+            continue
+        c.add("moe_permute", be, case, "offsets (max abs diff)",
+              float((routing.offsets.long() - offsets64).abs().max()), None, 0.0)
+        x64 = x.detach().double().requires_grad_()
+        xp64 = torch.zeros(rows, d, dtype=torch.float64, device=dev).index_copy(
+            0, dst64.reshape(-1), x64.repeat_interleave(top_k, 0))
+        (dx64,) = _grad(xp64, (x64,), gp.double())
+        yp64, s64 = yp.detach().double().requires_grad_(), scores.detach().double().requires_grad_()
+        out64 = (yp64[dst64] * s64[..., None]).sum(1)
+        dyp64, ds64 = _grad(out64, (yp64, s64), go.double())
+        c.add("moe_permute", be, case, "xp", xp, xp64, 0.0)  # a copy: exact
+        c.add("moe_permute", be, case, "dx", dx, dx64, _tol(dtype))
+        c.add("moe_unpermute", be, case, "out", out, out64, _tol(dtype))
+        c.add("moe_unpermute", be, case, "dyp", dyp, dyp64, _tol(dtype))
+        c.add("moe_unpermute", be, case, "dscores", ds, ds64, _tol(dtype))
+
+
 class _nullcontext:
     def __enter__(self):
         return self
@@ -409,6 +529,9 @@ def sizes(cuda: bool):
             swiglu = ((1000, 14336), bf16)
             lce = ((1000, 1024, 32000), bf16)
             gmm = ((1000, 512, 768, 8), bf16)
+            # aligned (the 30B-A3B path), and K/N off 16 with small groups (the padding of _scaled_grouped_mm)
+            fp8_gmm = [((1000, 512, 768, 8), bf16), ((333, 200, 136, 5), bf16)]
+            permute = ((1000, 2048, 16, 4, 16), bf16)
         else:  # the dry run: tiny shapes, Triton in the interpreter
             rms = [((7, 64), fp32, False), ((5, 40), bf16, True)]
             add_rms = ((5, 40), fp32)
@@ -419,6 +542,8 @@ def sizes(cuda: bool):
             swiglu = ((9, 40), fp32)
             lce = ((9, 32, 100), fp32)
             gmm = ((40, 16, 24, 4), fp32)
+            fp8_gmm = [((40, 16, 24, 4), fp32)]
+            permute = ((9, 40, 5, 2, 4), fp32)
 
     return S
 
@@ -426,8 +551,10 @@ def sizes(cuda: bool):
 CHECKS = [("rms_norm", check_rms_norm), ("rotary", check_rotary), ("fp8_quantize", check_fp8_quantize),
           ("fp8_gemm", check_fp8_gemm), ("fp8_linear", check_fp8_linear), ("flash_attn", check_flash_attn),
           ("swiglu", check_swiglu), ("linear_cross_entropy", check_linear_cross_entropy),
-          ("grouped_mm", check_grouped_mm)]
-OPTIONAL = {"swiglu", "linear_cross_entropy", "grouped_mm"}  # checked when titan_kernels has them (other issues)
+          ("grouped_mm", check_grouped_mm), ("fp8_grouped_mm", check_fp8_grouped_mm),
+          ("moe_permute", check_moe_permute)]
+# checked when titan_kernels has them (other issues)
+OPTIONAL = {"swiglu", "linear_cross_entropy", "grouped_mm", "fp8_grouped_mm", "moe_permute"}
 
 
 def main(argv: list[str]) -> int:
