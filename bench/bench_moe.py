@@ -1,14 +1,19 @@
-"""MoE benchmarks: the grouped GEMM over experts (``tk.grouped_mm``, each backend) against the
-per-expert loop of matmuls and ``torch._grouped_mm`` itself, and the token permute/unpermute ops
-against the same index math in plain torch ops.
+"""MoE benchmarks: the grouped GEMM over experts (``tk.grouped_mm``, each backend, and its float8
+rowwise variant ``tk.fp8_grouped_mm``) against the per-expert loop of matmuls and
+``torch._grouped_mm`` itself, and the token permute/unpermute ops against the same index math in plain
+torch ops.
 
 Shapes: Qwen3-30B-A3B (dim 2048, expert hidden 768, 128 experts, top-8) on CUDA, with 8192 tokens
-(65536 routed slots): the gate/up GEMM (K 2048 -> N 768) and the down GEMM (768 -> 2048), bf16. On
+(65536 routed slots; the headline stage of bench/run_gpu.sh) and 8 x 4096 tokens (262144 slots; the
+--full benchmarks): the gate/up GEMM (K 2048 -> N 768) and the down GEMM (768 -> 2048), bf16. On
 the CPU a small MoE (2048 tokens, top-2 of 16 experts, dim 256, hidden 192), float32. Routing is a
 random top-k of each token, so groups are uneven (and some experts may get none).
 
 FLOPs: forward 2·S·K·N for S routed slots; forward+backward 3x (dx and dw). Permute/unpermute move
-bytes only: the buffer (S·D) written and read plus the tokens (T·D).
+bytes only: the buffer (S·D) written and read plus the tokens (T·D). The float8 rows (``titan-fp8``:
+the automatic backend, torch._scaled_grouped_mm on sm_90; ``titan-fp8-triton``: our kernel) take the
+same bf16 inputs and include their quantization passes; their FLOP share is of the bf16 ceiling, as
+bench_fp8's, and their ratios to _grouped_mm / loop are the float8 speedup over bf16.
 
 Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_moe.py`` (part of the benchmarks
 stage of bench/run_gpu.sh). ``python -m bench.bench_moe``: ours, torch._grouped_mm and the loop timed
@@ -30,7 +35,9 @@ from titan_kernels.ops import grouped_mm as _gmm
 DEV = common.device()
 if DEV.type == "cuda":
     # (tokens, top_k, experts, K, N)
-    SHAPES = {"30B-A3B.w13": (8192, 8, 128, 2048, 768), "30B-A3B.w2": (8192, 8, 128, 768, 2048)}
+    SHAPES = {"30B-A3B.w13": (8192, 8, 128, 2048, 768), "30B-A3B.w2": (8192, 8, 128, 768, 2048),
+              # a training step's micro-batch, 8 x 4096 tokens (262144 routed slots): the --full benchmarks only
+              "30B-A3B-32k.w13": (32768, 8, 128, 2048, 768), "30B-A3B-32k.w2": (32768, 8, 128, 768, 2048)}
     DTYPE = torch.bfloat16
     PERMUTE = (8192, 8, 128, 2048)
 else:
@@ -76,14 +83,31 @@ def _titan_backend(name):
     return f
 
 
+def _titan_fp8(name=None):
+    def f(x, w, offsets):
+        if name is None:
+            return tk.fp8_grouped_mm(x, w, offsets)
+        with tk.use_backend(name):
+            return tk.fp8_grouped_mm(x, w, offsets)
+
+    return f
+
+
 def implementations() -> dict:
-    impls = {"titan": tk.grouped_mm, "loop": per_expert_loop}
+    # In the order timed (the headline stage's share may run out): ours, float8, aten, then the rest;
+    # the per-expert loop (the slowest) last.
+    impls = {"titan": tk.grouped_mm}
+    if hasattr(tk, "fp8_grouped_mm"):
+        impls["titan-fp8"] = _titan_fp8()
     if hasattr(torch, "_grouped_mm"):
         impls["_grouped_mm"] = _aten
     if DEV.type == "cuda" and tk.available_backends(DEV)["triton"].available:
         impls["titan-triton"] = _titan_backend("triton")
+        if hasattr(tk, "fp8_grouped_mm"):
+            impls["titan-fp8-triton"] = _titan_fp8("triton")
     if DEV.type == "cpu":  # on CUDA the host loop of the reference is the "loop" baseline already
         impls["titan-reference"] = _titan_backend("reference")
+    impls["loop"] = per_expert_loop
     return impls
 
 
@@ -163,17 +187,20 @@ def test_moe_permute_unpermute(benchmark, pass_, impl):
 
 def main(argv) -> None:
     print(f"device {common.environment()['device']}, threads {torch.get_num_threads()}, dtype {DTYPE}")
-    print("| pass | shape | ours (ms) | _grouped_mm (ms) | loop (ms) | loop / ours | _grouped_mm / ours | max rel err vs float64 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| pass | shape | ours (ms) | ours fp8 (ms) | _grouped_mm (ms) | loop (ms) | loop / ours | "
+          "_grouped_mm / ours | _grouped_mm / fp8 | rel err vs float64: ours, fp8 |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in SHAPES:
         x, w, offsets, dy = _inputs(name)
         y64 = per_expert_loop(x.double(), w.double(), offsets)
-        err = ((tk.grouped_mm(x, w, offsets).double() - y64).norm() / y64.norm()).item()
+        errs = [((f(x, w, offsets).double() - y64).norm() / y64.norm()).item() for f in (IMPLS["titan"], IMPLS["titan-fp8"])]
         for pass_ in ("fwd", "fwd+bwd"):
-            fns = {k: _call(IMPLS[k], pass_, x, w, offsets, dy) for k in ("titan", "_grouped_mm", "loop")}
+            fns = {k: _call(IMPLS[k], pass_, x, w, offsets, dy) for k in ("titan", "titan-fp8", "_grouped_mm", "loop")}
             t = paired(fns, rounds=7)
-            print(f"| {pass_} | {name} {SHAPES[name]} | {t['titan'] * 1e3:.2f} | {t['_grouped_mm'] * 1e3:.2f} | "
-                  f"{t['loop'] * 1e3:.2f} | {t['loop'] / t['titan']:.2f} | {t['_grouped_mm'] / t['titan']:.2f} | {err:.1e} |")
+            print(f"| {pass_} | {name} {SHAPES[name]} | {t['titan'] * 1e3:.2f} | {t['titan-fp8'] * 1e3:.2f} | "
+                  f"{t['_grouped_mm'] * 1e3:.2f} | {t['loop'] * 1e3:.2f} | {t['loop'] / t['titan']:.2f} | "
+                  f"{t['_grouped_mm'] / t['titan']:.2f} | {t['_grouped_mm'] / t['titan-fp8']:.2f} | "
+                  f"{errs[0]:.1e}, {errs[1]:.1e} |")
 
 
 if __name__ == "__main__":

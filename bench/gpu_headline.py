@@ -26,7 +26,9 @@ the stage's time, and the results are saved after each group, so a time-out lose
                   files are absent, and their filters are lenient while other issues shape them
   grouped_mm      MoE grouped GEMM fwd+bwd at Qwen3-30B-A3B shapes (8192 tokens, top-8 of 128
                   experts: 2048 -> 768 gate/up and 768 -> 2048 down, bf16): titan (measured choice),
-                  titan-triton vs torch._grouped_mm and the per-expert loop (bench/bench_moe.py)
+                  titan-fp8 (fp8_grouped_mm: rowwise float8, torch._scaled_grouped_mm) next, then
+                  titan-triton, titan-fp8-triton vs torch._grouped_mm and the per-expert loop
+                  (bench/bench_moe.py; the loop last, should the group's share run out)
 
 Writes the ``headline`` section of PREFIX.json (rows, the Markdown table, ceilings, notes).
 ``--dry-run``: the CPU shapes of each module (the modules' own CPU smoke sizes), Triton in the
