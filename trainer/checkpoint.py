@@ -21,7 +21,7 @@ the model and model_args only.
 A run can also start from another checkpoint (``checkpoint.initial_load_path``, used only when
 the checkpoint folder has nothing to resume): a DCP checkpoint folder or step folder (the model
 only, or with ``initial_load_model_only false`` the whole training state), or a Hugging Face
-Llama folder (``initial_load_in_hf``), read tensor by tensor into the sharded model.
+Llama / Qwen3 folder (``initial_load_in_hf``), read tensor by tensor into the sharded model.
 
 Atomicity. Every rank writes into ``.step-<N>.partial``; DCP's coordinator writes ``.metadata``
 after all ranks' data is written (and fsynced), and only then does rank 0 rename the folder to

@@ -6,7 +6,8 @@ transformers' PyTorch models are the reference: a random tiny ``LlamaForCausalLM
 built from transformers' own config classes and saved with ``save_pretrained`` in several shards
 with an index. Qwen3: QK-norm, head_dim != dim / n_heads, tied embeddings, per-expert and fused
 expert tensors, a dense first layer (mlp_only_layers), normalised and raw top-k weights, top-1;
-the unsupported configs refused by name; the balancing-bias warning; EP 2 import and export.
+the unsupported configs refused by name; the balancing-bias warning; a debugmodel_moe run from and
+to a Qwen3-MoE folder; EP 2 import and export.
 """
 import json
 import subprocess
@@ -561,6 +562,66 @@ def test_qwen3_folders_of_another_model_are_refused_with_the_difference(tmp_path
     del ckpt.weight_map["model.layers.2.mlp.experts.3.up_proj.weight"]
     with pytest.raises(HFCheckpointError, match="tensor model.layers.2.mlp.experts.3.up_proj.weight is missing"):
         ckpt.check_names()
+
+
+def test_train_qwen3_moe_from_and_to_hugging_face(tmp_path, monkeypatch, caplog):
+    """--model.name qwen3 --flavor debugmodel_moe from a transformers Qwen3MoeForCausalLM folder to
+    one: step 1's loss is transformers' loss on the first batch, the loss falls, and the exported
+    folder loads in transformers with the trained model's logits (balancing off: expert_bias stays
+    zero, so transformers routes as we do)."""
+    from trainer.data import build_dataloader, build_tokenizer
+    from trainer.models.moe import moe_modules
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    # debugmodel_moe's shapes (trainer/models/qwen3_args.py), the byte tokenizer's vocabulary
+    hf = _hf_qwen3(True, seed=6, vocab_size=258, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                   num_attention_heads=16, num_key_value_heads=8, head_dim=32, max_position_embeddings=4096,
+                   num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, mlp_only_layers=[],
+                   rope_theta=1e6)
+    with torch.no_grad():  # matrices N(0, 0.02) as an initialised model: a loss near ln(258) that can fall
+        for name, p in hf.named_parameters():
+            if p.ndim > 1:
+                p.mul_(0.1)
+    src = _save_hf(hf, tmp_path / "hf-in", shard="2MB")
+    steps, lr = 6, "3e-3"
+    argv = ["--model.name", "qwen3", "--flavor", "debugmodel_moe", "--model.moe_load_balance", "none",
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
+            "--optimizer.lr", lr, "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--metrics.enable_color", "false", "--metrics.save_plot", "false",
+            "--checkpoint.initial_load_path", str(src), "--checkpoint.initial_load_in_hf",
+            "--checkpoint.last_save_in_hf"]
+    config = parse_args([*argv, "--job.dump_folder", str(tmp_path / "run")])
+    batch = next(iter(build_dataloader(config, build_tokenizer(None), 0, 1)))
+    with torch.no_grad():
+        start_logits = hf(batch["input_ids"]).logits
+    want = F.cross_entropy(start_logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
+    trainer = train.Trainer(config)
+    try:
+        with caplog.at_level("WARNING", logger="trainer"):
+            assert trainer.setup() is True
+        assert not [r for r in caplog.records if "not exactly the one saved" in r.getMessage()]  # same math
+        first = float(trainer.train_step())
+        assert first == pytest.approx(want, rel=1e-5)  # training started from transformers' weights
+        trainer.train()
+        model = trainer.model.eval()
+        moes = moe_modules(model)
+        assert len(moes) == 4 and all(torch.count_nonzero(m.expert_bias) == 0 for _, m in moes)
+        ours = _logits(model, batch["input_ids"])
+    finally:
+        trainer.close()
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == steps and losses[0] == pytest.approx(first, rel=1e-6)
+    assert max(losses[-2:]) < losses[0] - 1.0, losses
+    out = tmp_path / "run" / "checkpoint" / f"hf-step-{steps}"
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (8, 2, 256)
+    assert not list((tmp_path / "run" / "checkpoint").glob(".*"))  # no temporary export left
+    trained = transformers.Qwen3MoeForCausalLM.from_pretrained(out).float().eval()
+    with torch.no_grad():
+        got = trained(batch["input_ids"]).logits
+    assert _rel(got, ours) < 1e-4 and _rel(got, start_logits) > 1e-2  # the trained weights, not the start
 
 
 def _ep2_load_and_export(rank, world_size, hf_dir, out_dir):

@@ -186,11 +186,11 @@ def test_too_large_message_names_total_and_active(capsys):
     assert "does not fit: 30.53e9 parameters (3.35e9 active)" in capsys.readouterr().err
 
 
-def test_hugging_face_folders_are_refused_for_qwen3_with_the_key_named():
+def test_a_llama_flavor_is_refused_for_qwen3_with_the_qwen3_flavors_named():
     from trainer.config import ConfigError, parse_args
 
-    with pytest.raises(ConfigError, match="--checkpoint.last_save_in_hf: Hugging Face folders are supported for "
-                                          "model.name llama3 only"):
-        parse_args(["--model.name", "qwen3", "--flavor", "debugmodel", "--checkpoint.last_save_in_hf"])
     with pytest.raises(ConfigError, match="--model.flavor: expected one of debugmodel, debugmodel_moe"):
         parse_args(["--model.name", "qwen3", "--flavor", "70B"])
+    # Hugging Face folders in and out are Qwen3's too (tests/trainer/test_hf.py trains from and to one)
+    config = parse_args(["--model.name", "qwen3", "--flavor", "debugmodel_moe", "--checkpoint.last_save_in_hf"])
+    assert config.checkpoint.last_save_in_hf and config.model.name == "qwen3"

@@ -181,18 +181,18 @@ class Checkpoint:
     )
     initial_load_path: str = _opt(
         "", "Start from this checkpoint when the checkpoint folder has none to resume: a DCP checkpoint or "
-        "step folder, or a Hugging Face Llama folder (with initial_load_in_hf)."
+        "step folder, or a Hugging Face Llama / Qwen3 / Qwen3-MoE folder (with initial_load_in_hf)."
     )
     initial_load_model_only: bool = _opt(
         True, "From initial_load_path take the model weights only (start at step 0); false = the whole "
         "training state (DCP only)."
     )
     initial_load_in_hf: bool = _opt(
-        False, "initial_load_path is a Hugging Face Llama folder (safetensors + config.json)."
+        False, "initial_load_path is a Hugging Face Llama, Qwen3 or Qwen3-MoE folder (safetensors + config.json)."
     )
     last_save_in_hf: bool = _opt(
-        False, "The final save is a Hugging Face Llama folder hf-step-<N> (in export_dtype) that "
-        "transformers' LlamaForCausalLM.from_pretrained loads."
+        False, "The final save is a Hugging Face folder hf-step-<N> (in export_dtype) that transformers' "
+        "from_pretrained loads (LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM, by model.name)."
     )
 
 

@@ -90,11 +90,6 @@ def validate_config(config: JobConfig) -> None:
     need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
     if c.initial_load_path and not pathlib.Path(c.initial_load_path).expanduser().is_dir():
         raise ConfigError(f"--checkpoint.initial_load_path: no such folder: {c.initial_load_path!r}")
-    if config.model.name != "llama3" and (c.initial_load_in_hf or c.last_save_in_hf):
-        # trainer.models.qwen3 has the state-dict conversion; the folder reader/writer is Llama's.
-        key = "checkpoint.initial_load_in_hf" if c.initial_load_in_hf else "checkpoint.last_save_in_hf"
-        raise ConfigError(f"--{key}: Hugging Face folders are supported for model.name llama3 only so far, "
-                          f"got {config.model.name!r}")
     need(not c.initial_load_in_hf or bool(c.initial_load_path), "checkpoint.initial_load_in_hf",
          c.initial_load_in_hf, "false without --checkpoint.initial_load_path")
     need(not c.initial_load_in_hf or c.initial_load_model_only, "checkpoint.initial_load_model_only",
