@@ -28,7 +28,8 @@ which CUTLASS asserts on the device for an empty group or a group not a multiple
 pad every group on the device to a multiple of 16, at least 16, no host sync). Where the weight
 gradient's precision is in doubt, ``rowwise_with_gw_hp`` costs one bf16 GEMM of three.
 
-Backends (``BACKENDS``), chosen once per (device, dtype, K, N, with-backward) key and cached:
+Backends (``BACKENDS``, registered in ``titan_kernels.backend`` as grouped_mm's), chosen once per
+(device, dtype, K, N, with-backward) key and cached:
   aten       ``torch._scaled_grouped_mm`` (CUTLASS, CUDA sm_90; not on the CPU: torch 2.13 has no CPU
              kernel). It takes e4m3 operands with bfloat16 output only, so x must be bfloat16; K and N
              are zero-padded to multiples of 16 (its 16-byte strides), the token groups of the weight
@@ -247,37 +248,40 @@ def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, 
     return tuple(sorted(cands, key=lambda name: times[name]))
 
 
-def _requested(dev: str) -> str | None:
-    req = _backend.requested_backend()
-    if req in ("cpu", "cuda"):
-        if req != dev:
-            raise RuntimeError(f"backend {req!r} cannot run titan op {OP!r} on {dev} tensors")
-        return "aten"
-    return req
+def _rank(device: torch.device, case: tuple, names: tuple[str, ...]) -> tuple[str, ...]:
+    """The automatic candidates that take the key, reordered by ``measured_order`` where it may time."""
+    fast = tuple(c for c in names if c != "reference")  # the reference is the fallback, never timed
+    if len(fast) > 1 and _gmm._may_measure(device.type):
+        return measured_order(fast, device.type, device.index, *case)
+    return names
+
+
+def _register() -> None:
+    """The implementations in ``titan_kernels.backend``, as grouped_mm's: aten in the cpu and cuda
+    families (the native kernel of each device), triton, reference; automatic order ``AUTO_ORDER``,
+    measured on CUDA. The case key is (dtype, K, N, with-backward); capabilities depend on the dtype."""
+    def ask(name):
+        return lambda device, case: why_not(name, device.type, device.index, case[0])
+
+    for fam in ("cpu", "cuda"):
+        _backend.register_impl(OP, fam, "aten", name="aten", why_not=ask("aten"))
+    _backend.register_impl(OP, "triton", "triton", why_not=ask("triton"))
+    _backend.register_impl(OP, "reference", "reference", why_not=ask("reference"))
+    _backend.set_order(OP, AUTO_ORDER, rank=_rank)
+
+
+_register()
 
 
 @torch.compiler.assume_constant_result
 def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
-    """The backend of an fp8_grouped_mm call (one of ``BACKENDS``): the request or the first of the
+    """The backend of an fp8_grouped_mm call (one of ``BACKENDS``), chosen by ``titan_kernels.backend``:
+    the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean aten) or the first of the
     automatic order that takes the key (measured on CUDA). Under torch.compile it is decided once,
-    when the graph is traced. ``index`` -1: no device index."""
-    idx = None if index < 0 else index
-    req = _requested(device_type)
-    if req is not None:
-        if req not in BACKENDS:
-            raise RuntimeError(f"backend {req!r} does not implement titan op {OP!r}; implemented: {BACKENDS}")
-        why = why_not(req, device_type, idx, dtype)
-        if why is not None:
-            asked = _backend.requested_backend()  # "cpu"/"cuda" name aten's kernel of the device
-            raise RuntimeError(f"backend {asked!r} cannot run titan op {OP!r} ({dtype}, K {k}, N {n}) on "
-                               f"{device_type}: {why}")
-        return req
-    cands = tuple(name for name in AUTO_ORDER.get(device_type, ("reference",))
-                  if why_not(name, device_type, idx, dtype) is None)
-    fast = tuple(c for c in cands if c != "reference")
-    if len(fast) > 1 and _gmm._may_measure(device_type):
-        return measured_order(fast, device_type, idx, dtype, k, n, backward)[0]
-    return cands[0] if cands else "reference"
+    when the graph is traced. ``index`` -1: no device index. Raises RuntimeError (with the reason)
+    when a requested backend cannot take the key."""
+    dev = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
+    return _backend.choose(OP, dev, (dtype, k, n, backward)).backend
 
 
 def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
@@ -288,16 +292,9 @@ def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
 
 def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
     """(the backend fp8_grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    name = _choose_for(x, w, backward)
-    d = x.device
-    skipped = {}
-    for cand in AUTO_ORDER.get(d.type, ()) if _backend.requested_backend() is None else ():
-        if cand == name:
-            break
-        why = why_not(cand, d.type, d.index, _dt(x.dtype))
-        if why:
-            skipped[cand] = why
-    return name, skipped
+    x, w = _gmm._local(x), _gmm._local(w)
+    choice = _backend.choose(OP, x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward))
+    return choice.backend, dict(choice.skipped)
 
 
 # ----------------------------------------------------------------------------- validation
