@@ -16,6 +16,7 @@ is still in warmup (W = steps: the last step runs at the peak).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,7 +25,10 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from trainer.config import LRScheduler as LRSchedulerConfig
     from trainer.config import Optimizer as OptimizerConfig
+
+logger = logging.getLogger("trainer")
 
 DECAY_TYPES = ("linear", "cosine", "wsd")
 WSD_DEFAULT_DECAY_RATIO = 0.2
@@ -116,6 +120,18 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):
             else:
                 group["lr"] = lr
         self._last_lr = lrs
+
+
+def lr_schedule(cfg: "LRSchedulerConfig", steps: int) -> LRSchedule:
+    """The schedule of the ``[lr_scheduler]`` section over ``steps`` training steps; warmup_steps
+    beyond ``steps`` warms up over all of them (with a warning)."""
+    warmup = cfg.warmup_steps
+    if warmup > steps:
+        logger.warning("lr_scheduler.warmup_steps=%d > training.steps=%d: warming up over all %d steps",
+                       warmup, steps, steps)
+        warmup = steps
+    return LRSchedule(steps=steps, warmup_steps=warmup, decay_type=cfg.decay_type, decay_ratio=cfg.decay_ratio,
+                      min_lr_factor=cfg.min_lr_factor)
 
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> WarmupDecayLR:

@@ -12,7 +12,8 @@ complete checkpoint (or the initial one) -> metrics, validation, profiler.
 Then :meth:`Trainer.train` runs the loop (:meth:`Trainer.train_step`, validation, checkpoint,
 profiler, garbage collection) and ends with the final checkpoint, the summary and the plot. The
 numerics of one step (the exact token-mean scaling over micro-batches and ranks, the clip, the
-non-finite flag) are in ``trainer/step.py``.
+non-finite flag) are in ``trainer/step.py``; its setup log lines, the plot and the one-line errors of
+a failing tokenizer or data source in ``trainer/outputs.py``.
 
 Non-finite values. A step does not wait for the device to check its loss and gradient norm (that
 host synchronisation would stall every step): a device-side flag records the first step whose
@@ -61,13 +62,14 @@ import torch.distributed as dist
 import titan_kernels
 from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
 from trainer.config import ConfigError, JobConfig
-from trainer.data import build_dataloader, build_tokenizer
+from trainer.data import build_dataloader
 from trainer.estimate import Layout, detect_devices, fit_report
 from trainer.metrics import MetricsLogger
-from trainer.models.common import build_model, format_params, model_args
+from trainer.models.common import build_model, model_args
 from trainer.models.llama import cross_entropy_loss, linear_cross_entropy_loss
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
-from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
+from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
+from trainer.outputs import build_tokenizer, data_error, dataset_key, log_model, log_outputs, save_plot
 from trainer.parallel.compile import compile_loss
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_llama, reduce_partial_grads
@@ -174,7 +176,7 @@ class Trainer:
             return False
         self._parallelize()
         self.optimizer = build_optimizer(self.model, config.optimizer)
-        self.scheduler = build_lr_scheduler(self.optimizer, _schedule(config))
+        self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if self.step >= config.training.steps:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
@@ -189,7 +191,7 @@ class Trainer:
         self._dp_group = dp_group if self._distributed else False
         self._moe_group = dp_group if self._distributed else None
         self._setup_validation()
-        _log_outputs(config)
+        log_outputs(config)
         self._profiler = Profiler(config.profiling, config.job.dump_folder, self.rank, self.device, self.step)
         self._watch = NonFiniteWatch(self.device)
         self._ready = True
@@ -223,7 +225,7 @@ class Trainer:
     def _setup_tokenizer(self) -> None:
         """The tokenizer and the model's arguments (the flavor with the tokenizer's vocabulary)."""
         config = self.config
-        self.tokenizer = _build_tokenizer(config)
+        self.tokenizer = build_tokenizer(config)
         try:
             self.args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size,
                                    config.training.seq_len, config.model)
@@ -249,31 +251,18 @@ class Trainer:
             self.loader = build_dataloader(config, self.tokenizer, self.dp_rank, dp_size)
             self.loader.check()
         except (ValueError, RuntimeError, OSError) as exc:
-            raise _data_error(exc, _dataset_key(config, "training")) from None
+            raise data_error(exc, dataset_key(config, "training")) from None
         if config.validation.enable:
             try:
                 self.val_loader = build_validation_loader(config, self.tokenizer, self.dp_rank, dp_size)
                 self.val_loader.check()
             except (ValueError, RuntimeError, OSError) as exc:
-                raise _data_error(exc, _dataset_key(config, "validation")) from None
+                raise data_error(exc, dataset_key(config, "validation")) from None
 
     def _build_model(self) -> None:
         """The model on the meta device (no memory yet); logs its size and the shape of a step."""
-        config, args, cfg_t, dims = self.config, self.args, self.config.training, self.dims
-        self.model = build_model(args, device="meta")
-        n_params = args.num_params()
-        moe = getattr(args, "moe", None)
-        logger.info(
-            "model %s %s: %s = %s (dim %d, %d layers, %d heads, %d kv heads, %s, vocab %d); "
-            "%.3g FLOPs/token", config.model.name, config.model.flavor, f"{n_params:,}", format_params(args), args.dim,
-            args.n_layers, args.n_heads, args.kv_heads,
-            f"ffn {args.ffn_hidden_dim}" if moe is None else
-            f"{moe.num_experts} experts of {moe.hidden_dim}, top-{moe.top_k}, balance {moe.load_balance}",
-            args.vocab_size, args.flops_per_token(cfg_t.seq_len))
-        logger.info(
-            "device %s, %s, compute %s, %d micro-batch(es) of %d x %d tokens per step and rank",
-            self.device, dims.describe(), str(self.compute_dtype).replace("torch.", ""), self.grad_accum,
-            cfg_t.local_batch_size, cfg_t.seq_len)
+        self.model = build_model(self.args, device="meta")
+        log_model(self.config, self.args, self.device, self.dims, self.compute_dtype, self.grad_accum)
 
     def _save_seed_checkpoint(self) -> None:
         """``--checkpoint.create_seed_checkpoint``: the initial weights as step 0, on the CPU."""
@@ -464,7 +453,7 @@ class Trainer:
             self._stop(*sys.exc_info())
         self.metrics.print_summary()
         if self.rank == 0 and self.config.metrics.save_plot:
-            _save_plot(self.config.job.dump_folder)
+            save_plot(self.config.job.dump_folder)
         logger.info("done in %.1fs", time.perf_counter() - self._t_start)
 
     def _check_running(self, name: str) -> None:
@@ -494,7 +483,7 @@ class Trainer:
             try:
                 batch = next(self._data_iter)
             except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
-                raise _data_error(exc, _dataset_key(self.config, "training")) from None
+                raise data_error(exc, dataset_key(self.config, "training")) from None
             if self.device.type == "cuda":
                 # A copy from pageable memory first waits for the stream (a host sync every step);
                 # from pinned memory the non_blocking copies in forward_backward are asynchronous.
@@ -587,20 +576,6 @@ def _env_int(name: str, default: int) -> int:
         raise TrainingError(f"environment variable {name}: expected an integer, got {raw!r}") from None
 
 
-def _data_error(exc: Exception, key: str) -> TrainingError:
-    """A one-line error for a data source that failed, naming the key (``key`` unless the message does)."""
-    msg = str(exc)
-    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.")) else f"--{key}: {msg}")
-
-
-def _dataset_key(config: JobConfig, section: str) -> str:
-    """The config key of the source a ``section`` reads (validation's held-out part: training's)."""
-    v, t = config.validation, config.training
-    if section == "validation" and (v.dataset_path or v.dataset):
-        return "validation.dataset_path" if v.dataset_path else "validation.dataset"
-    return "training.dataset_path" if t.dataset_path else "training.dataset"
-
-
 def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
     p = config.parallelism
     return fit_report(
@@ -612,51 +587,3 @@ def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> s
         microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
         fused_loss=not (dims.tp_enabled and p.disable_loss_parallel),
     )
-
-
-def _build_tokenizer(config: JobConfig):
-    path = config.model.tokenizer_path or None
-    try:
-        return build_tokenizer(path)
-    except (ValueError, OSError) as exc:
-        raise TrainingError(f"--model.tokenizer_path: {exc}") from None
-
-
-def _schedule(config: JobConfig) -> LRSchedule:
-    s, steps = config.lr_scheduler, config.training.steps
-    warmup = s.warmup_steps
-    if warmup > steps:
-        logger.warning("lr_scheduler.warmup_steps=%d > training.steps=%d: warming up over all %d steps",
-                       warmup, steps, steps)
-        warmup = steps
-    return LRSchedule(steps=steps, warmup_steps=warmup, decay_type=s.decay_type, decay_ratio=s.decay_ratio,
-                      min_lr_factor=s.min_lr_factor)
-
-
-def _log_outputs(config: JobConfig) -> None:
-    """Say where the run writes: metrics, TensorBoard, checkpoints, plot, traces."""
-    dump = Path(config.job.dump_folder)
-    m, c, pr = config.metrics, config.checkpoint, config.profiling
-    parts = [f"metrics {dump / 'metrics.jsonl'}"]
-    parts.append(f"TensorBoard {dump / m.save_tb_folder}" if m.enable_tensorboard
-                 else "TensorBoard off (--metrics.enable_tensorboard)")
-    parts.append(f"checkpoints {dump / c.folder}" if c.enable else "checkpoints off (--checkpoint.enable)")
-    if m.save_plot:
-        parts.append(f"plot {dump / 'metrics.png'} at the end")
-    if pr.enable_profiling:
-        parts.append(f"profiler traces {dump / pr.save_traces_folder}")
-    if pr.enable_memory_snapshot:
-        parts.append(f"memory snapshots {dump / pr.save_memory_snapshot_folder}")
-    logger.info("outputs: %s", "; ".join(parts))
-
-
-def _save_plot(dump_folder: str) -> None:
-    """``<dump_folder>/metrics.png`` from metrics.jsonl; a missing matplotlib is reported, not fatal."""
-    from trainer.plot import plot_runs
-
-    try:
-        path = plot_runs([dump_folder], Path(dump_folder) / "metrics.png")
-    except ImportError as exc:
-        logger.warning("metrics.png not drawn: %s (pip install matplotlib)", exc)
-        return
-    logger.info("plot of the metrics written to %s", path)
