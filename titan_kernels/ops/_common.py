@@ -1,4 +1,5 @@
-"""Helpers shared by every op module: input validation and the eager fast path test."""
+"""Helpers shared by every op module: input validation, the eager fast path test, the refusals of
+double backward and the replication of index tensors next to a DTensor."""
 from __future__ import annotations
 
 import math
@@ -62,3 +63,42 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     if torch._C._are_functorch_transforms_active():
         return False
     return True
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """True when autograd records a call on these tensors (None entries ignored)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def refuse_create_graph(name: str, *tensors: torch.Tensor | None, why: str = "") -> None:
+    """In the backward of ``titan::{name}``, which has no double backward: raise a RuntimeError naming
+    the op when a second derivative is asked for. Grad mode is on inside a backward only under
+    create_graph=True; the gradient or a saved input needing grad there means a second derivative.
+    ``why``: appended to the message."""
+    if needs_grad(*tensors):
+        raise RuntimeError(f"titan::{name}: double backward (create_graph=True through {name}) is not implemented{why}")
+
+
+def refuse_double_backward(name: str, of: str | None = None):
+    """The ``register_autograd`` backward of the backward op ``titan::{name}`` (of ``titan::{of}``):
+    it raises a RuntimeError naming the op, never a silent zero."""
+    msg = f"titan::{name}: double backward{f' of titan::{of}' if of else ''} is not implemented"
+
+    def backward(ctx, *grads):
+        raise RuntimeError(msg)
+
+    return backward
+
+
+def no_setup(ctx, inputs, output) -> None:
+    """A ``register_autograd`` setup_context that saves nothing."""
+
+
+def replicate_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a replicated DTensor on ``ref``'s mesh when ``ref`` is a DTensor and ``t`` is not (index
+    tensors such as the offsets are the same on every rank), else ``t``."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(ref, DTensor) and not isinstance(t, DTensor):
+        return DTensor.from_local(t, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim, run_check=False)
+    return t

@@ -47,10 +47,11 @@ keeps the static order). Overrides: ``use_backend`` / ``TITAN_KERNELS_BACKEND`` 
 case raises RuntimeError with the reason. ``rowwise_with_gw_hp``'s weight gradient runs on
 grouped_mm's backend of the same name where it takes the key, else on grouped_mm's automatic choice.
 
-One autograd definition, as ``grouped_mm``: the eager fast path (``_Fp8GroupedMMFn``) and the op's
-``register_autograd`` share ``_forward``, ``_setup`` and ``_grads``; the forward's backend is handed
-to the backward op. Double backward is refused with a RuntimeError naming the op. DTensor rules:
-``titan_kernels.dtensor`` (tensor parallel on the experts, shared with grouped_mm).
+One autograd definition, as ``grouped_mm`` (whose shared pieces run it: the backend registration,
+choice and timing, ``saved_grads``, ``call`` and its eager fast path ``_FastPath``): the fast path
+and the op's ``register_autograd`` share ``_forward``, ``_setup`` and ``_grads``; the forward's
+backend is handed to the backward op. Double backward is refused with a RuntimeError naming the op.
+DTensor rules: ``titan_kernels.dtensor`` (tensor parallel on the experts, shared with grouped_mm).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops import grouped_mm as _gmm
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, eager_fast_path
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, no_setup, refuse_double_backward
 from titan_kernels.reference import fp8_grouped_mm as _ref
 
 OP = "fp8_grouped_mm"
@@ -207,14 +208,7 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str) -> str |
     if name == "reference":
         return None
     if name == "triton":
-        st = _backend.backend_status("triton", device_type)
-        if not st.available:
-            return st.reason
-        try:
-            import titan_kernels.triton.fp8_grouped_mm  # noqa: F401
-        except ImportError as e:
-            return f"the Triton kernel does not import: {e}"
-        return None
+        return _gmm.triton_why_not(device_type, "titan_kernels.triton.fp8_grouped_mm")
     assert name == "aten", name
     if dtype != "bfloat16":
         return f"torch._scaled_grouped_mm writes bfloat16 only; x is {dtype}"
@@ -225,76 +219,28 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str) -> str |
 def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
                    backward: bool) -> tuple[str, ...]:
     """``cands`` fastest first, timed once per key on 16 experts of 512 rows, forward (+ dx and dw,
-    recipe rowwise, with ``backward``). Any failure keeps the given order."""
-    dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    dt = getattr(torch, dtype)
-    try:
-        e, rows = 16, 512
-        x = torch.randn(e * rows, k, device=dev, dtype=dt)
-        w = torch.randn(e, k, n, device=dev, dtype=dt)
-        dy = torch.randn(e * rows, n, device=dev, dtype=dt)
-        offs = torch.arange(1, e + 1, device=dev, dtype=torch.int32) * rows
-
-        def run(name):
-            def call():
-                _forward(x, w, offs, name)
-                if backward:
-                    _backward_kernel(dy, x, w, offs, "rowwise", True, True, name)
-            return call
-
-        times = {name: _gmm._time_call(run(name), dev) for name in cands}
-    except Exception:  # noqa: BLE001 - a failed measurement must not fail the op: keep the static order
-        return cands
-    return tuple(sorted(cands, key=lambda name: times[name]))
+    recipe rowwise, with ``backward``): ``grouped_mm.time_order``."""
+    return _gmm.time_order(cands, device_type, index, dtype, k, n, backward,
+                           _forward,
+                           lambda dy, x, w, offs, name: _backward_kernel(dy, x, w, offs, "rowwise", True, True, name))
 
 
-def _rank(device: torch.device, case: tuple, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The automatic candidates that take the key, reordered by ``measured_order`` where it may time."""
-    fast = tuple(c for c in names if c != "reference")  # the reference is the fallback, never timed
-    if len(fast) > 1 and _gmm._may_measure(device.type):
-        return measured_order(fast, device.type, device.index, *case)
-    return names
-
-
-def _register() -> None:
-    """The implementations in ``titan_kernels.backend``, as grouped_mm's: aten in the cpu and cuda
-    families (the native kernel of each device), triton, reference; automatic order ``AUTO_ORDER``,
-    measured on CUDA. The case key is (dtype, K, N, with-backward); capabilities depend on the dtype."""
-    def ask(name):
-        return lambda device, case: why_not(name, device.type, device.index, case[0])
-
-    for fam in ("cpu", "cuda"):
-        _backend.register_impl(OP, fam, "aten", name="aten", why_not=ask("aten"))
-    _backend.register_impl(OP, "triton", "triton", why_not=ask("triton"))
-    _backend.register_impl(OP, "reference", "reference", why_not=ask("reference"))
-    _backend.set_order(OP, AUTO_ORDER, rank=_rank)
-
-
-_register()
-
-
-@torch.compiler.assume_constant_result
-def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
-    """The backend of an fp8_grouped_mm call (one of ``BACKENDS``), chosen by ``titan_kernels.backend``:
-    the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean aten) or the first of the
-    automatic order that takes the key (measured on CUDA). Under torch.compile it is decided once,
-    when the graph is traced. ``index`` -1: no device index. Raises RuntimeError (with the reason)
-    when a requested backend cannot take the key."""
-    dev = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
-    return _backend.choose(OP, dev, (dtype, k, n, backward)).backend
+# As grouped_mm's: aten in the cpu and cuda families (the native kernel of each device), triton,
+# reference; automatic order AUTO_ORDER, measured on CUDA. The case key is (dtype, K, N,
+# with-backward); capabilities depend on the dtype alone.
+_gmm.register_backends(OP, {name: name for name in BACKENDS},
+                       lambda name, device_type, index, dtype, *_: why_not(name, device_type, index, dtype),
+                       AUTO_ORDER, measured_order)
 
 
 def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
-    x, w = _gmm._local(x), _gmm._local(w)
-    d = x.device
-    return choose(d.type, -1 if d.index is None else d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+    """The backend of an fp8_grouped_mm call: ``grouped_mm.choose`` with this op's registry entry."""
+    return _gmm.choose_for(OP, x, w, backward)
 
 
 def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
     """(the backend fp8_grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    x, w = _gmm._local(x), _gmm._local(w)
-    choice = _backend.choose(OP, x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward))
-    return choice.backend, dict(choice.skipped)
+    return _gmm.backend_report(OP, x, w, backward)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -386,20 +332,12 @@ def fp8_grouped_mm_backward_op(
     empty (T, 0) / (E, K, 0) tensor. ``backend``: the forward's (None: the automatic choice)."""
     if backend is None:
         backend = _choose_for(x, w, True)
-    dx, dw = _backward_kernel(dy, x, w, offsets, recipe, need_dx, need_dw, backend)
-    if dx is None:
-        dx = x.new_empty((x.shape[0], 0))
-    if dw is None:
-        dw = w.new_empty((w.shape[0], w.shape[1], 0))
-    return dx, dw
+    return _gmm.grads_or_empty(*_backward_kernel(dy, x, w, offsets, recipe, need_dx, need_dw, backend), x, w)
 
 
 @fp8_grouped_mm_backward_op.register_fake
 def _(dy, x, w, offsets, recipe, need_dx, need_dw, backend=None):
-    return (
-        x.new_empty((x.shape[0], x.shape[1] if need_dx else 0)),
-        w.new_empty((w.shape[0], w.shape[1], w.shape[2] if need_dw else 0)),
-    )
+    return _gmm.fake_grads(x, w, need_dx, need_dw)
 
 
 # ----------------------------------------------------------------------------- autograd (one definition)
@@ -413,18 +351,8 @@ def _setup(ctx, inputs, output):
 
 
 def _grads(ctx, dy, fast: bool):
-    x, w, offsets = ctx.saved_tensors
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (dy, x, w)):
-        raise RuntimeError(
-            "titan::fp8_grouped_mm: double backward (create_graph=True through fp8_grouped_mm) is not "
-            "implemented; its float8 casts are not differentiable"
-        )
-    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if fast:
-        dx, dw = _backward_kernel(dy, x, w, offsets, ctx.recipe, need_dx, need_dw, ctx.backend)
-    else:
-        dx, dw = torch.ops.titan.fp8_grouped_mm_backward(dy, x, w, offsets, ctx.recipe, need_dx, need_dw, ctx.backend)
-    return (dx if need_dx else None), (dw if need_dw else None)
+    run = _backward_kernel if fast else torch.ops.titan.fp8_grouped_mm_backward
+    return _gmm.saved_grads(ctx, dy, OP, run, ctx.recipe, why="; its float8 casts are not differentiable")
 
 
 def _backward(ctx, dy):
@@ -432,31 +360,9 @@ def _backward(ctx, dy):
     return dx, dw, None, None, None
 
 
-def _refuse_double_backward(ctx, ddx, ddw):
-    raise RuntimeError("titan::fp8_grouped_mm_backward: double backward of titan::fp8_grouped_mm is not implemented")
-
-
-def _setup_bwd(ctx, inputs, output):
-    pass
-
-
 fp8_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
-fp8_grouped_mm_backward_op.register_autograd(_refuse_double_backward, setup_context=_setup_bwd)
-
-
-class _Fp8GroupedMMFn(torch.autograd.Function):
-    """The eager fast path of titan::fp8_grouped_mm: the same ``_forward``, ``_setup`` and ``_grads``."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets, recipe, backend):
-        y = _forward(x, w, offsets, backend)
-        _setup(ctx, (x, w, offsets, recipe, backend), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = _grads(ctx, dy, fast=True)
-        return dx, dw, None, None, None
+fp8_grouped_mm_backward_op.register_autograd(refuse_double_backward("fp8_grouped_mm_backward", of=OP),
+                                             setup_context=no_setup)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -497,13 +403,4 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, r
     DeepSeek-V3 (2024, section 3.3: fine-grained scaling, float32 promotion of tensor-core sums).
     """
     _validate(x, w, offsets, recipe)
-    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    backend = _choose_for(x, w, grad)
-    if eager_fast_path(x, w, offsets):
-        _gmm._validate_values(x, offsets)
-        if grad:
-            return _Fp8GroupedMMFn.apply(x, w, offsets, recipe, backend)
-        return _forward(x, w, offsets, backend)
-    if torch.distributed.is_available():
-        offsets = _gmm.replicate_like(x, offsets)
-    return torch.ops.titan.fp8_grouped_mm(x, w, offsets, recipe, backend)
+    return _gmm.call(OP, torch.ops.titan.fp8_grouped_mm, (_forward, _setup, _grads), x, w, offsets, recipe)

@@ -30,18 +30,26 @@ times every backend at Qwen3-30B-A3B shapes on the GPU stage of bench/run_gpu.sh
 ``TITAN_KERNELS_BACKEND`` with "reference", "triton", or "cpu"/"cuda" (aten's native kernel of that
 device); a requested backend that cannot take the case raises RuntimeError with the reason.
 
-One autograd definition: the eager fast path (``_GroupedMMFn``) and the op's ``register_autograd``
+One autograd definition: the eager fast path (``_FastPath``) and the op's ``register_autograd``
 call the same ``_forward``, ``_setup`` and ``_grads``; the forward's backend is handed to the
 backward op (its ``backend`` argument). Double backward is refused with a RuntimeError naming the op.
+
+``fp8_grouped_mm`` is this op with float8 kernels: it shares the pieces below that take its own
+functions or name (``triton_why_not``, ``time_order``, ``register_backends``, ``choose``,
+``choose_for``, ``backend_report``, ``grads_or_empty``, ``fake_grads``, ``saved_grads``, ``call``).
 """
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops._common import (
+    check_float, check_same_device, check_tensor, eager_fast_path, needs_grad, no_setup, refuse_create_graph,
+    refuse_double_backward, replicate_like,
+)
 from titan_kernels.reference import moe as _ref
 
 OP = "grouped_mm"
@@ -121,6 +129,21 @@ _IMPLS = {
 # ----------------------------------------------------------------------------- capabilities (cached per key)
 
 
+def triton_why_not(device_type: str, module: str, refusal: str | None = None) -> str | None:
+    """None when Triton runs on this device and the kernel module ``module`` imports, else the reason;
+    ``refusal``, when given, is the reason once Triton runs (a case the kernel does not take)."""
+    st = _backend.backend_status("triton", device_type)
+    if not st.available:
+        return st.reason
+    if refusal is not None:
+        return refusal
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        return f"the Triton kernel does not import: {e}"
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, n: int, backward: bool) -> str | None:
     """None when backend ``name`` takes grouped_mm for this key, else the reason (asked once per key)."""
@@ -128,16 +151,8 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, 
     if name == "reference":
         return None
     if name == "triton":
-        st = _backend.backend_status("triton", device_type)
-        if not st.available:
-            return st.reason
-        if dt == torch.float64:
-            return "takes float32/bfloat16/float16, not float64"
-        try:
-            import titan_kernels.triton.grouped_mm  # noqa: F401
-        except ImportError as e:
-            return f"the Triton kernel does not import: {e}"
-        return None
+        return triton_why_not(device_type, "titan_kernels.triton.grouped_mm",
+                              "takes float32/bfloat16/float16, not float64" if dt == torch.float64 else None)
     assert name == "aten", name
     if not hasattr(torch, "_grouped_mm"):
         return f"torch {torch.__version__} has no torch._grouped_mm"
@@ -189,12 +204,12 @@ def _time_call(fn, device: torch.device, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-@functools.lru_cache(maxsize=None)
-def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
-                   backward: bool) -> tuple[str, ...]:
-    """``cands`` (backends that take the key) fastest first, timed once per key on a synthetic MoE
-    problem: 16 experts of 512 rows (a 30B-A3B-like group size), forward (+ dx and dw with
-    ``backward``). Any failure keeps the given order."""
+def time_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
+               backward: bool, forward, backward_kernel) -> tuple[str, ...]:
+    """``cands`` (backends that take the key) fastest first, each timed (``_time_call``) on a synthetic
+    MoE problem of the key: 16 experts of 512 rows (a 30B-A3B-like group size), ``forward(x, w,
+    offsets, name)`` (+ ``backward_kernel(dy, x, w, offsets, name)``, dx and dw, with ``backward``).
+    Any failure keeps the given order."""
     dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
     dt = getattr(torch, dtype)
     try:
@@ -206,15 +221,25 @@ def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, 
 
         def run(name):
             def call():
-                _IMPLS[name][0](x, w, offs)
+                forward(x, w, offs, name)
                 if backward:
-                    _IMPLS[name][1](dy, x, w, offs, True, True)
+                    backward_kernel(dy, x, w, offs, name)
             return call
 
         times = {name: _time_call(run(name), dev) for name in cands}
     except Exception:  # noqa: BLE001 - a failed measurement must not fail the op: keep the static order
         return cands
     return tuple(sorted(cands, key=lambda name: times[name]))
+
+
+@functools.lru_cache(maxsize=None)
+def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
+                   backward: bool) -> tuple[str, ...]:
+    """``cands`` fastest first, timed once per key by ``time_order`` (forward, + dx and dw with
+    ``backward``)."""
+    return time_order(cands, device_type, index, dtype, k, n, backward,
+                      lambda x, w, offs, name: _IMPLS[name][0](x, w, offs),
+                      lambda dy, x, w, offs, name: _IMPLS[name][1](dy, x, w, offs, True, True))
 
 
 def _may_measure(device_type: str) -> bool:
@@ -225,39 +250,40 @@ def _may_measure(device_type: str) -> bool:
             and not torch.compiler.is_compiling() and not torch._C._len_torch_dispatch_stack())
 
 
-def _rank(device: torch.device, case: tuple, names: tuple[str, ...]) -> tuple[str, ...]:
-    """The automatic candidates that take the key, reordered by ``measured_order`` where it may time."""
-    fast = tuple(c for c in names if c != "reference")  # the reference is the fallback, never timed
-    if len(fast) > 1 and _may_measure(device.type):
-        return measured_order(fast, device.type, device.index, *case)
-    return names
-
-
-def _register() -> None:
-    """The implementations in ``titan_kernels.backend``: aten in the cpu and cuda families (the native
-    kernel of each device), triton, reference; automatic order ``AUTO_ORDER``, measured on CUDA."""
+def register_backends(op: str, impls: dict, why_not, order: dict, measured) -> None:
+    """``op``'s implementations in ``titan_kernels.backend``: ``impls["aten"]`` in the cpu and cuda
+    families (the native kernel of each device), ``impls["triton"]``, ``impls["reference"]``, each
+    asking ``why_not(name, device_type, index, *case)``; automatic order ``order``, the candidates
+    that take a key (the reference aside, the fallback, never timed) reordered on CUDA by
+    ``measured(cands, device_type, index, *case)`` (a ``measured_order``)."""
     def ask(name):
         return lambda device, case: why_not(name, device.type, device.index, *case)
 
+    def rank(device: torch.device, case: tuple, names: tuple[str, ...]) -> tuple[str, ...]:
+        fast = tuple(c for c in names if c != "reference")
+        if len(fast) > 1 and _may_measure(device.type):
+            return measured(fast, device.type, device.index, *case)
+        return names
+
     for fam in ("cpu", "cuda"):
-        _backend.register_impl(OP, fam, _IMPLS["aten"], name="aten", why_not=ask("aten"))
-    _backend.register_impl(OP, "triton", _IMPLS["triton"], why_not=ask("triton"))
-    _backend.register_impl(OP, "reference", _IMPLS["reference"], why_not=ask("reference"))
-    _backend.set_order(OP, AUTO_ORDER, rank=_rank)
+        _backend.register_impl(op, fam, impls["aten"], name="aten", why_not=ask("aten"))
+    _backend.register_impl(op, "triton", impls["triton"], why_not=ask("triton"))
+    _backend.register_impl(op, "reference", impls["reference"], why_not=ask("reference"))
+    _backend.set_order(op, order, rank=rank)
 
 
-_register()
+register_backends(OP, _IMPLS, why_not, AUTO_ORDER, measured_order)
 
 
 @torch.compiler.assume_constant_result
-def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool) -> str:
-    """The backend of a grouped_mm call (one of ``BACKENDS``), chosen by ``titan_kernels.backend``:
-    the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean aten) or the first of the
-    automatic order that takes the key (measured on CUDA). Under torch.compile it is decided once,
-    when the graph is traced. ``index`` -1: no device index. Raises RuntimeError (with the reason)
-    when a requested backend cannot take the key."""
+def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool, op: str = OP) -> str:
+    """The backend of a call of ``op`` (grouped_mm or fp8_grouped_mm; one of its ``BACKENDS``), chosen
+    by ``titan_kernels.backend``: the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean
+    aten) or the first of the automatic order that takes the key (measured on CUDA). Under
+    torch.compile it is decided once, when the graph is traced. ``index`` -1: no device index. Raises
+    RuntimeError (with the reason) when a requested backend cannot take the key."""
     dev = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
-    return _backend.choose(OP, dev, (dtype, k, n, backward)).backend
+    return _backend.choose(op, dev, (dtype, k, n, backward)).backend
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -265,27 +291,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return getattr(t, "_local_tensor", t)
 
 
-def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+def _case(x: torch.Tensor, w: torch.Tensor, backward: bool) -> tuple[torch.device, tuple]:
+    """(device, case key (dtype, K, N, with-backward)) of a call, from the local shards."""
     x, w = _local(x), _local(w)
-    d = x.device
-    return choose(d.type, -1 if d.index is None else d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
+    return x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
 
 
-def replicate_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a replicated DTensor on ``ref``'s mesh when ``ref`` is a DTensor and ``t`` is not (index
-    tensors such as the offsets are the same on every rank), else ``t``."""
-    from torch.distributed.tensor import DTensor, Replicate
+def choose_for(op: str, x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+    """``choose`` for a call of ``op`` on (x, w)."""
+    d, case = _case(x, w, backward)
+    return choose(d.type, -1 if d.index is None else d.index, *case, op=op)
 
-    if isinstance(ref, DTensor) and not isinstance(t, DTensor):
-        return DTensor.from_local(t, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim, run_check=False)
-    return t
+
+def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
+    return choose_for(OP, x, w, backward)
+
+
+def backend_report(op: str, x: torch.Tensor, w: torch.Tensor, backward: bool) -> tuple[str, dict[str, str]]:
+    """(the backend a call of ``op`` on (x, w) would run, {skipped backend: reason}) under the current request."""
+    choice = _backend.choose(op, *_case(x, w, backward))
+    return choice.backend, dict(choice.skipped)
 
 
 def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
     """(the backend grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    x, w = _local(x), _local(w)
-    choice = _backend.choose(OP, x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward))
-    return choice.backend, dict(choice.skipped)
+    return backend_report(OP, x, w, backward)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -333,6 +363,24 @@ def _backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend: str):
     return _IMPLS[backend][1](dy, x, w, offsets, need_dx, need_dw)
 
 
+def grads_or_empty(dx, dw, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) as a backward op returns them: a gradient not asked for (None) as an empty (T, 0) /
+    (E, K, 0) tensor."""
+    if dx is None:
+        dx = x.new_empty((x.shape[0], 0))
+    if dw is None:
+        dw = w.new_empty((w.shape[0], w.shape[1], 0))
+    return dx, dw
+
+
+def fake_grads(x: torch.Tensor, w: torch.Tensor, need_dx: bool, need_dw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fake (dx, dw) of a backward op: (T, K) / (E, K, N), or empty where not asked for."""
+    return (
+        x.new_empty((x.shape[0], x.shape[1] if need_dx else 0)),
+        w.new_empty((w.shape[0], w.shape[1], w.shape[2] if need_dw else 0)),
+    )
+
+
 # ----------------------------------------------------------------------------- ops
 
 
@@ -362,20 +410,12 @@ def grouped_mm_backward_op(
     ``backend``: the forward's (None: the automatic choice)."""
     if backend is None:
         backend = _choose_for(x, w, True)
-    dx, dw = _backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend)
-    if dx is None:
-        dx = x.new_empty((x.shape[0], 0))
-    if dw is None:
-        dw = w.new_empty((w.shape[0], w.shape[1], 0))
-    return dx, dw
+    return grads_or_empty(*_backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend), x, w)
 
 
 @grouped_mm_backward_op.register_fake
 def _(dy, x, w, offsets, need_dx, need_dw, backend=None):
-    return (
-        x.new_empty((x.shape[0], x.shape[1] if need_dx else 0)),
-        w.new_empty((w.shape[0], w.shape[1], w.shape[2] if need_dw else 0)),
-    )
+    return fake_grads(x, w, need_dx, need_dw)
 
 
 # ----------------------------------------------------------------------------- autograd (one definition)
@@ -388,19 +428,19 @@ def _setup(ctx, inputs, output):
     ctx.backend = backend if backend is not None else _choose_for(x, w, True)
 
 
-def _grads(ctx, dy, fast: bool):
+def saved_grads(ctx, dy, name: str, run, *args, why: str = ""):
+    """(dx, dw) of a grouped GEMM's backward from ``ctx`` (x, w, offsets saved, ``ctx.backend``), None
+    where no gradient is needed: ``run(dy, x, w, offsets, *args, need_dx, need_dw, backend)`` (the
+    backward kernel or the backward op). Double backward is refused naming ``name`` (+ ``why``)."""
     x, w, offsets = ctx.saved_tensors
-    # Grad mode is on inside a backward only under create_graph=True.
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (dy, x, w)):
-        raise RuntimeError(
-            "titan::grouped_mm: double backward (create_graph=True through grouped_mm) is not implemented"
-        )
+    refuse_create_graph(name, dy, x, w, why=why)
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if fast:
-        dx, dw = _backward_kernel(dy, x, w, offsets, need_dx, need_dw, ctx.backend)
-    else:
-        dx, dw = torch.ops.titan.grouped_mm_backward(dy, x, w, offsets, need_dx, need_dw, ctx.backend)
+    dx, dw = run(dy, x, w, offsets, *args, need_dx, need_dw, ctx.backend)
     return (dx if need_dx else None), (dw if need_dw else None)
+
+
+def _grads(ctx, dy, fast: bool):
+    return saved_grads(ctx, dy, OP, _backward_kernel if fast else torch.ops.titan.grouped_mm_backward)
 
 
 def _backward(ctx, dy):
@@ -408,35 +448,45 @@ def _backward(ctx, dy):
     return dx, dw, None, None
 
 
-def _refuse_double_backward(ctx, ddx, ddw):
-    raise RuntimeError("titan::grouped_mm_backward: double backward of titan::grouped_mm is not implemented")
-
-
-def _setup_bwd(ctx, inputs, output):
-    pass
-
-
 grouped_mm_op.register_autograd(_backward, setup_context=_setup)
-grouped_mm_backward_op.register_autograd(_refuse_double_backward, setup_context=_setup_bwd)
+grouped_mm_backward_op.register_autograd(refuse_double_backward("grouped_mm_backward", of=OP), setup_context=no_setup)
 
 
-class _GroupedMMFn(torch.autograd.Function):
-    """The eager fast path of titan::grouped_mm: the same ``_forward``, ``_setup`` and ``_grads``."""
+class _FastPath(torch.autograd.Function):
+    """The eager fast path of titan::grouped_mm and titan::fp8_grouped_mm: the op's own ``_forward``,
+    ``_setup`` and ``_grads`` (``fns``), without the dispatcher. ``args``: the op's arguments after
+    the offsets, the backend last."""
 
     @staticmethod
-    def forward(ctx, x, w, offsets, backend):
-        y = _forward(x, w, offsets, backend)
-        _setup(ctx, (x, w, offsets, backend), y)
+    def forward(ctx, x, w, offsets, fns, *args):
+        forward, setup, ctx.grads = fns
+        y = forward(x, w, offsets, args[-1])
+        setup(ctx, (x, w, offsets, *args), y)
+        ctx.n_args = len(args)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        dx, dw = _grads(ctx, dy, fast=True)
-        return dx, dw, None, None
+        dx, dw = ctx.grads(ctx, dy, fast=True)
+        return (dx, dw, None, None) + (None,) * ctx.n_args
 
 
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+def call(op: str, op_fn, fns: tuple, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *args) -> torch.Tensor:
+    """A validated call of ``op`` (grouped_mm or fp8_grouped_mm): its backend chosen (with the backward
+    when a gradient is needed), then in plain eager mode the offsets' values checked and ``fns`` (the
+    op's ``_forward``, ``_setup``, ``_grads``) run through ``_FastPath`` (``_forward`` alone without a
+    gradient); otherwise ``op_fn`` (the registered op) on (x, w, offsets, *args, backend), the
+    offsets replicated next to a DTensor x."""
+    grad = needs_grad(x, w)
+    backend = choose_for(op, x, w, grad)
+    if eager_fast_path(x, w, offsets):
+        _validate_values(x, offsets)
+        if grad:
+            return _FastPath.apply(x, w, offsets, fns, *args, backend)
+        return fns[0](x, w, offsets, backend)
+    if torch.distributed.is_available():
+        offsets = replicate_like(x, offsets)
+    return op_fn(x, w, offsets, *args, backend)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -470,13 +520,4 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     al. 2022, "MegaBlocks", block-sparse grouped matmul).
     """
     _validate(x, w, offsets)
-    grad = _needs_grad(x, w)
-    backend = _choose_for(x, w, grad)
-    if eager_fast_path(x, w, offsets):
-        _validate_values(x, offsets)
-        if grad:
-            return _GroupedMMFn.apply(x, w, offsets, backend)
-        return _forward(x, w, offsets, backend)
-    if torch.distributed.is_available():
-        offsets = replicate_like(x, offsets)
-    return torch.ops.titan.grouped_mm(x, w, offsets, backend)
+    return call(OP, torch.ops.titan.grouped_mm, (_forward, _setup, _grads), x, w, offsets)

@@ -23,7 +23,10 @@ from typing import NamedTuple
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops._common import (
+    check_float, check_same_device, check_tensor, eager_fast_path, needs_grad, no_setup, refuse_create_graph,
+    refuse_double_backward, replicate_like,
+)
 from titan_kernels.reference import moe as _ref
 
 OP = "moe_permute"
@@ -212,13 +215,6 @@ def _(dout, yp, src, dst, scores, need_dscores, backend=None):
 # ----------------------------------------------------------------------------- autograd (one definition)
 
 
-def _refuse_create_graph(name: str, *tensors) -> None:
-    # Grad mode is on inside a backward only under create_graph=True; the gradient or a saved input
-    # needing grad there means a second derivative was asked for.
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
-        raise RuntimeError(f"titan::{name}: double backward (create_graph=True through {name}) is not implemented")
-
-
 def _setup_permute(ctx, inputs, output):
     x, src, dst, backend = inputs
     ctx.save_for_backward(dst)
@@ -226,7 +222,7 @@ def _setup_permute(ctx, inputs, output):
 
 
 def _grads_permute(ctx, dxp, fast: bool):
-    _refuse_create_graph("moe_permute", dxp)
+    refuse_create_graph("moe_permute", dxp)
     (dst,) = ctx.saved_tensors
     if fast:
         return _permute_backward(dxp, dst, ctx.backend)
@@ -245,7 +241,7 @@ def _setup_unpermute(ctx, inputs, output):
 
 def _grads_unpermute(ctx, dout, fast: bool):
     yp, src, dst, scores = ctx.saved_tensors
-    _refuse_create_graph("moe_unpermute", dout, yp, scores)
+    refuse_create_graph("moe_unpermute", dout, yp, scores)
     need_ds = scores is not None and ctx.needs_input_grad[3]
     if fast:
         dyp, ds = _unpermute_backward(dout, yp, src, dst.shape[1], scores, need_ds, ctx.backend)
@@ -259,21 +255,10 @@ def _backward_unpermute(ctx, dout):
     return dyp, None, None, ds, None
 
 
-def _refuse(name):
-    def backward(ctx, *grads):
-        raise RuntimeError(f"titan::{name}: double backward is not implemented")
-
-    return backward
-
-
-def _no_setup(ctx, inputs, output):
-    pass
-
-
 moe_permute_op.register_autograd(_backward_permute, setup_context=_setup_permute)
 moe_unpermute_op.register_autograd(_backward_unpermute, setup_context=_setup_unpermute)
-moe_permute_backward_op.register_autograd(_refuse("moe_permute_backward"), setup_context=_no_setup)
-moe_unpermute_backward_op.register_autograd(_refuse("moe_unpermute_backward"), setup_context=_no_setup)
+moe_permute_backward_op.register_autograd(refuse_double_backward("moe_permute_backward"), setup_context=no_setup)
+moe_unpermute_backward_op.register_autograd(refuse_double_backward("moe_unpermute_backward"), setup_context=no_setup)
 
 
 class _PermuteFn(torch.autograd.Function):
@@ -303,10 +288,6 @@ class _UnpermuteFn(torch.autograd.Function):
     def backward(ctx, dout):
         dyp, ds = _grads_unpermute(ctx, dout, fast=True)
         return dyp, None, None, ds, None
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -348,13 +329,11 @@ def moe_permute(
     routing = moe_routing(expert_indices, num_experts, align)
     backend = _choose(x.device.type, x.dtype == torch.float64)
     if eager_fast_path(x):
-        if _needs_grad(x):
+        if needs_grad(x):
             return _PermuteFn.apply(x, routing.src, routing.dst, backend), routing
         return _permute(x, routing.src, routing.dst.shape[1], backend), routing
     src, dst = routing.src, routing.dst
     if torch.distributed.is_available():  # a DTensor x (split on dim): the indices are replicated
-        from titan_kernels.ops.grouped_mm import replicate_like
-
         src, dst = replicate_like(x, src), replicate_like(x, dst)
     return torch.ops.titan.moe_permute(x, src, dst, backend), routing
 
@@ -391,13 +370,11 @@ def moe_unpermute(yp: torch.Tensor, routing: MoERouting, scores: torch.Tensor | 
     check_same_device({"yp": yp, "dst": routing.dst, "scores": scores})
     backend = _choose(yp.device.type, yp.dtype == torch.float64)
     if eager_fast_path(yp, scores):
-        if _needs_grad(yp, scores):
+        if needs_grad(yp, scores):
             return _UnpermuteFn.apply(yp, routing.src, routing.dst, scores, backend)
         return _unpermute(yp, routing.dst, scores, backend)
     src, dst = routing.src, routing.dst
     if torch.distributed.is_available():
-        from titan_kernels.ops.grouped_mm import replicate_like
-
         src, dst = replicate_like(yp, src), replicate_like(yp, dst)
         scores = replicate_like(yp, scores) if scores is not None else None
     return torch.ops.titan.moe_unpermute(yp, src, dst, scores, backend)
