@@ -42,7 +42,7 @@ _AUTO_ORDER = {
 }
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("titan_backend", default=None)
-_AUTOMATIC = "auto"  # the override that means "choose automatically", whatever the environment says
+AUTO = _AUTOMATIC = "auto"  # the request that means "choose automatically", whatever the context says
 
 
 @dataclass(frozen=True)
@@ -337,6 +337,8 @@ def _why_not_auto(impl: Impl, device: torch.device, case: Any) -> str | None:
 
 
 def _describe_request(backend: str | None) -> tuple[str | None, str]:
+    if backend == _AUTOMATIC:
+        return None, ""
     if backend:
         return backend, f"requested by backend={backend!r}"
     name = requested_backend()
@@ -355,7 +357,8 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
            backend: str | None = None) -> Choice:
     """The implementation of ``op`` that runs on ``device`` for the case ``key``.
 
-    Precedence: ``backend`` (a name of ``implementation_names(op)``) > ``use_backend`` >
+    Precedence: ``backend`` (a name of ``implementation_names(op)``, or ``AUTO``: the automatic
+    choice whatever the context, e.g. a backward replaying a forward that had no request) > ``use_backend`` >
     ``TITAN_KERNELS_BACKEND`` > the automatic order (the first implementation that can run the case
     and is not passed over by its ``auto``). A family name asks for that family's implementations in
     the op's order. ``key`` is what the capability answers depend on (hashable; cached per key, never
@@ -366,8 +369,8 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     request names nothing that implements ``op``, or when no automatic candidate can run; ValueError
     for a name that is no backend at all.
     """
-    dev = _as_device(device)
-    ck = (op, dev.type, dev.index, backend or _override.get() or _env_backend(), triton_interpret(), key)
+    dev = device if type(device) is torch.device else _as_device(device)
+    ck = (op, dev, backend or _override.get() or _env_backend(), triton_interpret(), key)
     hit = _choices.get(ck)
     if hit is not None:
         return hit

@@ -384,28 +384,31 @@ def test_cpu_varlen_runs_natively():
         assert choice.backend == "sdpa_flash"
 
 
-def test_backward_uses_the_forwards_backend(monkeypatch):
+def test_backward_uses_the_forwards_backend():
     # The request is captured at the forward: a forward under use_backend("reference") runs the
-    # reference backward too, outside the context, on both the fast path and the op path.
+    # reference backward too, outside the context; a forward with no request runs the automatic
+    # backward even inside use_backend("reference"). Both on the fast path and the op path.
     q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
     seen = []
-    ref_fwd, ref_bwd = R.attention_fwd, R.attention_bwd
-    swap = _backend.replace_impl("flash_attn", "reference",
-                                 (ref_fwd, lambda *a, **kw: seen.append("reference") or ref_bwd(*a, **kw)))
-    with swap:
-        _check_backward_backend(q, k, v, seen)
-
-
-def _check_backward_backend(q, k, v, seen):
-    for path in ("fast", "op"):
-        seen.clear()
-        with tk.use_backend("reference"):
+    spy = (R.attention_fwd, lambda *a, **kw: seen.append("reference") or R.attention_bwd(*a, **kw))
+    with _backend.replace_impl("flash_attn", "reference", spy):
+        for path in ("fast", "op"):
+            seen.clear()
+            with tk.use_backend("reference"):
+                if path == "fast":
+                    out = tk.flash_attn(q, k, v)
+                else:
+                    out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "reference")[0]
+            out.sum().backward()
+            assert seen == ["reference"], path
+            seen.clear()
             if path == "fast":
                 out = tk.flash_attn(q, k, v)
-            else:
-                out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "reference")[0]
-        out.sum().backward()
-        assert seen == ["reference"], path
+            else:  # what the op path is handed when nothing was requested
+                out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, _backend.AUTO)[0]
+            with tk.use_backend("reference"):
+                out.sum().backward()
+            assert seen == [], path
 
 
 def test_explicit_backend_refuses_lse_gradient_in_both_paths(libs, monkeypatch):

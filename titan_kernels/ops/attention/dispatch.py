@@ -78,17 +78,19 @@ class AttentionCase:
 
 def _key(device, dtype, head_dim, causal, seq_q, seq_k, varlen, need_lse, backward, has_dlse, gqa) -> tuple:
     shape = (seq_q > seq_k) - (seq_q < seq_k)  # -1, 0, 1
-    return (device.type, device.index, dtype, head_dim, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
+    return (device, dtype, head_dim, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
 
 
 def case_key(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
-    """``make_case(...).key()`` without building the case (it runs on every call)."""
+    """``make_case(...).key()`` without building the case (it runs on every call: kept to one read of
+    each tensor attribute)."""
+    qs, ks = q.shape, k.shape
     if cu_seqlens_q is not None:
         seq_q, seq_k = int(max_seqlen_q), int(max_seqlen_k)
     else:
-        seq_q, seq_k = q.shape[1], k.shape[1]
-    return _key(q.device, q.dtype, q.shape[-1], bool(causal), seq_q, seq_k, cu_seqlens_q is not None, bool(need_lse),
-                backward, has_dlse, q.shape[-2] != k.shape[-2])
+        seq_q, seq_k = qs[1], ks[1]
+    return (q.device, q.dtype, qs[-1], causal, (seq_q > seq_k) - (seq_q < seq_k), cu_seqlens_q is not None, need_lse,
+            backward, has_dlse, qs[-2] != ks[-2])
 
 
 def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):

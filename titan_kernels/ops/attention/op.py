@@ -46,9 +46,9 @@ def _empty_fwd(q, cu_q):
 
 
 def _run(request, q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse, call):
-    """``call(fn)`` on the implementation ``titan_kernels.backend`` chooses for this case (cached per key).
-    An automatically chosen backend that raises (a kernel or library that fails on this device) is
-    recorded, with a warning, and the next one runs."""
+    """``call(fns)`` on the implementation ``titan_kernels.backend`` chooses for this case (cached per
+    key). An automatically chosen backend that raises (a kernel or library that fails on this device)
+    is recorded, with a warning, and the next one runs."""
     key = _d.case_key(q, k, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
 
     def case():
@@ -58,23 +58,39 @@ def _run(request, q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_d
         choice = _backend.choose(_d.OP, q.device, key, case=case, backend=request or None)
         try:
             return call(choice.fn)
-        except torch.OutOfMemoryError:
-            raise
         except (RuntimeError, NotImplementedError) as e:
-            if choice.explicit or choice.backend == "reference":
-                raise
-            _backend.mark_failed(_d.OP, choice, q.device, key, e)
+            _failed(choice, q.device, key, e)
+
+
+def _failed(choice, device, key, error) -> None:
+    """Re-raise what an explicit request, the reference or memory raised; else record the failure
+    (the next automatic choice passes the backend over)."""
+    if isinstance(error, torch.OutOfMemoryError) or choice.explicit or choice.backend == "reference":
+        raise error
+    _backend.mark_failed(_d.OP, choice, device, key, error)
+
+
+def _fwd_with(fns, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    # out contiguous; lse in the kernel's layout (made contiguous where it leaves: the op, return_lse,
+    # the backward), since a copy of it is a tenth of a small call.
+    out, lse = fns[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+    return out.contiguous(), lse
 
 
 def _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
     if _trivial(q, k, cu_q):
         return _empty_fwd(q, cu_q)
-
-    def call(fns):
-        out, lse = fns[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
-        return out.contiguous(), lse.contiguous()
-
-    return _run(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, False, False, call)
+    # The first try inline, without _run's closures: this is most of a small call's overhead.
+    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, return_lse)
+    choice = _backend.choose(_d.OP, q.device, key, case=lambda: _d.make_case(q, k, v, cu_q, max_q, max_k, causal,
+                                                                             return_lse), backend=request or None)
+    try:
+        out, lse = choice.fn[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        return out.contiguous(), lse
+    except (RuntimeError, NotImplementedError) as e:
+        _failed(choice, q.device, key, e)
+    return _run(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, False, False,
+                lambda fns: _fwd_with(fns, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale))
 
 
 def _backward(request, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
@@ -83,7 +99,7 @@ def _backward(request, dout, q, k, v, out, lse, dlse, cu_q, cu_k, max_q, max_k, 
 
     def call(fns):
         extra = {} if dlse is None else {"dlse": dlse}
-        grads = fns[1](dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, **extra)
+        grads = fns[1](dout, q, k, v, out, lse.contiguous(), cu_q, cu_k, max_q, max_k, causal, scale, **extra)
         return tuple(g.contiguous() for g in grads)  # the fake implementation's strides
 
     return _run(request, q, k, v, cu_q, max_q, max_k, causal, return_lse, True, dlse is not None, call)
@@ -111,8 +127,9 @@ def flash_attn_op(
     max_seqlen_* bound the document lengths (ignored when dense). ``backend`` is the request ("" =
     automatic, read when the op runs). ``return_lse`` says whether the caller sees the LSE (only then
     is its gradient used). out is in q.dtype, lse float32; both contiguous."""
-    return _forward(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                    return_lse)
+    out, lse = _forward(backend, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                        softmax_scale, return_lse)
+    return out, lse.contiguous()  # the fake's strides
 
 
 @flash_attn_op.register_fake
@@ -196,10 +213,12 @@ class _FlashAttnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, request):
         out, lse = _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse)
+        if return_lse:
+            lse = lse.contiguous()
         _save(ctx, q, k, v, cu_q, cu_k, out, lse, max_q, max_k, causal, scale, return_lse, request)
         ctx.set_materialize_grads(False)
-        if not return_lse:
-            ctx.mark_non_differentiable(lse)
+        # Without return_lse the caller never sees lse, so it needs no mark_non_differentiable (a
+        # microsecond of a small call); _grads ignores its gradient then.
         return out, lse
 
     @staticmethod
@@ -209,14 +228,16 @@ class _FlashAttnFn(torch.autograd.Function):
 
 def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend):
     if eager_fast_path(q, k, v, cu_q, cu_k):
-        request = backend or _backend.requested_backend() or ""
+        request = backend or _backend.requested_backend() or _backend.AUTO
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _FlashAttnFn.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, request)
         else:
             out, lse = _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse)
+            if return_lse:
+                lse = lse.contiguous()
     else:
         if not torch.compiler.is_compiling():  # capture the request now (the backward may run elsewhere)
-            backend = backend or _backend.requested_backend() or ""
+            backend = backend or _backend.requested_backend() or _backend.AUTO
         out, lse = torch.ops.titan.flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend)
     return (out, lse) if return_lse else out
 
@@ -274,7 +295,7 @@ def flash_attn(
     Source: Vaswani et al. 2017 eq. 1; Dao et al. 2022 (FlashAttention) and Dao 2023
     (FlashAttention-2) for the blocked online softmax, the LSE and the backward.
     """
-    backend = _check_backend_arg(backend)
+    backend = "" if backend is None else _check_backend_arg(backend)
     scale = validate_dense(q, k, v, softmax_scale)
     return _call(q, k, v, None, None, 0, 0, bool(causal), scale, bool(return_lse), backend)
 
