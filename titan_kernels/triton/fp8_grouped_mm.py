@@ -36,7 +36,10 @@ from titan_kernels.reference.fp8 import FP8_MAX
 from titan_kernels.triton.fp8_quantize import (
     _FORMAT, _nanmax, _reduce_nanmax, _scale_from_amax, _to_fp8_grid, fp8_quantize,
 )
-from titan_kernels.triton.grouped_mm import _group_of, _num_programs, _schedule, zero_rows_from
+from titan_kernels.triton.grouped_mm import (
+    _dw_tile, _dw_tile_acc, _num_programs, _queue_tile_ranges, _tile_acc, interpret_config, row_starts, tile_queue,
+    zero_rows_from,
+)
 
 E4M3 = torch.float8_e4m3fn
 _MANT, _EMIN = _FORMAT[E4M3]
@@ -83,25 +86,12 @@ def _fp8_gmm_kernel(
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_sbe,
     BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    total = tl.load(TILE_END + E - 1)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e = _group_of(tile, TILE_END, E, BLOCK_E)
-        local = tile - tl.load(TILE_START + e)
-        row_end = tl.load(OFFS + e).to(tl.int64)
-        rm = tl.load(ROW_START + e).to(tl.int64) + (local // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (local % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_m = rm < row_end
-        in_n = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_base = B + e.to(tl.int64) * stride_be
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            in_k = rk < K
-            a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            # (BLOCK_N, BLOCK_K), K-contiguous for column-major expert codes: the operand fp8 wgmma reads.
-            bt = tl.load(b_base + rn[:, None] * stride_bn + rk[None, :] * stride_bk, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(bt), acc, max_num_imprecise_acc=BLOCK_K)
+    for tile in range(tl.program_id(0), tl.load(TILE_END + E - 1), tl.num_programs(0)):
+        e, rm, rn, in_m, in_n = _queue_tile_ranges(tile, OFFS, ROW_START, TILE_START, TILE_END, E, N, tiles_n,
+                                                   BLOCK_E, BLOCK_M, BLOCK_N)
+        acc = _tile_acc(A, B, e, rm, rn, in_m, in_n, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                        True, "ieee", False, BLOCK_M, BLOCK_N, BLOCK_K)
         sa = tl.load(SA + rm, mask=in_m, other=0.0)
         sb = tl.load(SB + e.to(tl.int64) * stride_sbe + rn, mask=in_n, other=0.0)
         acc = acc * sa[:, None] * sb[None, :]
@@ -115,25 +105,10 @@ def _fp8_gmm_dw_kernel(
     stride_xm, stride_xk, stride_dym, stride_dyn, stride_we, stride_wk, stride_sx, stride_sdy,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), E * tiles_k * tiles_n, tl.num_programs(0)):
-        e = tile // (tiles_k * tiles_n)
-        rest = tile % (tiles_k * tiles_n)
-        rk = (rest // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-        rn = (rest % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_k = rk < K
-        in_n = rn < N
-        row_start = tl.load(ROW_START + e).to(tl.int64)
-        row_end = tl.load(OFFS + e).to(tl.int64)
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for m0 in range(row_start, row_end, BLOCK_M):
-            rm = m0 + tl.arange(0, BLOCK_M)
-            in_m = rm < row_end
-            # Both tiles token-contiguous for token-major codes: the contraction runs over the tokens.
-            xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None] * stride_xk, mask=in_k[:, None] & in_m[None, :], other=0.0)
-            dyt = tl.load(DY + rm[None, :] * stride_dym + rn[:, None] * stride_dyn, mask=in_n[:, None] & in_m[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(dyt), acc, max_num_imprecise_acc=BLOCK_M)
+    for tile in range(tl.program_id(0), E * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        e, rk, rn, in_k, in_n, row_start, row_end = _dw_tile(tile, OFFS, ROW_START, K, N, BLOCK_N, BLOCK_K)
+        acc = _dw_tile_acc(X, DY, rk, rn, in_k, in_n, row_start, row_end, stride_xm, stride_xk, stride_dym, stride_dyn,
+                           True, "ieee", False, BLOCK_M, BLOCK_N, BLOCK_K)
         e64 = e.to(tl.int64)
         sx = tl.load(SX + e64 * stride_sx + rk, mask=in_k, other=0.0)
         sdy = tl.load(SDY + e64 * stride_sdy + rn, mask=in_n, other=0.0)
@@ -201,9 +176,9 @@ def group_cols(t: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def _gemm_config(n: int, k: int) -> dict:
+    """The blocks of both float8 GEMMs (the interpreter's: grouped_mm's)."""
     if triton_interpret():
-        fit = lambda s, hi: max(16, min(hi, triton.next_power_of_2(max(s, 1))))  # noqa: E731
-        return dict(BLOCK_M=16, BLOCK_N=fit(n, 32), BLOCK_K=fit(k, 32))
+        return interpret_config(n, k)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
 
 
@@ -216,15 +191,12 @@ def gmm(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
     if t == 0 or n == 0:
         return c
     cfg = _gemm_config(n, kc)
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    tiles_n = triton.cdiv(n, bn)
-    row_start, tile_start, tile_end = _schedule(offsets, bm, tiles_n)
-    grid = (_num_programs(a.device, (triton.cdiv(t, bm) + e) * tiles_n),)
+    grid, (row_start, tile_start, tile_end), block_e = tile_queue(offsets, t, n, cfg, a.device)
     sa = sa.reshape(-1)
     sb = sb if sb.stride(1) == 1 else sb.contiguous()
     _fp8_gmm_kernel[grid](a, b, c, sa, sb, offsets, row_start, tile_start, tile_end, e, n, kc,
                           a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), sb.stride(0),
-                          BLOCK_E=max(16, triton.next_power_of_2(e)), **cfg)
+                          BLOCK_E=block_e, **cfg)
     return zero_rows_from(c, offsets)
 
 
@@ -235,13 +207,8 @@ def gmm_dw(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
     dw = torch.empty((e, k, n), dtype=out_dtype, device=a.device)
     if k == 0 or n == 0:
         return dw
-    if triton_interpret():
-        fit = lambda s, hi: max(16, min(hi, triton.next_power_of_2(max(s, 1))))  # noqa: E731
-        cfg = dict(BLOCK_M=16, BLOCK_N=fit(n, 32), BLOCK_K=fit(k, 32))
-    else:
-        cfg = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
-    ends = offsets.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]]).to(torch.int32)
+    cfg = _gemm_config(n, k)
+    starts = row_starts(offsets).to(torch.int32)
     sa = sa if sa.stride(1) == 1 else sa.contiguous()
     sb = sb if sb.stride(1) == 1 else sb.contiguous()
     grid = (_num_programs(a.device, e * triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"])),)

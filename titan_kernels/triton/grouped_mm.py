@@ -16,6 +16,9 @@ on the same row of x), which lets the TMA variant read whole tiles.
   _gmm_dw_kernel    dw: one tile per (expert, K block, N block), a loop over the group's rows;
                     an empty group stores zeros.
   _zero_rows_kernel zeros the rows past the last group (programs below it return at once).
+The walk of the queue (``_queue_tile``), the dw tile list (``_dw_tile``), the pointer main loops
+(``_tile_acc``, ``_dw_tile_acc``, float8 tiles under ``FP8``) and the launch pieces (``tile_queue``,
+``row_starts``, ``interpret_config``) are shared with ``titan_kernels.triton.fp8_grouped_mm``.
 
 Accumulation in float32; float32 inputs use IEEE products unless torch allows TF32 for matmuls.
 Row offsets are int64. Fixed configs (no autotuning yet): 128x128x64 at 8 warps for 16-bit types.
@@ -44,12 +47,95 @@ def _group_of(tile, TILE_END, E, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _queue_tile(tile, OFFS, ROW_START, TILE_START, TILE_END, E, tiles_n,
+                BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of the persistent queue (``_schedule``): (its group e, its first row and first
+    column, the group's row end), int32. Shared by every kernel that walks the queue (also
+    ``titan_kernels.triton.fp8_grouped_mm``)."""
+    e = _group_of(tile, TILE_END, E, BLOCK_E)
+    local = tile - tl.load(TILE_START + e)
+    off_m = tl.load(ROW_START + e) + (local // tiles_n) * BLOCK_M
+    off_n = (local % tiles_n) * BLOCK_N
+    return e, off_m, off_n, tl.load(OFFS + e)
+
+
+@triton.jit
+def _queue_tile_ranges(tile, OFFS, ROW_START, TILE_START, TILE_END, E, N, tiles_n,
+                       BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``_queue_tile`` for pointer loads: (e, rows rm (int64), columns rn, their masks in_m, in_n)."""
+    e, off_m, off_n, row_end = _queue_tile(tile, OFFS, ROW_START, TILE_START, TILE_END, E, tiles_n,
+                                           BLOCK_E, BLOCK_M, BLOCK_N)
+    rm = off_m.to(tl.int64) + tl.arange(0, BLOCK_M)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    return e, rm, rn, rm < row_end, rn < N
+
+
+@triton.jit
+def _dw_tile(tile, OFFS, ROW_START, K, N, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Tile ``tile`` of a weight gradient's (expert, K block, N block) list: (e, rk, rn, their masks
+    in_k, in_n, the group's first row and row end (int64)). Shared with the float8 dw kernel."""
+    tiles_k = tl.cdiv(K, BLOCK_K)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    e = tile // (tiles_k * tiles_n)
+    rest = tile % (tiles_k * tiles_n)
+    rk = (rest // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
+    rn = (rest % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_start = tl.load(ROW_START + e).to(tl.int64)
+    row_end = tl.load(OFFS + e).to(tl.int64)
+    return e, rk, rn, rk < K, rn < N, row_start, row_end
+
+
+@triton.jit
 def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     # DOT_F32: the interpreter multiplies bfloat16 blocks as raw bits (numpy has no bfloat16), so
     # there the blocks are widened first; compiled code multiplies them on the tensor cores.
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _tile_acc(A, B, e, rm, rn, in_m, in_n, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+              FP8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 (BLOCK_M, BLOCK_N) product of rows rm of A and columns rn of expert e's B over K,
+    pointer loads with masks. ``FP8`` (the float8 kernel): B read as (BLOCK_N, BLOCK_K) tiles,
+    K-contiguous for column-major expert codes (the operand fp8 wgmma reads), the tensor cores'
+    partial sums promoted to float32 once per K block (PRECISION, DOT_F32 unused)."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_base = B + e.to(tl.int64) * stride_be
+    for k0 in range(0, K, BLOCK_K):
+        rk = k0 + tl.arange(0, BLOCK_K)
+        in_k = rk < K
+        a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=in_m[:, None] & in_k[None, :], other=0.0)
+        if FP8:
+            bt = tl.load(b_base + rn[:, None] * stride_bn + rk[None, :] * stride_bk, mask=in_n[:, None] & in_k[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(bt), acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            b = tl.load(b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=in_k[:, None] & in_n[None, :], other=0.0)
+            acc = _dot(a, b, acc, PRECISION, DOT_F32)
+    return acc
+
+
+@triton.jit
+def _dw_tile_acc(X, DY, rk, rn, in_k, in_n, row_start, row_end, stride_xm, stride_xk, stride_dym, stride_dyn,
+                 FP8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The float32 (BLOCK_K, BLOCK_N) product X[rows]^T @ DY[rows] over a group's rows [row_start,
+    row_end). ``FP8`` (the float8 kernel): both tiles token-contiguous for token-major codes, the
+    partial sums promoted to float32 once per row block (PRECISION, DOT_F32 unused)."""
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m0 in range(row_start, row_end, BLOCK_M):
+        rm = m0 + tl.arange(0, BLOCK_M)
+        in_m = rm < row_end
+        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None] * stride_xk, mask=in_k[:, None] & in_m[None, :], other=0.0)
+        if FP8:
+            dyt = tl.load(DY + rm[None, :] * stride_dym + rn[:, None] * stride_dyn, mask=in_n[:, None] & in_m[None, :], other=0.0)
+            acc = tl.dot(xt, tl.trans(dyt), acc, max_num_imprecise_acc=BLOCK_M)
+        else:
+            dy = tl.load(DY + rm[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=in_m[:, None] & in_n[None, :], other=0.0)
+            acc = _dot(xt, dy, acc, PRECISION, DOT_F32)
+    return acc
 
 
 @triton.jit
@@ -60,24 +146,12 @@ def _gmm_kernel(
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    total = tl.load(TILE_END + E - 1)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e = _group_of(tile, TILE_END, E, BLOCK_E)
-        local = tile - tl.load(TILE_START + e)
-        row_end = tl.load(OFFS + e).to(tl.int64)
-        rm = tl.load(ROW_START + e).to(tl.int64) + (local // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = (local % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_m = rm < row_end
-        in_n = rn < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        b_base = B + e.to(tl.int64) * stride_be
-        for k0 in range(0, K, BLOCK_K):
-            rk = k0 + tl.arange(0, BLOCK_K)
-            in_k = rk < K
-            a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=in_m[:, None] & in_k[None, :], other=0.0)
-            b = tl.load(b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=in_k[:, None] & in_n[None, :], other=0.0)
-            acc = _dot(a, b, acc, PRECISION, DOT_F32)
+    for tile in range(tl.program_id(0), tl.load(TILE_END + E - 1), tl.num_programs(0)):
+        e, rm, rn, in_m, in_n = _queue_tile_ranges(tile, OFFS, ROW_START, TILE_START, TILE_END, E, N, tiles_n,
+                                                   BLOCK_E, BLOCK_M, BLOCK_N)
+        acc = _tile_acc(A, B, e, rm, rn, in_m, in_n, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
+                        False, PRECISION, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(C + rm[:, None] * stride_cm + rn[None, :], acc.to(C.dtype.element_ty), mask=in_m[:, None] & in_n[None, :])
 
 
@@ -88,14 +162,10 @@ def _gmm_tma_kernel(
     TRANS_B: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_E: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    total = tl.load(TILE_END + E - 1)
     tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), total, tl.num_programs(0)):
-        e = _group_of(tile, TILE_END, E, BLOCK_E)
-        local = tile - tl.load(TILE_START + e)
-        row_end = tl.load(OFFS + e)
-        off_m = tl.load(ROW_START + e) + (local // tiles_n) * BLOCK_M
-        off_n = (local % tiles_n) * BLOCK_N
+    for tile in range(tl.program_id(0), tl.load(TILE_END + E - 1), tl.num_programs(0)):
+        e, off_m, off_n, row_end = _queue_tile(tile, OFFS, ROW_START, TILE_START, TILE_END, E, tiles_n,
+                                               BLOCK_E, BLOCK_M, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = a_desc.load([off_m, k0])
@@ -119,24 +189,10 @@ def _gmm_dw_kernel(
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    tiles_k = tl.cdiv(K, BLOCK_K)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    for tile in range(tl.program_id(0), E * tiles_k * tiles_n, tl.num_programs(0)):
-        e = tile // (tiles_k * tiles_n)
-        rest = tile % (tiles_k * tiles_n)
-        rk = (rest // tiles_n) * BLOCK_K + tl.arange(0, BLOCK_K)
-        rn = (rest % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_k = rk < K
-        in_n = rn < N
-        row_start = tl.load(ROW_START + e).to(tl.int64)
-        row_end = tl.load(OFFS + e).to(tl.int64)
-        acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-        for m0 in range(row_start, row_end, BLOCK_M):
-            rm = m0 + tl.arange(0, BLOCK_M)
-            in_m = rm < row_end
-            xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None] * stride_xk, mask=in_k[:, None] & in_m[None, :], other=0.0)
-            dy = tl.load(DY + rm[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=in_m[:, None] & in_n[None, :], other=0.0)
-            acc = _dot(xt, dy, acc, PRECISION, DOT_F32)
+    for tile in range(tl.program_id(0), E * tl.cdiv(K, BLOCK_K) * tl.cdiv(N, BLOCK_N), tl.num_programs(0)):
+        e, rk, rn, in_k, in_n, row_start, row_end = _dw_tile(tile, OFFS, ROW_START, K, N, BLOCK_N, BLOCK_K)
+        acc = _dw_tile_acc(X, DY, rk, rn, in_k, in_n, row_start, row_end, stride_xm, stride_xk, stride_dym, stride_dyn,
+                           False, PRECISION, DOT_F32, BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(DW + e.to(tl.int64) * stride_we + rk[:, None] * stride_wk + rn[None, :], acc.to(DW.dtype.element_ty),
                  mask=in_k[:, None] & in_n[None, :])
 
@@ -178,11 +234,16 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and triton_interpret()
 
 
+def interpret_config(n: int, k: int) -> dict:
+    """Small blocks for the interpreter (no launch options): also the float8 kernels'."""
+    fit = lambda s, hi: max(16, min(hi, triton.next_power_of_2(max(s, 1))))  # noqa: E731
+    return dict(BLOCK_M=16, BLOCK_N=fit(n, 32), BLOCK_K=fit(k, 32))
+
+
 def default_config(dtype: torch.dtype, n: int, k: int) -> dict:
     """Block sizes and launch options (interpreter: small blocks, no launch options)."""
     if triton_interpret():
-        fit = lambda s, hi: max(16, min(hi, triton.next_power_of_2(max(s, 1))))  # noqa: E731
-        return dict(BLOCK_M=16, BLOCK_N=fit(n, 32), BLOCK_K=fit(k, 32))
+        return interpret_config(n, k)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -196,13 +257,29 @@ def tma_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.shape[1] * es) % 16 == 0 and (w.shape[2] * es) % 16 == 0
 
 
+def row_starts(offsets: torch.Tensor) -> torch.Tensor:
+    """Each group's first row (int64, on the device): the previous group's end, 0 for the first."""
+    ends = offsets.to(torch.int64)
+    return torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
 def _schedule(offsets: torch.Tensor, block_m: int, tiles_n: int):
     """(row starts, tile starts, tile ends) per group, int32 on the device (no host sync)."""
     ends = offsets.to(torch.int64)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    starts = row_starts(offsets)
     tiles = (ends - starts + block_m - 1) // block_m * tiles_n
     tile_end = torch.cumsum(tiles, 0)
     return starts.to(torch.int32), (tile_end - tiles).to(torch.int32), tile_end.to(torch.int32)
+
+
+def tile_queue(offsets: torch.Tensor, t: int, n: int, cfg: dict, device: torch.device):
+    """The launch of a kernel walking the tile queue over T rows and N output columns with blocks
+    ``cfg``: (grid, (row starts, tile starts, tile ends) of ``_schedule``, BLOCK_E). The grid bounds
+    the tiles from above without a host sync: each group adds at most one partial row block."""
+    e = offsets.shape[0]
+    bm, tiles_n = cfg["BLOCK_M"], triton.cdiv(n, cfg["BLOCK_N"])
+    grid = (_num_programs(device, (triton.cdiv(t, bm) + e) * tiles_n),)
+    return grid, _schedule(offsets, bm, tiles_n), max(16, triton.next_power_of_2(e))
 
 
 def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, trans_b: bool, use_tma: bool | None = None):
@@ -215,10 +292,8 @@ def _grouped_mm(a: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, trans_b
         return c
     cfg = default_config(a.dtype, n, kc)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tiles_n = triton.cdiv(n, bn)
-    row_start, tile_start, tile_end = _schedule(offsets, bm, tiles_n)
-    grid = (_num_programs(a.device, (triton.cdiv(t, bm) + e) * tiles_n),)
-    common = dict(PRECISION=_precision(a.dtype), DOT_F32=_dot_f32(a.dtype), BLOCK_E=max(16, triton.next_power_of_2(e)), **cfg)
+    grid, (row_start, tile_start, tile_end), block_e = tile_queue(offsets, t, n, cfg, a.device)
+    common = dict(PRECISION=_precision(a.dtype), DOT_F32=_dot_f32(a.dtype), BLOCK_E=block_e, **cfg)
     if use_tma is None:
         use_tma = not triton_interpret() and tma_supported(a, w if not trans_b else w.transpose(1, 2))
     if use_tma:
@@ -261,8 +336,7 @@ def grouped_mm_bwd(dy, x, w, offsets, need_dx: bool = True, need_dw: bool = True
             cfg = default_config(x.dtype, n, k)
             bk, bn = cfg["BLOCK_K"] if triton_interpret() else 64, cfg["BLOCK_N"]
             cfg = dict(cfg, BLOCK_K=bk)
-            ends = offsets.to(torch.int64)
-            starts = torch.cat([ends.new_zeros(1), ends[:-1]]).to(torch.int32)
+            starts = row_starts(offsets).to(torch.int32)
             grid = (_num_programs(x.device, e * triton.cdiv(k, bk) * triton.cdiv(n, bn)),)
             _gmm_dw_kernel[grid](x, dy, dw, offsets, starts, e, k, n,
                                  x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),
