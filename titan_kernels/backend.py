@@ -370,7 +370,7 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     for a name that is no backend at all.
     """
     dev = device if type(device) is torch.device else _as_device(device)
-    ck = (op, dev, backend or _override.get() or _env_backend(), triton_interpret(), key)
+    ck = (op, dev, backend or _override.get() or _env_backend(), _env_interpret(), key)
     hit = _choices.get(ck)
     if hit is not None:
         return hit

@@ -78,7 +78,7 @@ def _fwd_with(fns, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 
 def _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
-    if _trivial(q, k, cu_q):
+    if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # inline: every call
         return _empty_fwd(q, cu_q)
     # The first try inline, without _run's closures: this is most of a small call's overhead.
     key = _d.case_key(q, k, cu_q, max_q, max_k, causal, return_lse)

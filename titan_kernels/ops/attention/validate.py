@@ -28,7 +28,7 @@ def _valid_qkv(q, k, v, rank: int) -> bool:
     """The common case in one pass (this runs on every call); anything else gets the detailed checks."""
     try:
         qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
-        if not (len(qs) == rank and len(ks) == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
+        if not (q.dim() == rank and k.dim() == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
                 and v.dtype == dt and k.device == dev and v.device == dev):
             return False
         d, hkv = qs[-1], ks[-2]
@@ -98,6 +98,9 @@ def check_max_seqlen(x, name: str) -> int:
 
 
 def validate_dense(q, k, v, softmax_scale) -> float:
+    if softmax_scale is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
+            and _valid_qkv(q, k, v, 4) and k.shape[0] == q.shape[0]:
+        return 1.0 / math.sqrt(q.shape[-1])  # the common case in one pass (every call runs it); as check_scale
     check_qkv(q, k, v, 4, "(batch, seq, heads, head_dim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q), got {k.shape[0]}")
