@@ -9,17 +9,18 @@ validation errors, the backend choice and its reasons, one backend for forward a
 backward refused."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import titan_kernels as tk
 from titan_kernels.ops import fp8_grouped_mm as fgm
 from titan_kernels.reference import fp8_grouped_mm as qref
-from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import (
+    DEV, GROUPED_CASES as CASES, backend_ctx as _ctx, case_id, check_compile_fullgraph, check_double_backward_refused,
+    check_measured_order, check_one_backend, grouped_grads, loop64, loop64_grads, make_offsets, noncontiguous_operands,
+    opcheck_operands, rel_err as rel, validation_cases,
+)
 
-DEV = torch.device(TEST_DEVICE)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}  # against the dequantized operands
 FP8_TOL = 7e-2  # e4m3 against the unquantized float64 product (DESIGN.md section 5)
 E4M3 = torch.float8_e4m3fn
@@ -35,33 +36,9 @@ def _backends():
     return out
 
 
-def _ctx(backend):
-    if backend == "auto":
-        return contextlib.nullcontext()
-    return tk.use_backend({"aten": DEV.type}.get(backend, backend))
-
-
-def make_offsets(sizes, device=DEV):
-    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-
-
-def loop64(x, w, offsets):
-    """The float64 per-expert loop: y[group e] = x[group e] @ w[e], rows past the last group 0."""
-    b = [0] + offsets.tolist()
-    y = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64, device=x.device)
-    for e in range(w.shape[0]):
-        y[b[e]:b[e + 1]] = x[b[e]:b[e + 1]].double() @ w[e].double()
-    return y
-
-
 def dw_loop64(x, dy, offsets, e_count):
     b = [0] + offsets.tolist()
     return torch.stack([x[b[e]:b[e + 1]].double().t() @ dy[b[e]:b[e + 1]].double() for e in range(e_count)])
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
 
 
 def dequantized_grads64(x, w, dy, offsets, recipe):
@@ -83,28 +60,13 @@ def dequantized_grads64(x, w, dy, offsets, recipe):
     return y, dx, dw
 
 
-# (sizes per group, K, N): empty groups first, in the middle and last; odd sizes; T = 0; one expert.
-CASES = [
-    ([3, 0, 5, 1], 8, 12),
-    ([0, 7, 0, 9, 2, 0], 16, 24),
-    ([5, 11, 1], 7, 5),        # K/N not multiples of 16: padded for torch._scaled_grouped_mm
-    ([0, 0, 0], 8, 8),         # T = 0
-    ([37], 24, 40),
-    ([17, 0, 33, 3], 40, 20),  # groups not a multiple of any tile
-]
-
-
 def _run(backend, x, w, offsets, recipe):
-    with _ctx(backend):
-        y = tk.fp8_grouped_mm(x, w, offsets, recipe=recipe)
-        dy = torch.randn_like(y)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
-    return y, dy, dx, dw
+    return grouped_grads(backend, lambda x, w, o: tk.fp8_grouped_mm(x, w, o, recipe=recipe), x, w, offsets)
 
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-K{c[1]}-N{c[2]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_against_float64_loop(case, dtype, backend):
     sizes, k, n = case
     if backend == "aten" and dtype != torch.bfloat16:
@@ -120,9 +82,7 @@ def test_against_float64_loop(case, dtype, backend):
     for name, got, ref in zip(("y", "dx", "dw"), (y, dx, dw), want):
         assert rel(got, ref) <= TOL[dtype], (name, rel(got, ref))
     # Float8 accuracy: the unquantized operands in float64.
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    y64 = loop64(x64, w64, offsets)
-    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    y64, dx64, dw64 = loop64_grads(x, w, offsets, dy)
     for name, got, ref in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
         assert rel(got, ref) <= FP8_TOL, (name, rel(got, ref))
     empty = [i for i, s in enumerate(sizes) if s == 0]
@@ -138,10 +98,7 @@ def test_weight_gradient_in_high_precision(backend, dtype):
     x = torch.randn(sum(sizes), k, device=DEV).to(dtype).requires_grad_()
     w = (torch.randn(len(sizes), k, n, device=DEV) * k**-0.5).to(dtype).requires_grad_()
     offsets = make_offsets(sizes)
-    with _ctx(backend):
-        y = tk.fp8_grouped_mm(x, w, offsets, recipe="rowwise_with_gw_hp")
-        dy = torch.randn_like(y)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
+    y, dy, dx, dw = _run(backend, x, w, offsets, "rowwise_with_gw_hp")
     y64, dx64, dw64 = dequantized_grads64(x.detach(), w.detach(), dy, offsets, "rowwise_with_gw_hp")
     assert rel(y, y64) <= TOL[dtype] and rel(dx, dx64) <= TOL[dtype]
     assert rel(dw, dw64) <= TOL[dtype]  # no float8 in the weight gradient: the unquantized product
@@ -156,13 +113,9 @@ def test_weight_gradient_error_of_the_float8_recipe():
     x = torch.randn(sum(sizes), k, device=DEV, requires_grad=True)
     w = (torch.randn(len(sizes), k, n, device=DEV) * k**-0.5).requires_grad_()
     offsets = make_offsets(sizes)
-    with tk.use_backend("reference"):
-        y = tk.fp8_grouped_mm(x, w, offsets)
-        dy = torch.randn_like(y)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    dx64, dw64 = torch.autograd.grad(loop64(x64, w64, offsets), (x64, w64), dy.double())
-    err_y, err_dx, err_dw = rel(y, loop64(x64, w64, offsets)), rel(dx, dx64), rel(dw, dw64)
+    y, dy, dx, dw = _run("reference", x, w, offsets, "rowwise")
+    y64, dx64, dw64 = loop64_grads(x, w, offsets, dy)
+    err_y, err_dx, err_dw = rel(y, y64), rel(dx, dx64), rel(dw, dw64)
     assert 0.01 < err_dw < 0.06 and err_dw < 1.5 * err_dx, (err_y, err_dx, err_dw)
 
 
@@ -183,14 +136,10 @@ def test_rows_past_last_group_are_zero(backend):
 
 @pytest.mark.parametrize("backend", _backends())
 def test_noncontiguous_inputs(backend):
-    sizes, k, n = [6, 0, 9], 16, 12
     dtype = torch.bfloat16 if backend == "aten" else torch.float32
-    x = torch.randn(k, sum(sizes), device=DEV).to(dtype).t()       # column-major tokens
-    w = torch.randn(3, n, k, device=DEV).to(dtype).transpose(1, 2)  # column-major experts
-    w2 = torch.randn(3, k, 2 * n, device=DEV).to(dtype)[:, :, ::2]  # strided columns
-    offsets = make_offsets(sizes)
+    x, ws, offsets = noncontiguous_operands(dtype)
     with _ctx(backend):
-        for ww in (w, w2):
+        for ww in ws:
             y = tk.fp8_grouped_mm(x, ww, offsets)
             xq, sx = qref.rows(x)
             wq, sw = qref.w_fwd(ww)
@@ -330,7 +279,7 @@ def aten_stand_in(monkeypatch):
     tk.backend.clear_choices()
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-K{c[1]}-N{c[2]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_scaled_grouped_mm_adaptation(aten_stand_in, case):
     sizes, k, n = case
     t, e = sum(sizes), len(sizes)
@@ -374,38 +323,20 @@ def test_one_backend_for_forward_and_backward(monkeypatch):
     fwd, bwd = fgm._forward, fgm._backward_kernel
     monkeypatch.setattr(fgm, "_forward", lambda *a: (calls.append(("fwd", a[-1])), fwd(*a))[1])
     monkeypatch.setattr(fgm, "_backward_kernel", lambda *a: (calls.append(("bwd", a[-1])), bwd(*a))[1])
-    x = torch.randn(10, 16, device=DEV, requires_grad=True)
-    w = torch.randn(2, 16, 8, device=DEV, requires_grad=True)
-    offsets = make_offsets([4, 6])
-    for path in ("fast", "op"):
-        calls.clear()
-        with tk.use_backend("reference"):
-            if path == "fast":
-                y = tk.fp8_grouped_mm(x, w, offsets)
-            else:
-                y = torch.ops.titan.fp8_grouped_mm(x, w, offsets, "rowwise", "reference")
-        y.sum().backward()  # outside the context: the backward still runs the forward's backend
-        assert calls == [("fwd", "reference"), ("bwd", "reference")], (path, calls)
+    check_one_backend(calls, tk.fp8_grouped_mm,
+                      lambda x, w, o: torch.ops.titan.fp8_grouped_mm(x, w, o, "rowwise", "reference"))
 
 
 def test_double_backward_refused():
-    x = torch.randn(6, 8, device=DEV, requires_grad=True)
-    w = torch.randn(2, 8, 4, device=DEV, requires_grad=True)
-    offsets = make_offsets([2, 4])
-    for y in (tk.fp8_grouped_mm(x, w, offsets), torch.ops.titan.fp8_grouped_mm(x, w, offsets, "rowwise")):
-        for loss in (y.square().sum(), y.sum()):
-            with pytest.raises(RuntimeError, match="titan::fp8_grouped_mm.*double backward"):
-                torch.autograd.grad(loss, (x, w), create_graph=True, retain_graph=True)
+    check_double_backward_refused("fp8_grouped_mm", tk.fp8_grouped_mm,
+                                  lambda x, w, o: torch.ops.titan.fp8_grouped_mm(x, w, o, "rowwise"))
 
 
 def test_opcheck():
-    offsets = make_offsets([3, 0, 4])
-    x = torch.randn(9, 8, device=DEV, requires_grad=True)
-    w = torch.randn(3, 8, 12, device=DEV, requires_grad=True)
+    x, w, offsets, dy = opcheck_operands()
     for recipe in fgm.RECIPES:
         for backend in (None, "reference"):
             torch.library.opcheck(torch.ops.titan.fp8_grouped_mm, (x, w, offsets, recipe, backend))
-    dy = torch.randn(9, 12, device=DEV)
     for recipe in fgm.RECIPES:
         for flags in ((True, True), (True, False), (False, True)):
             torch.library.opcheck(torch.ops.titan.fp8_grouped_mm_backward,
@@ -413,19 +344,7 @@ def test_opcheck():
 
 
 def test_compile_fullgraph():
-    offsets = make_offsets([5, 0, 7, 2])
-    x = torch.randn(14, 16, device=DEV, requires_grad=True)
-    w = torch.randn(4, 16, 24, device=DEV, requires_grad=True)
-
-    def f(x, w, offsets):
-        return tk.fp8_grouped_mm(x, w, offsets).relu()
-
-    torch._dynamo.reset()
-    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, offsets)
-    g = torch.autograd.grad(y.sum(), (x, w))
-    y_ref = f(x, w, offsets)
-    g_ref = torch.autograd.grad(y_ref.sum(), (x, w))
-    assert rel(y, y_ref) <= 1e-6 and all(rel(a, b) <= 1e-6 for a, b in zip(g, g_ref))
+    check_compile_fullgraph(tk.fp8_grouped_mm)
 
 
 def test_backend_choice_and_reasons():
@@ -448,48 +367,16 @@ def test_backend_choice_and_reasons():
 
 
 def test_measured_choice_orders_by_time(monkeypatch):
-    seen = []
-
-    def fake_time(fn, device, reps=10):
-        seen.append(device.type)  # not run: the stand-in timer makes the later candidate faster
-        return 2.0 if len(seen) == 1 else 1.0
-
-    monkeypatch.setattr(fgm._gmm, "_time_call", fake_time)
-    fgm.measured_order.cache_clear()
-    order = fgm.measured_order(("aten", "reference"), "cpu", None, "bfloat16", 16, 8, True)
-    assert order == ("reference", "aten") and len(seen) == 2
-    assert fgm.measured_order(("aten", "reference"), "cpu", None, "bfloat16", 16, 8, True) == order
-    assert len(seen) == 2  # cached per key
-
-    def broken(fn, device, reps=10):
-        raise RuntimeError("no timer")
-
-    monkeypatch.setattr(fgm._gmm, "_time_call", broken)
-    assert fgm.measured_order(("aten", "reference"), "cpu", None, "bfloat16", 32, 8, False) == ("aten", "reference")
-    fgm.measured_order.cache_clear()
+    # Not run: torch._scaled_grouped_mm has no CPU kernel (the stand-in timer alone orders them).
+    check_measured_order(monkeypatch, fgm.measured_order, "bfloat16", run_candidates=False)
 
 
 def test_validation_errors():
-    x = torch.randn(6, 8, device=DEV)
-    w = torch.randn(2, 8, 4, device=DEV)
-    o = make_offsets([2, 4])
-    cases = [
+    x, w, o, shared = validation_cases()
+    cases = [(args, {}, exc, msg) for args, exc, msg in shared] + [
         ((x.double(), w.double(), o), {}, TypeError, r"x: expected dtype in \(float32, bfloat16, float16\), got float64"),
-        ((x.long(), w, o), {}, TypeError, "x: expected dtype"),
-        ((x, w.bfloat16(), o), {}, TypeError, "w: expected dtype float32"),
-        ((x, w, o.long()), {}, TypeError, "offsets: expected dtype int32"),
-        ((x[0], w, o), {}, ValueError, "x: expected 2 dims"),
-        ((x, w[0], o), {}, ValueError, "w: expected 3 dims"),
-        ((x, torch.randn(2, 7, 4, device=DEV), o), {}, ValueError, r"w: expected shape \(E, 8, N\)"),
-        ((x, w, make_offsets([2, 1, 3])), {}, ValueError, r"offsets: expected shape \(2,\)"),
         ((x, w, o), {"recipe": "tensorwise"}, ValueError, "recipe: expected one of"),
-        ((x, w, None), {}, TypeError, "offsets: expected a torch.Tensor"),
     ]
-    if DEV.type == "cpu":  # value checks run where they cost no device sync
-        cases += [
-            ((x, w, torch.tensor([4, 2], dtype=torch.int32)), {}, ValueError, "non-decreasing"),
-            ((x, w, torch.tensor([2, 7], dtype=torch.int32)), {}, ValueError, r"in \[0, 6\]"),
-        ]
     for args, kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             tk.fp8_grouped_mm(*args, **kw)

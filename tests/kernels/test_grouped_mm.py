@@ -4,16 +4,17 @@ opcheck, torch.compile(fullgraph=True), validation errors, the backend choice an
 one backend for forward and backward, double backward refused."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 import titan_kernels as tk
 from titan_kernels.ops import grouped_mm as gmm
-from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import (
+    DEV, GROUPED_CASES as CASES, backend_ctx as _ctx, case_id, check_compile_fullgraph, check_double_backward_refused,
+    check_measured_order, check_one_backend, grouped_grads, loop64, loop64_grads, make_offsets, noncontiguous_operands,
+    opcheck_operands, rel_err as rel, validation_cases,
+)
 
-DEV = torch.device(TEST_DEVICE)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float64: 1e-12}
 
 
@@ -26,44 +27,11 @@ def _backends():
     return out
 
 
-def _ctx(backend):
-    if backend == "auto":
-        return contextlib.nullcontext()
-    return tk.use_backend({"aten": DEV.type}.get(backend, backend))
-
-
-def loop64(x, w, offsets):
-    """The float64 per-expert loop the op must equal."""
-    b = [0] + offsets.tolist()
-    y = torch.zeros(x.shape[0], w.shape[2], dtype=torch.float64, device=x.device)
-    for e in range(w.shape[0]):
-        y[b[e]:b[e + 1]] = x[b[e]:b[e + 1]].double() @ w[e].double()
-    return y
-
-
-def rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item() if b.numel() else 0.0
-
-
-def make_offsets(sizes, device=DEV):
-    return torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
-
-
-# (sizes per group, K, N): empty groups first, in the middle and last; odd sizes; T = 0; one expert.
-CASES = [
-    ([3, 0, 5, 1], 8, 12),
-    ([0, 7, 0, 9, 2, 0], 16, 24),
-    ([5, 11, 1], 7, 5),        # K/N not 16-byte multiples: aten refuses, routed to the next backend
-    ([0, 0, 0], 8, 8),         # T = 0
-    ([37], 24, 40),
-    ([17, 0, 33, 3], 40, 20),  # groups not a multiple of any tile
-]
 
 
 @pytest.mark.parametrize("backend", _backends())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-K{c[1]}-N{c[2]}")
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_against_float64_loop(case, dtype, backend):
     sizes, k, n = case
     if backend == "aten" and gmm.why_not("aten", DEV.type, DEV.index, str(dtype)[6:], k, n, True):
@@ -72,13 +40,8 @@ def test_against_float64_loop(case, dtype, backend):
     x = torch.randn(t, k, device=DEV, dtype=dtype, requires_grad=True)
     w = (torch.randn(e, k, n, device=DEV, dtype=dtype) * k**-0.5).requires_grad_()
     offsets = make_offsets(sizes)
-    with _ctx(backend):
-        y = tk.grouped_mm(x, w, offsets)
-        dy = torch.randn_like(y)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
-    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    y64 = loop64(x64, w64, offsets)
-    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy.double())
+    y, dy, dx, dw = grouped_grads(backend, tk.grouped_mm, x, w, offsets)
+    y64, dx64, dw64 = loop64_grads(x, w, offsets, dy)
     assert y.shape == (t, n) and y.dtype == dtype and dx.dtype == dtype and dw.dtype == dtype
     for got, want in ((y, y64), (dx, dx64), (dw, dw64)):
         assert rel(got, want) <= TOL[dtype]
@@ -93,26 +56,17 @@ def test_rows_past_last_group_are_zero(backend):
     x = torch.randn(sum(sizes) + tail, k, device=DEV, requires_grad=True)
     w = torch.randn(3, k, n, device=DEV, requires_grad=True)
     offsets = make_offsets(sizes)
-    with _ctx(backend):
-        y = tk.grouped_mm(x, w, offsets)
-        dy = torch.randn_like(y)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
+    y, dy, dx, dw = grouped_grads(backend, tk.grouped_mm, x, w, offsets)
     assert torch.all(y[-tail:] == 0) and torch.all(dx[-tail:] == 0)
-    x64, w64 = x[:-tail].detach().double().requires_grad_(), w.detach().double().requires_grad_()
-    y64 = loop64(x64, w64, offsets)
-    dx64, dw64 = torch.autograd.grad(y64, (x64, w64), dy[:-tail].double())
+    y64, dx64, dw64 = loop64_grads(x[:-tail], w, offsets, dy[:-tail])
     assert rel(y[:-tail], y64) <= 1e-5 and rel(dx[:-tail], dx64) <= 1e-5 and rel(dw, dw64) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", _backends())
 def test_noncontiguous_inputs(backend):
-    sizes, k, n = [6, 0, 9], 16, 12
-    x = torch.randn(k, sum(sizes), device=DEV).t()               # column-major tokens
-    w = torch.randn(3, n, k, device=DEV).transpose(1, 2)         # column-major experts
-    w2 = torch.randn(3, k, 2 * n, device=DEV)[:, :, ::2]         # strided columns
-    offsets = make_offsets(sizes)
+    x, ws, offsets = noncontiguous_operands()
     with _ctx(backend):
-        for ww in (w, w2):
+        for ww in ws:
             assert rel(tk.grouped_mm(x, ww, offsets), loop64(x, ww, offsets)) <= 1e-5
 
 
@@ -132,51 +86,23 @@ def test_one_backend_for_forward_and_backward(monkeypatch):
             lambda *a, _f=fwd, _n=name: (calls.append(("fwd", _n)), _f(*a))[1],
             lambda *a, _f=bwd, _n=name: (calls.append(("bwd", _n)), _f(*a))[1],
         ))
-    x = torch.randn(10, 16, device=DEV, requires_grad=True)
-    w = torch.randn(2, 16, 8, device=DEV, requires_grad=True)
-    offsets = make_offsets([4, 6])
-    for path in ("fast", "op"):
-        calls.clear()
-        with tk.use_backend("reference"):
-            y = tk.grouped_mm(x, w, offsets) if path == "fast" else torch.ops.titan.grouped_mm(x, w, offsets, "reference")
-        y.sum().backward()  # outside the context: the backward still runs the forward's backend
-        assert calls == [("fwd", "reference"), ("bwd", "reference")], (path, calls)
+    check_one_backend(calls, tk.grouped_mm, lambda x, w, o: torch.ops.titan.grouped_mm(x, w, o, "reference"))
 
 
 def test_double_backward_refused():
-    x = torch.randn(6, 8, device=DEV, requires_grad=True)
-    w = torch.randn(2, 8, 4, device=DEV, requires_grad=True)
-    offsets = make_offsets([2, 4])
-    for y in (tk.grouped_mm(x, w, offsets), torch.ops.titan.grouped_mm(x, w, offsets)):
-        for loss in (y.square().sum(), y.sum()):  # the incoming gradient with and without a graph
-            with pytest.raises(RuntimeError, match="titan::grouped_mm.*double backward"):
-                torch.autograd.grad(loss, (x, w), create_graph=True, retain_graph=True)
+    check_double_backward_refused("grouped_mm", tk.grouped_mm, torch.ops.titan.grouped_mm)
 
 
 def test_opcheck():
-    offsets = make_offsets([3, 0, 4])
-    x = torch.randn(9, 8, device=DEV, requires_grad=True)
-    w = torch.randn(3, 8, 12, device=DEV, requires_grad=True)
+    x, w, offsets, dy = opcheck_operands()
     for backend in (None, "reference"):
         torch.library.opcheck(torch.ops.titan.grouped_mm, (x, w, offsets, backend))
-    dy = torch.randn(9, 12, device=DEV)
     for flags in ((True, True), (True, False), (False, True)):
         torch.library.opcheck(torch.ops.titan.grouped_mm_backward, (dy, x.detach(), w.detach(), offsets, *flags, None))
 
 
 def test_compile_fullgraph():
-    offsets = make_offsets([5, 0, 7, 2])
-    x = torch.randn(14, 16, device=DEV, requires_grad=True)
-    w = torch.randn(4, 16, 24, device=DEV, requires_grad=True)
-
-    def f(x, w, offsets):
-        return tk.grouped_mm(x, w, offsets).relu()
-
-    y = torch.compile(f, fullgraph=True, backend="aot_eager")(x, w, offsets)
-    g = torch.autograd.grad(y.sum(), (x, w))
-    y_ref = f(x, w, offsets)
-    g_ref = torch.autograd.grad(y_ref.sum(), (x, w))
-    assert rel(y, y_ref) <= 1e-6 and all(rel(a, b) <= 1e-6 for a, b in zip(g, g_ref))
+    check_compile_fullgraph(tk.grouped_mm)
 
 
 def test_backend_choice_and_reasons():
@@ -195,25 +121,12 @@ def test_backend_choice_and_reasons():
 
 
 def test_validation_errors():
-    x = torch.randn(6, 8, device=DEV)
-    w = torch.randn(2, 8, 4, device=DEV)
-    o = make_offsets([2, 4])
-    cases = [
-        ((x.long(), w, o), TypeError, "x: expected dtype"),
-        ((x, w.double(), o), TypeError, "w: expected dtype float32"),
-        ((x, w, o.long()), TypeError, "offsets: expected dtype int32"),
-        ((x[0], w, o), ValueError, "x: expected 2 dims"),
-        ((x, w[0], o), ValueError, "w: expected 3 dims"),
-        ((x, torch.randn(2, 7, 4, device=DEV), o), ValueError, r"w: expected shape \(E, 8, N\)"),
-        ((x, w, make_offsets([2, 1, 3])), ValueError, r"offsets: expected shape \(2,\)"),
-        ((x, w, torch.tensor([4, 2], dtype=torch.int32, device=DEV)), ValueError, "non-decreasing"),
-        ((x, w, torch.tensor([2, 7], dtype=torch.int32, device=DEV)), ValueError, r"in \[0, 6\]"),
+    x, w, o, cases = validation_cases()
+    cases += [
+        ((x, w.double(), o), TypeError, "w: expected dtype float32"),  # float64 is grouped_mm's too
         ((x, w[:0], o[:0]), ValueError, "at least one expert"),
-        ((x, w, None), TypeError, "offsets: expected a torch.Tensor"),
     ]
     for args, exc, msg in cases:
-        if DEV.type != "cpu" and "non-decreasing" in msg or "in \\[0" in msg and DEV.type != "cpu":
-            continue  # value checks run where they cost no device sync
         with pytest.raises(exc, match=msg):
             tk.grouped_mm(*args)
 
@@ -246,25 +159,5 @@ def gmm_tri():
 
 
 def test_measured_choice_orders_by_time(monkeypatch):
-    # The CUDA choice between aten and triton is timed once per key: here the timer is a stand-in
-    # that makes the later candidate faster, on CPU tensors, to check the ordering and the caching.
-    seen = []
-
-    def fake_time(fn, device, reps=10):
-        fn()  # the candidate really runs (forward and backward)
-        seen.append(device.type)
-        return 2.0 if len(seen) == 1 else 1.0
-
-    monkeypatch.setattr(gmm, "_time_call", fake_time)
-    gmm.measured_order.cache_clear()
-    order = gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 16, 8, True)
-    assert order == ("reference", "aten") and len(seen) == 2
-    assert gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 16, 8, True) == order
-    assert len(seen) == 2  # cached per key: not timed again
-
-    def broken(fn, device, reps=10):
-        raise RuntimeError("no timer")
-
-    monkeypatch.setattr(gmm, "_time_call", broken)
-    assert gmm.measured_order(("aten", "reference"), "cpu", None, "float32", 32, 8, False) == ("aten", "reference")
-    gmm.measured_order.cache_clear()
+    # The CUDA choice between aten and triton is timed once per key: the candidates really run here.
+    check_measured_order(monkeypatch, gmm.measured_order, "float32", run_candidates=True)
