@@ -357,6 +357,9 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
            backend: str | None = None) -> Choice:
     """The implementation of ``op`` that runs on ``device`` for the case ``key``.
 
+    A context or environment request naming one op's own implementation (not a family) applies to
+    the ops that have it; the others choose automatically.
+
     Precedence: ``backend`` (a name of ``implementation_names(op)``, or ``AUTO``: the automatic
     choice whatever the context, e.g. a backward replaying a forward that had no request) > ``use_backend`` >
     ``TITAN_KERNELS_BACKEND`` > the automatic order (the first implementation that can run the case
@@ -370,7 +373,8 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     for a name that is no backend at all.
     """
     dev = device if type(device) is torch.device else _as_device(device)
-    ck = (op, dev, backend or _override.get() or _env_backend(), _env_interpret(), key)
+    # The argument and the context are kept apart: a context request can mean "automatic" for this op.
+    ck = (op, dev, backend, None if backend else (_override.get() or _env_backend()), _env_interpret(), key)
     hit = _choices.get(ck)
     if hit is not None:
         return hit
@@ -386,6 +390,10 @@ def _choose(op: str, dev: torch.device, key: Any, case: Any, backend: str | None
     name, why_requested = _describe_request(backend)
     if name is not None:
         _check_name(name)
+        if not backend and name not in BACKENDS and all(i.name != name for i in _impls.get(op, ())):
+            # use_backend("sdpa_flash") / the environment naming one op's own implementation: the
+            # other ops choose automatically (an op's backend= argument naming it still raises).
+            name = None
     skipped: list[tuple[str, str]] = []
     if name is None:
         runnable: list[Impl] = []

@@ -1,0 +1,143 @@
+"""The one backend registry (``titan_kernels.backend``): precedence, families and named implementations,
+the automatic order with capability and auto predicates, cached choices, recorded failures, errors.
+
+A toy op registered for the test (and removed after) keeps the checks independent of which real
+kernels this machine has.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_kernels as tk
+from titan_kernels import backend
+
+OP = "toy_op_for_test_backend"
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def toy():
+    """A toy op: reference; two CPU implementations "fast" (refuses odd keys; passed over
+    automatically for key 'slow') and "cpu"; a CUDA-only "gpu"; counts the capability probes."""
+    probes = []
+
+    def fast_why_not(device, case):
+        probes.append(case)
+        return "odd keys are not taken" if isinstance(case, int) and case % 2 else None
+
+    backend.register_impl(OP, "reference", "ref-fn")
+    backend.register_impl(OP, "cpu", "fast-fn", name="fast", why_not=fast_why_not,
+                          auto=lambda device, case: "measured slower here" if case == "slow" else None)
+    backend.register_impl(OP, "cpu", "cpu-fn", why_not=lambda device, case: None)
+    backend.register_impl(OP, "cuda", "gpu-fn", name="gpu", why_not=lambda device, case: None)
+    backend.set_order(OP, {"cpu": ("fast", "cpu", "reference")}, hint="ask for 'reference'")
+    try:
+        yield probes
+    finally:
+        for table in (backend._impls, backend._orders, backend._rank, backend._hints):
+            table.pop(OP, None)
+        backend.clear_choices()
+
+
+def test_automatic_order_and_skips(toy):
+    c = backend.choose(OP, CPU, 2)
+    assert (c.backend, c.family, c.fn, c.explicit) == ("fast", "cpu", "fast-fn", False)
+    c = backend.choose(OP, CPU, 3)  # fast refuses: the next one, with the reason kept
+    assert c.backend == "cpu" and c.skipped == (("fast", "odd keys are not taken"),)
+    c = backend.choose(OP, CPU, "slow")  # fast can run but the automatic choice passes it over
+    assert c.backend == "cpu" and c.skipped == (("fast", "measured slower here"),)
+    assert "that takes this case" in c.reason and str(c).startswith("cpu: ")
+
+
+def test_choices_are_cached_per_key(toy):
+    for _ in range(5):
+        backend.choose(OP, CPU, 2)
+        backend.choose(OP, CPU, 4)
+    assert toy == [2, 4]  # one probe per key
+    backend.clear_choices()
+    backend.choose(OP, CPU, 2)
+    assert toy == [2, 4, 2]
+
+
+def test_precedence(toy, monkeypatch):
+    monkeypatch.setenv(backend.ENV_VAR, "reference")
+    assert backend.choose(OP, CPU, 2).backend == "reference"
+    with tk.use_backend("cpu"):  # the context beats the environment; a family: its implementations in order
+        c = backend.choose(OP, CPU, 2)
+        assert (c.backend, c.explicit) == ("fast", True) and "use_backend('cpu')" in c.reason
+        assert backend.choose(OP, CPU, 3).backend == "cpu"  # fast refuses, the family's next one runs
+        assert backend.choose(OP, CPU, "slow").backend == "fast"  # asked for: taken even where slower
+        assert backend.choose(OP, CPU, 2, backend="reference").backend == "reference"  # the argument wins
+        assert backend.choose(OP, CPU, 2, backend=backend.AUTO).backend == "fast"  # AUTO: whatever the context
+    monkeypatch.delenv(backend.ENV_VAR)
+    assert backend.choose(OP, CPU, 2).backend == "fast"
+
+
+def test_named_implementation_requests(toy):
+    assert backend.choose(OP, CPU, 2, backend="cpu").backend == "fast"
+    assert backend.choose(OP, CPU, 2, backend="fast").backend == "fast"
+    with pytest.raises(RuntimeError, match=r"backend 'fast' cannot run titan op '.*' on cpu \(requested by "
+                                           r"backend='fast'\): odd keys are not taken"):
+        backend.choose(OP, CPU, 3, backend="fast")
+    with pytest.raises(RuntimeError, match="'gpu'.*runs on CUDA tensors, not cpu"):
+        backend.choose(OP, CPU, 2, backend="gpu")
+    with pytest.raises(RuntimeError, match="backend 'cuda' runs on cuda tensors, got cpu tensors"):
+        backend.choose(OP, CPU, 2, backend="cuda")
+    with pytest.raises(RuntimeError, match="does not implement titan op .*implemented: "):
+        backend.choose(OP, CPU, 2, backend="triton")
+    with pytest.raises(ValueError, match="backend: expected one of"):
+        backend.choose(OP, CPU, 2, backend="nonsense")
+    # A context naming another op's own implementation applies to that op only: here, automatic.
+    with tk.use_backend("sdpa_flash"):
+        assert backend.choose(OP, CPU, 2).backend == "fast"
+    with pytest.raises(RuntimeError, match="does not implement"):
+        backend.choose(OP, CPU, 2, backend="sdpa_flash")
+
+
+def test_no_candidate_names_every_reason_and_the_hint(toy):
+    backend.set_order(OP, {"cpu": ("fast",)})
+    with pytest.raises(RuntimeError, match=r"no backend can run titan op .* on cpu \(fast: odd keys are not "
+                                           r"taken\); ask for 'reference'"):
+        backend.choose(OP, CPU, 3)
+
+
+def test_failures_are_recorded_and_passed_over(toy):
+    c = backend.choose(OP, CPU, 2)
+    with pytest.warns(RuntimeWarning, match="'fast' raised at run time: RuntimeError: no kernel image"):
+        backend.mark_failed(OP, c, CPU, 2, RuntimeError("no kernel image\nmore"))
+    c = backend.choose(OP, CPU, 2)
+    assert c.backend == "cpu" and "raised at run time" in dict(c.skipped)["fast"]
+    assert backend.choose(OP, CPU, 4).backend == "fast"  # other keys are not affected
+
+
+def test_replace_impl_swaps_and_restores(toy):
+    with backend.replace_impl(OP, "fast", "spy") as old:
+        assert old == "fast-fn" and backend.get_impl(OP, CPU, key=2) == "spy"
+    assert backend.get_impl(OP, CPU, key=2) == "fast-fn"
+    with pytest.raises(KeyError, match="no implementation 'nope'"):
+        with backend.replace_impl(OP, "nope", "x"):
+            pass
+
+
+def test_rank_reorders_the_runnable_candidates(toy):
+    seen = []
+
+    def rank(device, case, names):
+        seen.append(names)
+        return tuple(reversed(names))
+
+    backend.set_order(OP, {"cpu": ("fast", "cpu", "reference")}, rank=rank)
+    assert backend.choose(OP, CPU, 2).backend == "reference"
+    assert seen == [("fast", "cpu", "reference")]
+
+
+def test_every_op_is_registered_with_the_one_registry():
+    import titan_kernels.ops  # noqa: F401  (registers every op)
+
+    for op in ("rms_norm", "rotary", "swiglu", "flash_attn", "fp8_gemm", "fp8_quantize", "grouped_mm",
+               "moe_permute", "linear_cross_entropy"):
+        assert backend.implemented_backends(op), op
+        assert "reference" in backend.implementation_names(op), op
+    assert "scaled_mm" in backend.implementation_names("fp8_gemm")
+    assert {"sdpa_flash", "fa3", "fa2"} <= set(backend.implementation_names("flash_attn"))
