@@ -22,22 +22,14 @@ from trainer.config import parse_args
 from trainer.data.datasets import build_source
 from trainer.data.loader import DataLoader
 from trainer.data.tokenizer import build_tokenizer
-from trainer.models.llama import LLAMA31_ROPE_SCALING, ModelArgs, build_model
+from trainer.models.llama import build_model
 from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
+from tests.trainer.helpers import tiny_llama
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+# One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 REPO = Path(__file__).resolve().parents[2]
-TINY = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=258, multiple_of=16,
-                 rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=16)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CPU is shared; one intra-op thread keeps these small runs fast under contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+TINY = tiny_llama(dim=32, vocab_size=258, multiple_of=16, max_seq_len=16)
 
 
 def _run(folder, *overrides):

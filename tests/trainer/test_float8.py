@@ -143,15 +143,7 @@ def test_config_errors():
 # --------------------------------------------------------------------------- training
 
 
-@pytest.fixture
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # the CPU is shared; one thread keeps these runs steady
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("one_thread")  # tests/trainer/conftest.py
 def test_short_float8_runs_track_float32(tmp_path, capsys):
     rc, base = _run(tmp_path / "fp32", *SHORT)
     assert rc == 0
@@ -166,7 +158,7 @@ def test_short_float8_runs_track_float32(tmp_path, capsys):
 
 
 @pytest.mark.skipif(not TORCHAO, reason=TORCHAO_WHY or "torchao available")
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("one_thread")
 def test_torchao_impl_side_by_side(tmp_path):
     steps = ["--training.steps", "4"]
     rc1, ours = _run(tmp_path / "titan", *SHORT, *F8, *steps)
@@ -177,7 +169,7 @@ def test_torchao_impl_side_by_side(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(4800)
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("one_thread")
 def test_debugmodel_100_steps_float8_within_3_percent_of_float32(tmp_path):
     # Float8 is emulated on the CPU (fp8 casts and _scaled_mm without fp8 units), about 2.5x
     # slower than float32 here: the float8 run alone takes about 25 minutes.
@@ -260,7 +252,7 @@ def test_convert_qwen3_moe_experts():
     assert all(m.float8_recipe is None for m in _experts(model).values()) and len(chosen) == 16
 
 
-@pytest.mark.usefixtures("_one_thread")
+@pytest.mark.usefixtures("one_thread")
 def test_qwen3_moe_trains_with_float8_experts(tmp_path, monkeypatch, capsys):
     from titan_kernels.ops import fp8_grouped_mm as fgm
 

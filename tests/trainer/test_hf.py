@@ -24,23 +24,16 @@ from trainer.config import ConfigError, parse_args
 from trainer.convert import dcp_to_hf, hf_to_dcp
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, hf_config, load_into_model, parse_size
-from trainer.models.llama import LLAMA31_ROPE_SCALING, ModelArgs, build_model, model_args
+from trainer.models.llama import ModelArgs, build_model, model_args
+from tests.trainer.helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e .[test])")
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore::UserWarning",
-                                        "ignore::FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled", "ignore::UserWarning",
+                                         "ignore::FutureWarning"),
+              pytest.mark.usefixtures("one_thread")]  # one intra-op thread (tests/trainer/conftest.py)
 REPO = Path(__file__).resolve().parents[2]
 # Awkward sizes: GQA (4 heads, 2 kv), an FFN width no flavor has, a vocabulary that is no power of two.
-TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=301, multiple_of=32,
-                 rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=64)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+TINY = tiny_llama(dim=64, vocab_size=301, multiple_of=32, max_seq_len=64)
 
 
 def _rel(a, b):

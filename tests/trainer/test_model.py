@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 from trainer.models.llama import (
     LLAMA3_FLAVORS,
-    LLAMA31_ROPE_SCALING,
     ModelArgs,
     build_model,
     cross_entropy_loss,
@@ -16,10 +15,10 @@ from trainer.models.llama import (
     model_args,
     to_hf_state_dict,
 )
+from tests.trainer.helpers import tiny_llama
 
 # A small model with every feature switched on: GQA, an FFN multiplier, odd sizes, Llama 3.1 scaling.
-TINY = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=101, multiple_of=32,
-                 ffn_dim_multiplier=1.3, rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=32)
+TINY = tiny_llama(dim=64, vocab_size=101, multiple_of=32, max_seq_len=32, ffn_dim_multiplier=1.3)
 
 
 def _tiny_model(args=TINY, seed=1):

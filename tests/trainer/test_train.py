@@ -12,20 +12,12 @@ import torch.nn.functional as F
 from trainer import train
 from trainer.config import ConfigError, parse_args
 from trainer.metrics import MetricsLogger, peak_flops
-from trainer.models.llama import LLAMA31_ROPE_SCALING, ModelArgs, build_model, cross_entropy_loss
+from trainer.models.llama import build_model, cross_entropy_loss
+from tests.trainer.helpers import tiny_llama
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-TINY = ModelArgs(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=67, multiple_of=16,
-                 rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=32)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # The CPU is shared; one intra-op thread keeps these small runs fast under contention.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
+TINY = tiny_llama(dim=48, vocab_size=67, multiple_of=16, max_seq_len=32)
 
 
 def _model(seed=0):

@@ -18,16 +18,9 @@ from trainer.config import ConfigError, parse_args
 from trainer.data import build_tokenizer
 from trainer.models.llama import build_model, model_args
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+# One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 WORDS = ["thou", "art", "the", "king", "speak", "hear", "me", "good", "lord", "night", "and", "of"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _corpus(path: Path, n_docs: int = 48, seed: int = 0) -> list[str]:
