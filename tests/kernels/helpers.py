@@ -1,6 +1,9 @@
-"""Helpers shared by the kernel tests: the backends that run here, the relative error, and the
-operands, float64 loop and contract checks of the two grouped GEMMs (grouped_mm, fp8_grouped_mm)."""
+"""Helpers shared by the kernel tests: the backends that run here, the relative error, Llama 3.1's
+RoPE frequency scaling in float64, and the operands, float64 loop and contract checks of the two
+grouped GEMMs (grouped_mm, fp8_grouped_mm)."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -25,6 +28,25 @@ def backends_here(op: str | None = None, names: tuple[str, ...] = ("reference", 
             why = f"{name} backend has no {op} kernel"
         marks = [pytest.mark.skip(reason=why)] if why else []
         out.append(pytest.param(name, marks=marks, id=name))
+    return out
+
+
+def llama31_scaled_freqs64(freqs: list[float], scaling: dict) -> list[float]:
+    """RoPE inverse frequencies after Llama 3.1's ``apply_scaling`` (smooth long-wavelength scaling),
+    as a per-frequency Python loop in float64, written from Meta's reference (not from our code).
+    Shared by the rotary table tests and the model's float64 forward (tests/trainer/test_model.py)."""
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    out = []
+    for f in freqs:
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(f)
+        elif wavelen > old / low:
+            out.append(f / factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append((1 - smooth) * f / factor + smooth * f)
     return out
 
 

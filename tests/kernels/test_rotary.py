@@ -18,7 +18,7 @@ from titan_kernels import backend
 from titan_kernels.nn import RotaryEmbedding
 from titan_kernels.reference import rotary as ref
 from tests.conftest import TEST_DEVICE
-from tests.kernels.helpers import TOL, backends_here, rel_err
+from tests.kernels.helpers import TOL, backends_here, llama31_scaled_freqs64, rel_err
 
 DEV = torch.device(TEST_DEVICE)
 
@@ -345,21 +345,7 @@ def test_backward_when_only_one_output_is_used(be):
 def f64_llama_freqs(rotary_dim: int, theta: float, scaling: dict | None) -> list[float]:
     """Inverse frequencies, then Llama 3.1 ``apply_scaling`` as a per-frequency Python loop."""
     freqs = [1.0 / theta ** (i / rotary_dim) for i in range(0, rotary_dim, 2)]
-    if scaling is None:
-        return freqs
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    out = []
-    for f in freqs:
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            out.append(f)
-        elif wavelen > old / low:
-            out.append(f / factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append((1 - smooth) * f / factor + smooth * f)
-    return out
+    return freqs if scaling is None else llama31_scaled_freqs64(freqs, scaling)
 
 
 @pytest.mark.parametrize("scaling", [None, LLAMA31], ids=["plain", "llama3.1"])

@@ -15,6 +15,7 @@ from trainer.models.llama import (
     model_args,
     to_hf_state_dict,
 )
+from tests.kernels.helpers import llama31_scaled_freqs64
 from tests.trainer.helpers import tiny_llama
 
 # A small model with every feature switched on: GQA, an FFN multiplier, odd sizes, Llama 3.1 scaling.
@@ -41,19 +42,7 @@ def _ref_inv_freq(head_dim, theta, scaling):
     inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
     if scaling is None:
         return inv
-    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-    old = scaling["original_max_position_embeddings"]
-    out = []
-    for f in inv.tolist():
-        wavelen = 2 * math.pi / f
-        if wavelen < old / high:
-            out.append(f)
-        elif wavelen > old / low:
-            out.append(f / factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append((1 - smooth) * f / factor + smooth * f)
-    return torch.tensor(out, dtype=torch.float64)
+    return torch.tensor(llama31_scaled_freqs64(inv.tolist(), scaling), dtype=torch.float64)
 
 
 def _rotate(x, pos, inv_freq, layout):
