@@ -1,7 +1,7 @@
 """Float8Linear: ``nn.Linear`` with its forward, grad_input and grad_weight GEMMs in float8, the
 in-place model converter ``convert_to_float8``, and the FSDP2 float8 all-gather of weights.
 
-Recipes (torchao's names and meanings; the table is in ``titan_kernels.ops.fp8``): "tensorwise"
+Recipes (torchao's names and meanings; the table is in ``titan_kernels.ops.fp8_linear``): "tensorwise"
 (dynamic tensorwise scales, e5m2 gradients; the fastest), "rowwise" (e4m3 everywhere, per-row
 scales rounded to powers of two), "rowwise_with_gw_hp" (rowwise, with grad_weight in high
 precision; the most accurate).

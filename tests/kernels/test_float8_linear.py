@@ -20,6 +20,7 @@ from titan_kernels import backend
 from titan_kernels.float8_linear import Float8AllGatheredWeight, WeightWithFloat8AllGather
 from titan_kernels.nn import Float8Linear, convert_to_float8
 from titan_kernels.ops import fp8 as ops_fp8
+from titan_kernels.ops import fp8_scaled_mm
 from tests.conftest import TEST_DEVICE
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -376,8 +377,8 @@ def test_compile_fullgraph_forward_backward(be, recipe):
 @pytest.fixture(autouse=True)
 def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda: True)
+    # dequantized GEMM the automatic choice skips it (ops.fp8_scaled_mm._cpu_scaled_mm_pays), so take it here.
+    monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
     backend.clear_choices()  # choices are cached per case: decide again with the patched timing
     yield
     backend.clear_choices()

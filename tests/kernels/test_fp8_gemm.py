@@ -16,6 +16,7 @@ import torch
 import titan_kernels as tk
 from titan_kernels import backend
 from titan_kernels.ops import fp8 as ops_fp8
+from titan_kernels.ops import fp8_scaled_mm
 from tests.conftest import TEST_DEVICE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -171,18 +172,18 @@ def test_scaled_mm_fallback_paths():
         pytest.skip("torch._scaled_mm unavailable on " + TEST_DEVICE)
     a, b, sa, sb = operands(19, 24, 40, gran="rowwise")
     ref_out = f64(a, b, sa, sb)
-    real = ops_fp8._scaled_mm_works
+    real = fp8_scaled_mm._scaled_mm_works
     try:
         # Pretend rowwise is refused: the unit-scale float32 product, scaled afterwards.
-        ops_fp8._scaled_mm_works = lambda dev, da, db, rowwise, out, bias: not rowwise and out == torch.float32
+        fp8_scaled_mm._scaled_mm_works = lambda dev, da, db, rowwise, out, bias: not rowwise and out == torch.float32
         y = ops_fp8.scaled_mm_gemm(a, b, sa, sb, torch.bfloat16, None, False)
         assert rel_err(y, ref_out) <= 2e-2
         # Pretend nothing is accepted: the Triton kernel or the reference takes over.
-        ops_fp8._scaled_mm_works = lambda *args: False
+        fp8_scaled_mm._scaled_mm_works = lambda *args: False
         y = ops_fp8.scaled_mm_gemm(a, b, sa, sb, torch.float32, None, False)
         assert rel_err(y, ref_out) <= 1e-5
     finally:
-        ops_fp8._scaled_mm_works = real
+        fp8_scaled_mm._scaled_mm_works = real
 
 
 # --------------------------------------------------------------------------- errors
@@ -261,8 +262,8 @@ def test_compile_fullgraph(be):
 @pytest.fixture(autouse=True)
 def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda: True)
+    # dequantized GEMM the automatic choice skips it (ops.fp8_scaled_mm._cpu_scaled_mm_pays), so take it here.
+    monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
     backend.clear_choices()  # choices are cached per case: decide again with the patched timing
     yield
     backend.clear_choices()

@@ -15,6 +15,7 @@ import torch
 import titan_kernels as tk
 from titan_kernels import backend
 from titan_kernels.ops import fp8 as ops_fp8
+from titan_kernels.ops import fp8_scaled_mm
 from tests.conftest import TEST_DEVICE
 from tests.kernels.test_float8_linear import BACKENDS, RECIPES, randn, use
 
@@ -88,7 +89,7 @@ def test_cpu_gemm_choice_follows_the_timing(monkeypatch):
     if not ops_fp8.scaled_mm_available("cpu"):
         pytest.skip("this torch has no float8 torch._scaled_mm on the CPU")
     for pays, want in ((True, "scaled_mm"), (False, "reference")):
-        monkeypatch.setattr(ops_fp8, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
+        monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
         backend.clear_choices()
         assert ops_fp8.gemm_backend_name("cpu") == want
         with tk.use_backend("cpu"):
