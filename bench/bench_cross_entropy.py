@@ -69,26 +69,7 @@ def _liger():
     return lambda h, w, y: loss(w, h, y)
 
 
-def _titan_backend(name):
-    def f(h, w, y):
-        with tk.use_backend(name):
-            return tk.linear_cross_entropy(h, w, y)
-
-    return f
-
-
-def implementations() -> dict:
-    impls = {"titan": tk.linear_cross_entropy, "eager": _unfused}
-    impls["compile"] = torch.compile(_unfused, dynamic=False)
-    if DEV.type == "cuda":
-        if tk.available_backends(DEV)["triton"].available:
-            impls["titan-triton"] = _titan_backend("triton")
-        if _liger() is not None:
-            impls["liger"] = _liger()
-    return impls
-
-
-IMPLS = implementations()
+IMPLS = common.implementations(tk.linear_cross_entropy, _unfused, backends=("triton",), liger=_liger)
 
 
 def _impl_params():

@@ -75,38 +75,20 @@ def _aten(x, w, offsets):
     return torch._grouped_mm(x, w, offs=offsets)
 
 
-def _titan_backend(name):
-    def f(x, w, offsets):
-        with tk.use_backend(name):
-            return tk.grouped_mm(x, w, offsets)
-
-    return f
-
-
-def _titan_fp8(name=None):
-    def f(x, w, offsets):
-        if name is None:
-            return tk.fp8_grouped_mm(x, w, offsets)
-        with tk.use_backend(name):
-            return tk.fp8_grouped_mm(x, w, offsets)
-
-    return f
-
-
 def implementations() -> dict:
     # In the order timed (the headline stage's share may run out): ours, float8, aten, then the rest;
     # the per-expert loop (the slowest) last.
     impls = {"titan": tk.grouped_mm}
     if hasattr(tk, "fp8_grouped_mm"):
-        impls["titan-fp8"] = _titan_fp8()
+        impls["titan-fp8"] = tk.fp8_grouped_mm
     if hasattr(torch, "_grouped_mm"):
         impls["_grouped_mm"] = _aten
     if DEV.type == "cuda" and tk.available_backends(DEV)["triton"].available:
-        impls["titan-triton"] = _titan_backend("triton")
+        impls["titan-triton"] = common.with_backend(tk.grouped_mm, "triton")
         if hasattr(tk, "fp8_grouped_mm"):
-            impls["titan-fp8-triton"] = _titan_fp8("triton")
+            impls["titan-fp8-triton"] = common.with_backend(tk.fp8_grouped_mm, "triton")
     if DEV.type == "cpu":  # on CUDA the host loop of the reference is the "loop" baseline already
-        impls["titan-reference"] = _titan_backend("reference")
+        impls["titan-reference"] = common.with_backend(tk.grouped_mm, "reference")
     impls["loop"] = per_expert_loop
     return impls
 

@@ -36,29 +36,11 @@ def _liger():
     return lambda x, w, eps: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
 
 
-def _titan_backend(name):
-    def f(x, w, eps):
-        with tk.use_backend(name):
-            return tk.rms_norm(x, w, eps)
-
-    return f
+def eager(x, w, eps):
+    return F.rms_norm(x, (x.shape[-1],), w, eps)
 
 
-def implementations() -> dict:
-    def eager(x, w, eps):
-        return F.rms_norm(x, (x.shape[-1],), w, eps)
-
-    impls = {"titan": tk.rms_norm, "eager": eager, "compile": torch.compile(eager, dynamic=False)}
-    for name in ("triton", "cuda", "cpu"):
-        st = tk.available_backends(DEV)[name]
-        if st.available and not (name == "triton" and DEV.type == "cpu"):  # the interpreter is no benchmark
-            impls[f"titan-{name}"] = _titan_backend(name)
-    if DEV.type == "cuda" and _liger() is not None:
-        impls["liger"] = _liger()
-    return impls
-
-
-IMPLS = implementations()
+IMPLS = common.implementations(tk.rms_norm, eager, liger=_liger)
 
 
 @functools.lru_cache(maxsize=None)

@@ -65,33 +65,14 @@ def _liger():
     return liger
 
 
-def _titan(backend: str | None = None, interleaved: bool = False):
+def _titan(interleaved: bool = False):
     def f(q, k, cos, sin):
-        if backend is None:
-            return tk.apply_rotary_emb(q, k, cos, sin, interleaved=interleaved)
-        with tk.use_backend(backend):
-            return tk.apply_rotary_emb(q, k, cos, sin, interleaved=interleaved)
+        return tk.apply_rotary_emb(q, k, cos, sin, interleaved=interleaved)
 
     return f
 
 
-def implementations() -> dict:
-    impls = {
-        "titan": _titan(),
-        "titan-meta": _titan(interleaved=True),
-        "eager": eager_rope,
-        "compile": torch.compile(eager_rope, dynamic=False),
-    }
-    for name in ("triton", "cuda", "cpu"):
-        st = tk.available_backends(DEV)[name]
-        if st.available and not (name == "triton" and DEV.type == "cpu"):  # the interpreter is no benchmark
-            impls[f"titan-{name}"] = _titan(name)
-    if DEV.type == "cuda" and _liger() is not None:
-        impls["liger"] = _liger()
-    return impls
-
-
-IMPLS = implementations()
+IMPLS = common.implementations(_titan(), eager_rope, liger=_liger, extra={"titan-meta": _titan(interleaved=True)})
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,26 +50,7 @@ def _liger():
     return LigerSiLUMulFunction.apply
 
 
-def _titan_backend(name):
-    def f(g, u):
-        with tk.use_backend(name):
-            return tk.swiglu(g, u)
-
-    return f
-
-
-def implementations() -> dict:
-    impls = {"titan": tk.swiglu, "eager": eager, "compile": torch.compile(eager, dynamic=False)}
-    for name in ("triton", "cpu"):
-        st = tk.available_backends(DEV)[name]
-        if st.available and not (name == "triton" and DEV.type == "cpu"):  # the interpreter is no benchmark
-            impls[f"titan-{name}"] = _titan_backend(name)
-    if DEV.type == "cuda" and _liger() is not None:
-        impls["liger"] = _liger()
-    return impls
-
-
-IMPLS = implementations()
+IMPLS = common.implementations(tk.swiglu, eager, backends=("triton", "cpu"), liger=_liger)
 
 
 @functools.lru_cache(maxsize=None)

@@ -150,6 +150,39 @@ def run(
     return row
 
 
+def with_backend(fn: Callable, name: str | None) -> Callable:
+    """``fn`` (a titan_kernels op) run under ``titan_kernels.use_backend(name)``; None: ``fn`` itself
+    (the automatic choice)."""
+    if name is None:
+        return fn
+    import titan_kernels as tk
+
+    def f(*args, **kwargs):
+        with tk.use_backend(name):
+            return fn(*args, **kwargs)
+
+    return f
+
+
+def implementations(titan: Callable, eager: Callable, *, backends: tuple[str, ...] = ("triton", "cuda", "cpu"),
+                    liger: Callable[[], Callable | None] | None = None, extra: dict | None = None) -> dict:
+    """The implementations an elementwise bench_*.py module times, in this order: "titan" (the op,
+    automatic backend), ``extra`` ({name: callable}), "eager" (the PyTorch formula), "compile"
+    (torch.compile of it, dynamic=False), "titan-<name>" (the op under ``use_backend(name)``) for each
+    of ``backends`` available on the device but Triton on the CPU (the interpreter is no benchmark),
+    and on CUDA "liger" when ``liger()`` (None when Liger-Kernel is not installed) gives one."""
+    import titan_kernels as tk
+
+    dev = device()
+    impls = {"titan": titan, **(extra or {}), "eager": eager, "compile": torch.compile(eager, dynamic=False)}
+    for name in backends:
+        if tk.available_backends(dev)[name].available and not (name == "triton" and dev.type == "cpu"):
+            impls[f"titan-{name}"] = with_backend(titan, name)
+    if dev.type == "cuda" and liger is not None and (fn := liger()) is not None:
+        impls["liger"] = fn
+    return impls
+
+
 def with_ratios(rows: list[Row]) -> list[Row]:
     """Fill each row's ``ratios``: baseline time / this time, for baselines in the same group."""
     groups: dict[tuple, list[Row]] = {}
