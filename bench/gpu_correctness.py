@@ -353,38 +353,6 @@ def check_linear_cross_entropy(c: Checks, dev, S) -> None:
         c.add("linear_cross_entropy", "auto", case, qn, got, want, _tol(dtype))
 
 
-def check_grouped_mm(c: Checks, dev, S) -> None:
-    import torch
-
-    import titan_kernels as tk
-
-    (t, k, n, e), dtype = S.gmm
-    # Uneven groups, one empty, and rows past the last group (they must come out zero).
-    ends = torch.linspace(0, t - 7, e + 1)[1:].round().long()
-    ends[1] = ends[0]
-    offsets = ends.to(torch.int32).to(dev)
-    for be in ("reference", "triton", dev.type):
-        x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
-        w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
-        g = _randn(t, n, dtype=dtype, dev=dev)
-        label = f"{be} (torch._grouped_mm)" if be == dev.type else be
-        case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
-        try:
-            with tk.use_backend(be):
-                y = tk.grouped_mm(x, w, offsets)
-                dx, dw = _grad(y, (x, w), g)
-        except RuntimeError as err:  # e.g. aten's grouped GEMM does not take this dtype/device
-            c.skip(f"grouped_mm [{label}] {case}: {str(err).splitlines()[0][:160]}")
-            continue
-        x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-        bounds = [0, *offsets.tolist()]
-        y64 = torch.cat([x64[a:b] @ w64[i] for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:]))]
-                        + [x64[bounds[-1]:] * 0 @ w64[0]])
-        dx64, dw64 = _grad(y64, (x64, w64), g.double())
-        for qn, got, want in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
-            c.add("grouped_mm", label, case, qn, got, want, _tol(dtype))
-
-
 def _uneven_offsets(t: int, e: int, dev):
     """Cumulative ends of e uneven groups over t - 7 rows, group 1 empty, 7 rows past the last group."""
     import torch
@@ -405,6 +373,49 @@ def _loop64(x, w, offsets):
     return y
 
 
+def _loop64_grads(x, w, offsets, g):
+    """(y, dx, dw) of ``_loop64`` in float64 on x and w's values, the gradients of g."""
+    x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    y64 = _loop64(x64, w64, offsets)
+    return (y64, *_grad(y64, (x64, w64), g.double()))
+
+
+def _grouped_runs(c: Checks, dev, name: str, op, native: str, shape, dtype, offsets):
+    """Each backend of the grouped GEMM ``op`` (reference, triton, the device's aten kernel ``native``)
+    on fresh operands of ``shape`` (t, k, n, e): yields (label, case, x, w, g, y, dx, dw), y = op(x,
+    w, offsets) and its gradients of g under that backend; a backend that refuses the case (e.g. aten:
+    not this dtype or device) is skipped with its reason."""
+    import titan_kernels as tk
+
+    t, k, n, e = shape
+    for be in ("reference", "triton", dev.type):
+        x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
+        w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+        g = _randn(t, n, dtype=dtype, dev=dev)
+        label = f"{be} ({native})" if be == dev.type else be
+        case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
+        try:
+            with tk.use_backend(be):
+                y = op(x, w, offsets)
+                dx, dw = _grad(y, (x, w), g)
+        except RuntimeError as err:
+            c.skip(f"{name} [{label}] {case}: {str(err).splitlines()[0][:160]}")
+            continue
+        yield label, case, x, w, g, y, dx, dw
+
+
+def check_grouped_mm(c: Checks, dev, S) -> None:
+    import titan_kernels as tk
+
+    (t, k, n, e), dtype = S.gmm
+    # Uneven groups, one empty, and rows past the last group (they must come out zero).
+    offsets = _uneven_offsets(t, e, dev)
+    for label, case, x, w, g, y, dx, dw in _grouped_runs(c, dev, "grouped_mm", tk.grouped_mm, "torch._grouped_mm",
+                                                         (t, k, n, e), dtype, offsets):
+        for qn, got, want in zip(("y", "dx", "dw"), (y, dx, dw), _loop64_grads(x, w, offsets, g)):
+            c.add("grouped_mm", label, case, qn, got, want, _tol(dtype))
+
+
 def check_fp8_grouped_mm(c: Checks, dev, S) -> None:
     import torch
 
@@ -414,23 +425,10 @@ def check_fp8_grouped_mm(c: Checks, dev, S) -> None:
     for (t, k, n, e), dtype in S.fp8_gmm:
         offsets = _uneven_offsets(t, e, dev)
         bounds = [0, *offsets.tolist()]
-        for be in ("reference", "triton", dev.type):
-            x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
-            w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
-            g = _randn(t, n, dtype=dtype, dev=dev)
-            label = f"{be} (torch._scaled_grouped_mm)" if be == dev.type else be
-            case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
-            try:
-                with tk.use_backend(be):
-                    y = tk.fp8_grouped_mm(x, w, offsets)
-                    dx, dw = _grad(y, (x, w), g)
-            except RuntimeError as err:  # e.g. torch._scaled_grouped_mm: bf16 only, or not on this device
-                c.skip(f"fp8_grouped_mm [{label}] {case}: {str(err).splitlines()[0][:160]}")
-                continue
-            x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
-            y64 = _loop64(x64, w64, offsets)
-            dx64, dw64 = _grad(y64, (x64, w64), g.double())
-            for qn, got, want in (("y", y, y64), ("dx", dx, dx64), ("dw", dw, dw64)):
+        # torch._scaled_grouped_mm may refuse: bf16 only, or not on this device.
+        for label, case, x, w, g, y, dx, dw in _grouped_runs(c, dev, "fp8_grouped_mm", tk.fp8_grouped_mm,
+                                                             "torch._scaled_grouped_mm", (t, k, n, e), dtype, offsets):
+            for qn, got, want in zip(("y", "dx", "dw"), (y, dx, dw), _loop64_grads(x, w, offsets, g)):
                 c.add("fp8_grouped_mm", label, case, f"{qn} vs float64", got, want, E4M3_TOL)
             # The operands each GEMM sees, dequantized in float64: forward x rowwise / w per column,
             # dgrad dy rowwise / w per row, wgrad x and dy per (expert, column) over its tokens.
