@@ -10,8 +10,8 @@ Both ops are ``torch.library.custom_op``s whose real implementation picks the ba
 backward is itself an op) and DTensor sharding rules (``titan_kernels.dtensor``). In plain eager mode
 ``apply_rotary_emb`` skips the dispatcher and calls the backend through a ``torch.autograd.Function``.
 
-One autograd definition: the eager ``autograd.Function``s and ``register_autograd`` run the same
-``_forward`` / ``_backward_kernel``, ``_save`` and ``_grads`` / ``_grads_of_backward``. The backend
+One autograd definition: the eager ``autograd.Function`` (``_RotaryFn``, for both ops) and
+``register_autograd`` run the same ``_forward`` / ``_backward_kernel``, ``_save`` and ``_grads``. The backend
 request (``use_backend`` / ``TITAN_KERNELS_BACKEND``, None = automatic) is captured when the forward
 runs and passed to the backward (the ``backend`` argument of both ops), so the backward runs on the
 forward's backend in both paths (under torch.compile both ops read the request when they run). Double backward is implemented, to any order: rotary is the linear
@@ -212,66 +212,53 @@ def _(dq, dk, cos, sin, position_ids, interleaved, backend=None):
 # ----------------------------------------------------------------------------- the one autograd definition
 
 
-def _save(ctx, cos, sin, position_ids, interleaved, backend: str | None) -> None:
+def _save(ctx, cos, sin, position_ids, interleaved, backend: str | None, inverse: bool) -> None:
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.interleaved = interleaved
     ctx.backend = backend
+    ctx.inverse = inverse  # the map differentiated: R(theta) (titan::rotary) or R(-theta) (titan::rotary_backward)
 
 
-def _grads(ctx, dq, dk):
-    """Gradients of titan::rotary w.r.t. (q, k): R(-theta) (dq, dk), differentiable (double backward)."""
+def _grads(ctx, da, db):
+    """Gradients of the saved map w.r.t. its two inputs: its adjoint, R(-theta) for titan::rotary and
+    R(theta) for titan::rotary_backward, differentiable (double backward to any order)."""
     cos, sin, position_ids = ctx.saved_tensors
-    return _rotate(dq, dk, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=True)
+    return _rotate(da, db, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=not ctx.inverse)
 
 
-def _grads_of_backward(ctx, ddq, ddk):
-    """Gradients of titan::rotary_backward (the linear map R(-theta)): its adjoint R(theta)."""
-    cos, sin, position_ids = ctx.saved_tensors
-    return _rotate(ddq, ddk, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=False)
-
-
-def _setup(ctx, inputs, output):
+def _setup(ctx, inputs, output, inverse: bool = False):
     _, _, cos, sin, position_ids, interleaved, backend = inputs
     # A direct op call without a request: the one in force as the forward ran (read right after it).
-    _save(ctx, cos, sin, position_ids, interleaved, backend if backend is not None else _backend.requested_backend())
+    request = backend if backend is not None else _backend.requested_backend()
+    _save(ctx, cos, sin, position_ids, interleaved, request, inverse)
 
 
-def _op_backward(ctx, dq, dk):
-    return (*_grads(ctx, dq, dk), None, None, None, None, None)
+def _setup_backward(ctx, inputs, output):
+    _setup(ctx, inputs, output, inverse=True)
 
 
-def _op_backward_of_backward(ctx, ddq, ddk):
-    return (*_grads_of_backward(ctx, ddq, ddk), None, None, None, None, None)
+def _op_backward(ctx, da, db):
+    return (*_grads(ctx, da, db), None, None, None, None, None)
 
 
 rotary_op.register_autograd(_op_backward, setup_context=_setup)
-rotary_backward_op.register_autograd(_op_backward_of_backward, setup_context=_setup)
+rotary_backward_op.register_autograd(_op_backward, setup_context=_setup_backward)
 
 
 class _RotaryFn(torch.autograd.Function):
-    """The eager fast path of titan::rotary: the same ``_forward``, ``_save`` and ``_grads``."""
+    """The eager fast path of titan::rotary (``inverse`` False) and of titan::rotary_backward
+    (``inverse`` True, when its result needs a gradient: create_graph): the same kernels, ``_save``
+    and ``_grads`` as the ops."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids, interleaved, backend):
-        _save(ctx, cos, sin, position_ids, interleaved, backend)
-        return _forward(q, k, cos, sin, position_ids, interleaved, backend)
+    def forward(ctx, a, b, cos, sin, position_ids, interleaved, backend, inverse):
+        _save(ctx, cos, sin, position_ids, interleaved, backend, inverse)
+        run = _backward_kernel if inverse else _forward
+        return run(a, b, cos, sin, position_ids, interleaved, backend)
 
     @staticmethod
-    def backward(ctx, dq, dk):
-        return _op_backward(ctx, dq, dk)
-
-
-class _RotaryBackwardFn(torch.autograd.Function):
-    """The eager fast path of titan::rotary_backward when its result needs a gradient (create_graph)."""
-
-    @staticmethod
-    def forward(ctx, dq, dk, cos, sin, position_ids, interleaved, backend):
-        _save(ctx, cos, sin, position_ids, interleaved, backend)
-        return _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend)
-
-    @staticmethod
-    def backward(ctx, ddq, ddk):
-        return _op_backward_of_backward(ctx, ddq, ddk)
+    def backward(ctx, da, db):
+        return (*_op_backward(ctx, da, db), None)
 
 
 def _rotate(a, b, cos, sin, position_ids, interleaved, backend, inverse: bool):
@@ -279,8 +266,7 @@ def _rotate(a, b, cos, sin, position_ids, interleaved, backend, inverse: bool):
     autograd.Function when a gradient is needed), else the op."""
     if eager_fast_path(a, b, cos, sin, position_ids):
         if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            fn = _RotaryBackwardFn if inverse else _RotaryFn
-            return fn.apply(a, b, cos, sin, position_ids, interleaved, backend)
+            return _RotaryFn.apply(a, b, cos, sin, position_ids, interleaved, backend, inverse)
         run = _backward_kernel if inverse else _forward
         return run(a, b, cos, sin, position_ids, interleaved, backend)
     op = torch.ops.titan.rotary_backward if inverse else torch.ops.titan.rotary
