@@ -137,6 +137,14 @@ def _(x, residual, weight, eps):
     )
 
 
+def dweight_or_empty(dw: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """dweight as the backward ops return it: an empty (0,) tensor (weight's dtype, else x's) for
+    None. Shared with the triton_op variant (``rms_norm_triton_op``)."""
+    if dw is None:
+        dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
+    return dw
+
+
 @torch.library.custom_op("titan::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(
     dy: torch.Tensor,
@@ -154,9 +162,7 @@ def rms_norm_backward_op(
     ``backend``: the forward's request (None: the automatic choice).
     """
     dx, dw = _backward_kernel(dy, x, weight, rstd, dresidual, compute_dweight, backend)
-    if dw is None:
-        dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
-    return dx, dw
+    return dx, dweight_or_empty(dw, x, weight)
 
 
 @rms_norm_backward_op.register_fake

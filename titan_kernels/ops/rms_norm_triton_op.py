@@ -86,9 +86,7 @@ def rms_norm_backward_triton_def(
         dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight)
     else:
         dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight, wrap=wrap)
-    if dw is None:
-        dw = x.new_empty((0,), dtype=weight.dtype if weight is not None else x.dtype)
-    return dx, dw
+    return dx, _rn.dweight_or_empty(dw, x, weight)
 
 
 def _backward_op():
