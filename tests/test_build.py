@@ -8,8 +8,9 @@
   with the machine's nvcc (compile only: sm_80 here, as tests/test_cuda_compile.py compiles sm_90a);
   running ctest needs a GPU.
 
-Slow (``pytest -m slow tests/test_build.py``): the CMake build of the torch extension
-(find_package(Torch)), about 2 minutes on 2 cores.
+Slow (``pytest -m slow tests/test_build.py``): the standalone CMake build of the CUDA kernels (and
+ctest on a GPU) and the CMake build of the torch extension (find_package(Torch)), about 2 minutes on
+2 cores.
 """
 from __future__ import annotations
 
@@ -123,6 +124,7 @@ def cmake_cuda_build(tmp_path_factory):
     return build
 
 
+@pytest.mark.slow  # 16 s; the CUDA kernels' compile for sm_90a is in the default run (tests/test_cuda_compile.py)
 def test_cmake_builds_standalone_cuda_kernels_and_test(cmake_cuda_build):
     assert (cmake_cuda_build / "libtitan_cuda_kernels.a").exists()
     assert (cmake_cuda_build / "titan_cuda_test").exists()
@@ -131,6 +133,7 @@ def test_cmake_builds_standalone_cuda_kernels_and_test(cmake_cuda_build):
     assert r.returncode in (0, 77), r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_ctest_on_gpu(cmake_cuda_build):
     if shutil.which("nvidia-smi") is None or _run(["nvidia-smi", "-L"], timeout=60).returncode != 0:
         pytest.skip("no CUDA device: the ctest run of the CUDA kernels needs a GPU (bench/run_gpu.sh runs it)")

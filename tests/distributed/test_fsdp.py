@@ -75,6 +75,7 @@ def test_hsdp_replicate_with_accumulation_equals_one_process(tmp_path, single_pr
     _assert_same(_records(tmp_path), single_process)
 
 
+@pytest.mark.slow  # 30 s; resumes across layouts are in the default run by test_parallel_resume.py
 def test_fsdp_checkpoint_resume_and_layout_change(tmp_path):
     ckpt = ["--training.local_batch_size", "2", "--checkpoint.enable", "--checkpoint.interval", "5",
             "--checkpoint.keep_latest_k", "0"]

@@ -25,7 +25,9 @@ What each layout exercises:
                            Dynamo fullgraph + AOT autograd, no code generation) in interleaved stages
   tp2_no_loss_parallel     logits all-gathered, plain cross-entropy
 
-The Inductor-compiled variant is slow (CPU code generation): ``pytest -m slow tests/distributed/test_parallel_layouts.py``.
+The default run holds one layout of each kind; GPipe and InterleavedZeroBubble, pp2_zbv_fsdp2,
+hsdp2_tp2, hsdp2_cp2, cp2_fsdp2_compile and the Inductor-compiled variant (CPU code generation) run with
+``pytest -m slow tests/distributed/test_parallel_layouts.py``.
 """
 import pytest
 
@@ -46,10 +48,13 @@ TP2 = ["--parallelism.tensor_parallel_degree", "2"]
 CP2 = ["--parallelism.context_parallel_degree", "2"]
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
+# The default run keeps one layout of each kind; the rest (more schedules, HSDP with TP/CP, compile
+# with CP) run with -m slow, to hold the default test run under 15 minutes on 2 cores.
+DEFAULT_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
 TWO_RANKS = {
     "tp2": [*TP2, *_lbs(1)],
     "cp2": [*CP2, *_lbs(1)],
-    **{f"pp2_{s}": [*_pp(s), *_lbs(1)] for s in SCHEDULES},
+    **{f"pp2_{s}": [*_pp(s), *_lbs(1)] for s in DEFAULT_SCHEDULES},
     "pp2_accum": [*_pp("Interleaved1F1B"), "--training.local_batch_size", "2"],
     "pp2_split": [*_pp("1F1B"), "--parallelism.pipeline_parallel_split_points", "layers.2", *_lbs(1)],
     "tp2_no_loss_parallel": [*TP2, "--parallelism.disable_loss_parallel", *_lbs(1)],
@@ -60,15 +65,18 @@ FOUR_RANKS = {
                 *_lbs(4)],
     "fsdp2_tp2": [*TP2, *_lbs(2)],
     "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
-    "pp2_zbv_fsdp2": [*_pp("ZBVZeroBubble"), *_lbs(2)],
     "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
-    "hsdp2_tp2": ["--parallelism.data_parallel_replicate_degree", "2", *TP2, *_lbs(2)],
-    "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
     "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
                      "--activation_checkpoint.selective_ac_option", "op"],
-    "cp2_fsdp2_compile": [*CP2, *_lbs(2), "--compile.enable", "--compile.backend", "aot_eager"],
     "pp2_fsdp2_ac_compile": [*_pp("Interleaved1F1B"), *_lbs(2), "--activation_checkpoint.mode", "full",
                              "--compile.enable", "--compile.backend", "aot_eager"],
+}
+TWO_RANKS_SLOW = {f"pp2_{s}": [*_pp(s), *_lbs(1)] for s in SCHEDULES if s not in DEFAULT_SCHEDULES}
+FOUR_RANKS_SLOW = {
+    "pp2_zbv_fsdp2": [*_pp("ZBVZeroBubble"), *_lbs(2)],
+    "hsdp2_tp2": ["--parallelism.data_parallel_replicate_degree", "2", *TP2, *_lbs(2)],
+    "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
+    "cp2_fsdp2_compile": [*CP2, *_lbs(2), "--compile.enable", "--compile.backend", "aot_eager"],
 }
 
 
@@ -95,6 +103,18 @@ def test_two_rank_layout_equals_one_process(layout, two_ranks, single):
 @pytest.mark.parametrize("layout", list(FOUR_RANKS))
 def test_four_rank_layout_equals_one_process(layout, four_ranks, single):
     assert_same(four_ranks[layout], single)
+
+
+@pytest.fixture(scope="module")
+def more_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("more_layouts")
+    return {**run_layouts(2, TWO_RANKS_SLOW, out / "two"), **run_layouts(4, FOUR_RANKS_SLOW, out / "four")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [*TWO_RANKS_SLOW, *FOUR_RANKS_SLOW])
+def test_more_layouts_equal_one_process(layout, more_ranks, single):
+    assert_same(more_ranks[layout], single)
 
 
 @pytest.mark.slow

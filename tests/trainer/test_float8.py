@@ -143,6 +143,7 @@ def test_config_errors():
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.slow  # 21 s; float8 training in the default run: the MoE run below and tests/distributed/test_fsdp_float8.py
 @pytest.mark.usefixtures("one_thread")  # tests/trainer/conftest.py
 def test_short_float8_runs_track_float32(tmp_path, capsys):
     rc, base = _run(tmp_path / "fp32", *SHORT)

@@ -246,6 +246,7 @@ def test_train_refuses_an_hf_folder_of_another_shape(tmp_path, capsys):
         parse_args(["--checkpoint.initial_load_path", str(tmp_path / "nope")])
 
 
+@pytest.mark.slow  # 13 s; Hugging Face folders under a layout stay in the default run with EP 2
 def test_hf_start_and_end_under_pp2_x_tp2_equal_one_process(tmp_path, tmp_path_factory):
     """The initial load keeps each rank's TP shard of the permuted rows; the final export gathers the
     pipeline stages: 4 ranks (PP 2 x TP 2) give the single-process losses and exported weights."""
