@@ -80,14 +80,17 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _env_reader(name: str) -> Callable[[], str | None]:
+def _env_reader(name: str, raw: bool = False) -> Callable[[], Any]:
     """A fast reader of one environment variable: every op call reads two, and ``os.environ.get``
-    encodes the key each time (a third of a small op's dispatch cost). Reads the live environment."""
+    encodes the key each time (a third of a small op's dispatch cost). Reads the live environment.
+    ``raw``: the stored value undecoded (bytes on POSIX), enough to tell values apart in a cache key."""
     data = getattr(os.environ, "_data", None)
     encode, decode = getattr(os.environ, "encodekey", None), getattr(os.environ, "decodevalue", None)
     if not isinstance(data, dict) or encode is None or decode is None:
         return lambda: os.environ.get(name)
     key = encode(name)
+    if raw:
+        return lambda: data.get(key)
 
     def read() -> str | None:
         value = data.get(key)
@@ -98,6 +101,7 @@ def _env_reader(name: str) -> Callable[[], str | None]:
 
 _env_backend = _env_reader(ENV_VAR)
 _env_interpret = _env_reader("TRITON_INTERPRET")
+_env_interpret_raw = _env_reader("TRITON_INTERPRET", raw=True)
 
 
 def triton_interpret() -> bool:
@@ -374,7 +378,7 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     """
     dev = device if type(device) is torch.device else _as_device(device)
     # The argument and the context are kept apart: a context request can mean "automatic" for this op.
-    ck = (op, dev, backend, None if backend else (_override.get() or _env_backend()), _env_interpret(), key)
+    ck = (op, dev, backend, None if backend else (_override.get() or _env_backend()), _env_interpret_raw(), key)
     hit = _choices.get(ck)
     if hit is not None:
         return hit

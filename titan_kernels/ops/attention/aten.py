@@ -76,7 +76,8 @@ def _zeros_like(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _cpu_dense_fwd(q, k, v, causal: bool, scale: float):
     sq, sk = q.shape[1], k.shape[1]
-    if (sq == sk or not causal) and q.stride()[-1] == 1 and k.stride()[-1] == 1 and v.stride()[-1] == 1:
+    if (sq == sk or not causal) and ((q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+                                     or (q.stride()[-1] == 1 and k.stride()[-1] == 1 and v.stride()[-1] == 1)):
         # The common case, kept short (it is most of a small call's cost): no empty rows, no mask.
         o, lse = _cpu_flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
         return o.transpose(1, 2), lse

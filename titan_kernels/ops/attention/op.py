@@ -81,9 +81,9 @@ def _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_l
     if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # inline: every call
         return _empty_fwd(q, cu_q)
     # The first try inline, without _run's closures: this is most of a small call's overhead.
-    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, return_lse)
-    choice = _backend.choose(_d.OP, q.device, key, case=lambda: _d.make_case(q, k, v, cu_q, max_q, max_k, causal,
-                                                                             return_lse), backend=request or None)
+    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, return_lse)  # key[0] is q.device
+    choice = _backend.choose(_d.OP, key[0], key, case=lambda: _d.make_case(q, k, v, cu_q, max_q, max_k, causal,
+                                                                           return_lse), backend=request or None)
     try:
         out, lse = choice.fn[0](q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
         return out.contiguous(), lse
@@ -227,7 +227,7 @@ class _FlashAttnFn(torch.autograd.Function):
 
 
 def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend):
-    if eager_fast_path(q, k, v, cu_q, cu_k):
+    if eager_fast_path(q, k, v) if cu_q is None else eager_fast_path(q, k, v, cu_q, cu_k):
         request = backend or _backend.requested_backend() or _backend.AUTO
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _FlashAttnFn.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, request)

@@ -24,22 +24,23 @@ def check_scale(softmax_scale, head_dim: int) -> float:
 _DTYPES = frozenset(FLOAT_DTYPES)
 
 
-def _valid_qkv(q, k, v, rank: int) -> bool:
-    """The common case in one pass (this runs on every call); anything else gets the detailed checks."""
+def _head_dim_if_valid(q, k, v, rank: int) -> int:
+    """head_dim when q, k, v pass every check of the common case, in one pass (this runs on every call;
+    dense: the batch too), else 0: the detailed checks then name what is wrong."""
     try:
         qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
-        if not (q.dim() == rank and k.dim() == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
-                and v.dtype == dt and k.device == dev and v.device == dev):
-            return False
+        if not (len(qs) == rank and len(ks) == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
+                and v.dtype == dt and k.device == dev and v.device == dev and (rank == 3 or ks[0] == qs[0])):
+            return 0
         d, hkv = qs[-1], ks[-2]
-        return ks[-1] == d and 1 <= d <= MAX_HEAD_DIM and hkv >= 1 and qs[-2] % hkv == 0
-    except (AttributeError, TypeError):
-        return False
+        return d if ks[-1] == d and 1 <= d <= MAX_HEAD_DIM and hkv >= 1 and qs[-2] % hkv == 0 else 0
+    except (AttributeError, TypeError):  # not a tensor: the detailed checks say which
+        return 0
 
 
 def check_qkv(q, k, v, rank: int, layout: str) -> None:
     if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) \
-            and _valid_qkv(q, k, v, rank):
+            and _head_dim_if_valid(q, k, v, rank):
         return  # the detailed checks below name the argument and what was expected
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_float(t, name)
@@ -98,9 +99,9 @@ def check_max_seqlen(x, name: str) -> int:
 
 
 def validate_dense(q, k, v, softmax_scale) -> float:
-    if softmax_scale is None and type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor \
-            and _valid_qkv(q, k, v, 4) and k.shape[0] == q.shape[0]:
-        return 1.0 / math.sqrt(q.shape[-1])  # the common case in one pass (every call runs it); as check_scale
+    d = _head_dim_if_valid(q, k, v, 4) if isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) else 0
+    if d:
+        return 1.0 / math.sqrt(d) if softmax_scale is None else check_scale(softmax_scale, d)
     check_qkv(q, k, v, 4, "(batch, seq, heads, head_dim)")
     if k.shape[0] != q.shape[0]:
         raise ValueError(f"k: expected batch {q.shape[0]} (the batch of q), got {k.shape[0]}")
