@@ -16,6 +16,16 @@ import torch
 from tests.distributed.launcher import run_distributed
 
 
+def _operands():
+    """x (13, 16), w (4 experts, 16, 24), offsets with an empty expert, dy: the same on every rank."""
+    torch.manual_seed(0)
+    t, k, n, e = 13, 16, 24, 4
+    x = torch.randn(t, k)
+    w = torch.randn(e, k, n) * k**-0.5
+    offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # an empty expert
+    return x, w, offsets, torch.randn(t, n)
+
+
 def _check_tp(rank: int, world: int) -> None:
     import titan_kernels as tk
     from torch.distributed.device_mesh import init_device_mesh
@@ -23,12 +33,7 @@ def _check_tp(rank: int, world: int) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)  # the same full tensors on every rank
-    t, k, n, e = 13, 16, 24, 4
-    x = torch.randn(t, k)
-    w = torch.randn(e, k, n) * k**-0.5
-    offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # an empty expert
-    dy = torch.randn(t, n)
+    x, w, offsets, dy = _operands()
     rep = Replicate()
 
     def unsharded():
@@ -73,12 +78,7 @@ def _check_fp8_tp(rank: int, world: int) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
     mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    t, k, n, e = 13, 16, 24, 4
-    x = torch.randn(t, k)
-    w = torch.randn(e, k, n) * k**-0.5
-    offsets = torch.tensor([3, 3, 10, 13], dtype=torch.int32)  # an empty expert
-    dy = torch.randn(t, n)
+    x, w, offsets, dy = _operands()
     rep = Replicate()
 
     def rel(a, b):
