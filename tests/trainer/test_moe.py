@@ -153,6 +153,23 @@ def test_no_counting_in_evaluation_or_in_an_activation_checkpoint_recompute():
     assert m.tokens_per_expert.sum() == 10 * 2
 
 
+def test_compiled_moe_equals_eager_and_counts():
+    # fullgraph compile (aot_eager: Dynamo + AOT autograd, no code generation) traces the layer,
+    # counting included; output, gradients and counts equal eager.
+    x = torch.randn(2, 5, 12)
+    outs = {}
+    for mode in ("eager", "compiled"):
+        m = _moe()
+        f = torch.compile(m, fullgraph=True, backend="aot_eager") if mode == "compiled" else m
+        xi = x.clone().requires_grad_()
+        y = f(xi)
+        y.square().sum().backward()
+        outs[mode] = (y, xi.grad, m.experts.w1.grad, m.tokens_per_expert.clone())
+    for a, b in zip(outs["eager"], outs["compiled"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert outs["compiled"][3].sum() == 10 * 2
+
+
 def test_sequence_balance_loss_and_its_gradient():
     torch.manual_seed(1)
     batch, seq, e, k = 3, 5, 4, 2

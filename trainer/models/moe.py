@@ -231,9 +231,14 @@ class MoE(nn.Module):
         rows, routing = titan_kernels.moe_permute(expert_in, idx, a.num_experts)
         counts = routing.counts
         # Count once per micro-batch: not in evaluation, nor when activation checkpointing recomputes
-        # this forward inside the backward (a graph task is running then).
-        if (self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-                and not _counting_paused):
+        # this forward inside the backward (a graph task is running then). A compiled block cannot ask
+        # that (Dynamo does not trace the query): there a recomputed forward counts again, which scales
+        # all of a layer's counts alike - its load (max / mean) and the bias update (the sign of
+        # mean - count) do not change.
+        counting = self.training and torch.is_grad_enabled() and not _counting_paused
+        if counting and not torch.compiler.is_compiling():
+            counting = torch._C._current_graph_task_id() == -1
+        if counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
         routed = self.experts(rows, counts)
