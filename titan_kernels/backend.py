@@ -158,10 +158,13 @@ def available_backends(device: torch.device | str | None = None) -> dict[str, Ba
 
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[str]:
-    """Context manager: run titan ops with backend ``name`` inside the block.
+    """Context manager: run titan ops with backend ``name`` inside the block: a family of ``BACKENDS``
+    or one op's own implementation (e.g. "sdpa_flash"). It applies to the ops that implement that
+    name; the others choose automatically (``--kernels.backend cpu`` keeps the ops without native
+    CPU kernels running).
 
     Raises ``ValueError`` for an unknown name. Availability is checked when an op runs, since it
-    depends on the tensors' device.
+    depends on the tensors' device (an op that has the implementation but cannot run it raises).
     """
     token = _override.set(_check_name(name))
     try:
@@ -182,17 +185,32 @@ def automatic() -> Iterator[None]:
         _override.reset(token)
 
 
-def requested_backend() -> str | None:
-    """The backend asked for by ``use_backend`` or ``TITAN_KERNELS_BACKEND``, or None for automatic."""
+def requested_backend(op: str | None = None) -> str | None:
+    """The backend asked for by ``use_backend`` or ``TITAN_KERNELS_BACKEND``, or None for automatic.
+
+    With ``op``: None also when the request names nothing ``op`` implements (another op's own
+    implementation, or a family it lacks): a context request applies to the ops that have it.
+    """
     name = _override.get()
     if name == _AUTOMATIC:
         return None
-    if name is not None:
-        return name
-    env = (_env_backend() or "").strip()
-    if env and env != "auto":
-        return _check_name(env, ENV_VAR)
-    return None
+    if name is None:
+        env = (_env_backend() or "").strip()
+        if not env or env == "auto":
+            return None
+        name = _check_name(env, ENV_VAR)
+    if op is not None and name not in implementation_names(op):
+        return None
+    return name
+
+
+def capture_request(op: str) -> str | None:
+    """What a forward of ``op`` hands to its backward: the request in force for ``op`` now, or ``AUTO``
+    when there is none (a backward run under another ``use_backend`` still makes the forward's
+    choice); None while compiling, where the compiled ops read the request when they run."""
+    if torch.compiler.is_compiling():
+        return None
+    return requested_backend(op) or _AUTOMATIC
 
 
 # ----------------------------------------------------------------------------- the registry
@@ -239,6 +257,7 @@ _rank: dict[str, Callable] = {}                        # op -> reorders the auto
 _hints: dict[str, str] = {}                            # op -> appended to "no backend can run" errors
 _failed: dict[tuple, str] = {}                         # (op, name, device, key) -> why it raised at run time
 _choices: dict[tuple, Choice] = {}
+_names: dict[str, tuple[str, ...]] = {}                # op -> implementation_names(op), cached
 
 
 def register_impl(op: str, backend: str, fn: Any, *, name: str | None = None, why_not: Callable | None = None,
@@ -273,6 +292,7 @@ def clear_choices() -> None:
     """Forget every cached choice and run-time failure (after a registry, library or device change)."""
     _choices.clear()
     _failed.clear()
+    _names.clear()
 
 
 def implemented_backends(op: str) -> tuple[str, ...]:
@@ -283,8 +303,10 @@ def implemented_backends(op: str) -> tuple[str, ...]:
 
 def implementation_names(op: str) -> tuple[str, ...]:
     """Every name ``backend=`` may give for ``op``: its implementations' names and their families."""
-    names = [i.name for i in _impls.get(op, ())] + list(implemented_backends(op))
-    return tuple(dict.fromkeys(names))
+    names = _names.get(op)
+    if names is None:
+        names = _names[op] = tuple(dict.fromkeys([i.name for i in _impls.get(op, ())] + list(implemented_backends(op))))
+    return names
 
 
 @contextlib.contextmanager
@@ -394,9 +416,10 @@ def _choose(op: str, dev: torch.device, key: Any, case: Any, backend: str | None
     name, why_requested = _describe_request(backend)
     if name is not None:
         _check_name(name)
-        if not backend and name not in BACKENDS and all(i.name != name for i in _impls.get(op, ())):
-            # use_backend("sdpa_flash") / the environment naming one op's own implementation: the
-            # other ops choose automatically (an op's backend= argument naming it still raises).
+        if not backend and name not in implementation_names(op):
+            # A context or environment request naming nothing this op implements (another op's own
+            # implementation, a family it lacks): this op chooses automatically. An op's backend=
+            # argument naming it still raises.
             name = None
     skipped: list[tuple[str, str]] = []
     if name is None:

@@ -141,3 +141,30 @@ def test_every_op_is_registered_with_the_one_registry():
         assert "reference" in backend.implementation_names(op), op
     assert "scaled_mm" in backend.implementation_names("fp8_gemm")
     assert {"sdpa_flash", "fa3", "fa2"} <= set(backend.implementation_names("flash_attn"))
+
+
+def test_a_context_request_applies_to_the_ops_that_have_it(toy):
+    # A family or name an op lacks: that op chooses automatically (its backward too); an op's own
+    # backend= argument naming it still raises (test_named_implementation_requests).
+    with tk.use_backend("gpu"):  # the toy op's own name: taken (and refused on CPU tensors) by the toy op
+        with pytest.raises(RuntimeError, match="'gpu'.*runs on CUDA tensors"):
+            backend.choose(OP, CPU, 2)
+        assert backend.requested_backend("rms_norm") is None and backend.requested_backend(OP) == "gpu"
+    assert "triton" not in backend.implementation_names(OP)
+    with tk.use_backend("triton"):
+        assert backend.choose(OP, CPU, 2).backend == "fast"
+        assert backend.capture_request(OP) == backend.AUTO  # what the forward hands its backward
+    x, w = torch.randn(4, 8), torch.ones(8, requires_grad=True)
+    q = torch.randn(1, 4, 2, 8)
+    cos, sin = tk.rope_cos_sin(8, 4)
+    h, wv = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (6,))
+    with tk.use_backend("sdpa_flash"):  # attention's own: rotary and rms_norm (with its backward) choose themselves
+        ref = tk.apply_rotary_emb(q, q, cos, sin)
+        tk.rms_norm(x, w).sum().backward()
+        out = tk.flash_attn(q, q, q)
+    torch.testing.assert_close(ref, tk.apply_rotary_emb(q, q, cos, sin))
+    torch.testing.assert_close(out, tk.flash_attn(q, q, q, backend="sdpa_flash"))
+    with tk.use_backend("cpu"):  # linear_cross_entropy has no native CPU kernel: automatic
+        tk.linear_cross_entropy(h, wv, labels).backward()
+    assert h.grad is not None and torch.isfinite(h.grad).all()

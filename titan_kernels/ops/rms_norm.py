@@ -208,7 +208,7 @@ def _grads(ctx, dy, dresidual, need_dw: bool, backward_op):
 
 def _setup_rms_norm(ctx, inputs, output):
     x, weight, eps = inputs
-    _save(ctx, x, weight, output[1], eps, _backend.requested_backend())
+    _save(ctx, x, weight, output[1], eps, _backend.capture_request(OP))
 
 
 def make_rms_norm_backward(backward_op):
@@ -231,7 +231,7 @@ rms_norm_op.register_autograd(make_rms_norm_backward(_backward_op), setup_contex
 
 def _setup_add_rms_norm(ctx, inputs, output):
     _, _, weight, eps = inputs
-    _save(ctx, output[1], weight, output[2], eps, _backend.requested_backend())
+    _save(ctx, output[1], weight, output[2], eps, _backend.capture_request(OP))
 
 
 def make_add_rms_norm_backward(backward_op):
@@ -324,7 +324,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     eps = _validate(x, weight, eps)
     if eager_fast_path(x, weight):
         if _needs_grad(x, weight):  # the request is captured only when a backward will need it
-            return _RMSNormFn.apply(x, weight, eps, _backend.requested_backend())
+            return _RMSNormFn.apply(x, weight, eps, _backend.capture_request(OP))
         return _forward(x, None, weight, eps, None)[0]
     if _route_triton_op(x, weight):
         return torch.ops.titan.rms_norm_triton(x, weight, eps)[0]
@@ -355,7 +355,7 @@ def add_rms_norm(
     eps = _validate(x, weight, eps, residual)
     if eager_fast_path(x, residual, weight):
         if _needs_grad(x, residual, weight):
-            return _AddRMSNormFn.apply(x, residual, weight, eps, _backend.requested_backend())
+            return _AddRMSNormFn.apply(x, residual, weight, eps, _backend.capture_request(OP))
         y, h, _ = _forward(x, residual, weight, eps, None)
         return y, h
     if _route_triton_op(x, residual, weight):

@@ -229,7 +229,7 @@ def _grads(ctx, da, db):
 def _setup(ctx, inputs, output, inverse: bool = False):
     _, _, cos, sin, position_ids, interleaved, backend = inputs
     # A direct op call without a request: the one in force as the forward ran (read right after it).
-    request = backend if backend is not None else _backend.requested_backend()
+    request = backend if backend is not None else _backend.capture_request(OP)
     _save(ctx, cos, sin, position_ids, interleaved, request, inverse)
 
 
@@ -325,7 +325,7 @@ def apply_rotary_emb(
     _check_position_values(position_ids, cos.shape[0])
     # The request is captured now, for the backward; under torch.compile (which cannot trace the
     # use_backend context) both ops read it when they run.
-    request = None if torch.compiler.is_compiling() else _backend.requested_backend()
+    request = _backend.capture_request(OP)
     return _rotate(q, k, cos, sin, position_ids, interleaved, request, inverse=False)
 
 

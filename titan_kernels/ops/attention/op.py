@@ -228,7 +228,7 @@ class _FlashAttnFn(torch.autograd.Function):
 
 def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend):
     if eager_fast_path(q, k, v) if cu_q is None else eager_fast_path(q, k, v, cu_q, cu_k):
-        request = backend or _backend.requested_backend() or _backend.AUTO
+        request = backend or _backend.requested_backend(_d.OP) or _backend.AUTO
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
             out, lse = _FlashAttnFn.apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, request)
         else:
@@ -237,7 +237,7 @@ def _call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend)
                 lse = lse.contiguous()
     else:
         if not torch.compiler.is_compiling():  # capture the request now (the backward may run elsewhere)
-            backend = backend or _backend.requested_backend() or _backend.AUTO
+            backend = backend or _backend.requested_backend(_d.OP) or _backend.AUTO
         out, lse = torch.ops.titan.flash_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, backend)
     return (out, lse) if return_lse else out
 
