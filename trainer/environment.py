@@ -34,7 +34,7 @@ if "OMP_WAIT_POLICY" not in os.environ and _cpu_is_busy():
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from trainer.config import JobConfig  # noqa: E402
+from trainer.config import ConfigError, JobConfig  # noqa: E402
 
 logger = logging.getLogger("trainer")
 
@@ -92,3 +92,14 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return True
+
+
+def check_backend_environment() -> None:
+    """A bad TITAN_KERNELS_BACKEND is a ConfigError before the run, not a traceback at the first op."""
+    import titan_kernels.ops  # noqa: F401  (registers every op's implementations: their names are valid)
+    from titan_kernels import backend
+
+    try:
+        backend.requested_backend()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

@@ -50,6 +50,7 @@ from pathlib import Path
 # First: it sets the OpenMP wait policy before torch loads (trainer/environment.py says why).
 from trainer.environment import (
     DTYPES,
+    check_backend_environment,
     init_distributed,
     rank_zero_warnings,
     resolve_compute_dtype,
@@ -542,6 +543,7 @@ def main(config: JobConfig) -> int:
     world_size = _env_int("WORLD_SIZE", 1)
     rank = _env_int("RANK", 0)
     local_rank = _env_int("LOCAL_RANK", 0)
+    check_backend_environment()
     setup_logging(rank)
     trainer = Trainer(config, world_size=world_size, rank=rank, local_rank=local_rank)
     try:

@@ -60,6 +60,14 @@ def test_a_bad_dataset_is_a_one_line_error_before_the_model_is_built(tmp_path, c
     assert "Traceback" not in proc.stderr and "model llama3" not in proc.stdout
 
 
+def test_a_bad_backend_in_the_environment_is_a_one_line_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TITAN_KERNELS_BACKEND", "bogus")
+    proc, _ = _trainer("--training.steps", "2", "--job.dump_folder", str(tmp_path), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("python -m trainer: error: TITAN_KERNELS_BACKEND: expected one of")
+    assert "'bogus'" in proc.stderr and "step 1" not in proc.stdout
+
+
 def test_tinyshakespeare_with_a_tokenizer_json(tmp_path, shared_data):
     proc, _ = _trainer("--training.dataset_path", str(shared_data / "tinyshakespeare.txt"),
                        "--model.tokenizer_path", str(shared_data / "tokenizer" / "tokenizer.json"),

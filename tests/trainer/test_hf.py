@@ -10,6 +10,7 @@ the unsupported configs refused by name; the balancing-bias warning; a debugmode
 to a Qwen3-MoE folder; EP 2 import and export.
 """
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,6 +124,28 @@ def test_export_loads_in_transformers_with_our_logits(tmp_path, tied):
     back.init_weights(5)
     load_into_model(back, HFCheckpoint(tmp_path / "hf"))
     assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ours.state_dict().values()))
+
+
+def test_a_second_export_into_the_folder_replaces_the_first(tmp_path):
+    # 50 KB shards, then one file of other weights into the same folder: the old shards and index go
+    # (transformers would read the index, our loader the single file), and the files get the usual mode.
+    first, second = _our_model(TINY), _our_model(TINY)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(0.5)
+    for name, model in (("a", first), ("b", second)):
+        Checkpointer(tmp_path / name, model, model_args=TINY, flavor="custom").save_seed()
+    assert convert_main(["dcp-to-hf", str(tmp_path / "a"), str(tmp_path / "hf"), "--max_shard_size", "50KB"]) == 0
+    assert (tmp_path / "hf" / INDEX).is_file()
+    assert convert_main(["dcp-to-hf", str(tmp_path / "b"), str(tmp_path / "hf")]) == 0
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "model.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tokens = torch.randint(0, TINY.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert _rel(hf(tokens).logits, _logits(second, tokens)) < 1e-5
 
 
 def test_export_in_bfloat16_in_one_file(tmp_path):

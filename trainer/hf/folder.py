@@ -270,14 +270,20 @@ class HFWriter:
             self._flush()
         n = len(self._shards)
         weight_map = {}
+        mode = _file_mode()
+        written = set()
         for i, (tmp, names) in enumerate(self._shards):
             final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.chmod(self.out / tmp, mode)  # readable as the folder's other files (the shard writer's are 0600)
             os.replace(self.out / tmp, self.out / final)
             weight_map.update(dict.fromkeys(names, final))
+            written.add(final)
         if n > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
             (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            written.add(INDEX)
         (self.out / CONFIG).write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
+        self._remove_stale_weights(written)
         if self.biased_layers:
             key, peak = max(self.biased_layers, key=lambda kv: kv[1])
             logger.warning(
@@ -286,6 +292,25 @@ class HFWriter:
                 "model routes some tokens differently from the trained one", self.out, len(self.biased_layers), peak,
                 key)
         return self.out
+
+
+    def _remove_stale_weights(self, written: set[str]) -> None:
+        # An earlier export into this folder left weight files this one did not write (another shard
+        # count, or an index beside a single file): readers would mix the two exports. They go only
+        # now, after the new weights are in place.
+        for path in self.out.iterdir():
+            name = path.name
+            stale = name == SINGLE or name == INDEX or (name.startswith("model-") and name.endswith(".safetensors"))
+            if stale and name not in written:
+                path.unlink()
+                logger.info("%s: removed %s of an earlier export", self.out, name)
+
+
+def _file_mode() -> int:
+    """0o666 under the process's umask: the mode open() gives a new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def parse_size(text: str) -> int:
