@@ -574,3 +574,13 @@ def test_triton_sweep(seq, d, gqa):
     h, hkv = gqa
     for causal in (True, False):
         _run_dense("triton", (1, seq, seq, h, hkv, d, causal), torch.float32)
+
+
+def test_varlen_on_meta_tensors_gives_shapes():
+    q = torch.empty(12, 4, 16, device="meta", requires_grad=True)
+    kv = torch.empty(12, 2, 16, device="meta")
+    cu = torch.empty(3, dtype=torch.int32, device="meta")
+    out, lse = tk.flash_attn_varlen(q, kv, kv, cu, cu, 7, 7, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (4, 12) and out.device.type == "meta"
+    out.sum().backward()
+    assert q.grad.shape == q.shape

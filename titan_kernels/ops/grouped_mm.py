@@ -479,7 +479,7 @@ def call(op: str, op_fn, fns: tuple, x: torch.Tensor, w: torch.Tensor, offsets: 
     offsets replicated next to a DTensor x."""
     grad = needs_grad(x, w)
     backend = choose_for(op, x, w, grad)
-    if eager_fast_path(x, w, offsets):
+    if eager_fast_path(x, w, offsets) and not x.is_meta:  # meta tensors: the op's fake gives the shape
         _validate_values(x, offsets)
         if grad:
             return _FastPath.apply(x, w, offsets, fns, *args, backend)

@@ -33,9 +33,10 @@ from titan_kernels.ops.attention.validate import (
 
 
 def _trivial(q, k, cu_q) -> bool:
-    """No work: no query, no key or no document (every backend's answer is out = 0, lse = -inf)."""
+    """No work: no query, no key or no document (every backend's answer is out = 0, lse = -inf), or
+    varlen on meta tensors (shapes only: the document offsets have no values)."""
     if cu_q is not None:
-        return q.shape[0] == 0 or k.shape[0] == 0 or cu_q.shape[0] <= 1
+        return q.shape[0] == 0 or k.shape[0] == 0 or cu_q.shape[0] <= 1 or q.is_meta
     return q.numel() == 0 or k.shape[1] == 0
 
 

@@ -114,7 +114,8 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
     check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", k.shape[0], q.device, cu_seqlens_q.shape[0])
     max_seqlen_q = check_max_seqlen(max_seqlen_q, "max_seqlen_q")
     max_seqlen_k = check_max_seqlen(max_seqlen_k, "max_seqlen_k")
-    if not torch.compiler.is_compiling() and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor:
+    if (not torch.compiler.is_compiling() and type(cu_seqlens_q) is torch.Tensor and type(cu_seqlens_k) is torch.Tensor
+            and not cu_seqlens_q.is_meta):  # meta offsets have no values to check
         _check_cu_values(cu_seqlens_q, "cu_seqlens_q", q.shape[0], max_seqlen_q, "max_seqlen_q")
         _check_cu_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
     return check_scale(softmax_scale, q.shape[-1]), max_seqlen_q, max_seqlen_k
