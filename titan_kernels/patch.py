@@ -42,11 +42,13 @@ def patch(model: nn.Module) -> int:
     in place with ``titan_kernels.nn.RMSNorm``, keeping the same weight Parameters.
 
     Returns the number of modules replaced. A model that *is* an RMSNorm cannot be replaced in place:
-    use ``titan_kernels.nn.RMSNorm`` directly (raises ValueError).
+    use ``titan_kernels.nn.RMSNorm`` directly (raises ValueError); a non-module raises TypeError.
 
     Note: a Hugging Face norm computes in float32 and casts back, as ours does; the output is the
     same to rounding.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
     if _convert(model) is not None:
         raise ValueError("model: is itself an RMSNorm; build titan_kernels.nn.RMSNorm instead of patching")
     count = 0

@@ -50,14 +50,16 @@ def check_qkv(q, k, v, rank: int, layout: str) -> None:
         if t.dtype != q.dtype:
             raise TypeError(f"{name}: expected dtype {q.dtype} (the dtype of q), got {t.dtype}")
     check_same_device({"q": q, "k": k, "v": v})
+    d = q.shape[-1]
+    if k.shape[-1] != d:  # before v against k: a k with the wrong head_dim is k's fault, not v's
+        raise ValueError(f"k: expected head_dim {d} (the head_dim of q), got {k.shape[-1]}")
     if v.shape != k.shape:
         raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k), got {tuple(v.shape)}")
-    d = q.shape[-1]
-    if k.shape[-1] != d:
-        raise ValueError(f"k: expected head_dim {d} (the head_dim of q), got {k.shape[-1]}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}] (no backend takes others), got {d}")
     h, hkv = q.shape[-2], k.shape[-2]
+    if h < 1:
+        raise ValueError(f"q: expected n_heads >= 1, got shape {tuple(q.shape)}")
     if hkv < 1 or h % hkv != 0:
         raise ValueError(f"k: n_heads ({h}) must be a multiple of n_kv_heads, got n_kv_heads={hkv}")
 
