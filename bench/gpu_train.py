@@ -75,19 +75,19 @@ def _dry_extra(extra: list[str]) -> list[str]:
 
 def cut_8b(layers: int, dry: bool) -> None:
     """Make the 8B flavor ``layers`` deep in this process (at toy width for the dry run)."""
-    from trainer.models import llama
+    from trainer.models.llama3.args import LLAMA3_FLAVORS  # the registered family's own dict
 
-    base = llama.LLAMA3_FLAVORS["8B"]
+    base = LLAMA3_FLAVORS["8B"]
     if dry:  # same structure (GQA, FFN multiplier, vocabulary), toy width, one layer (CPU float8 is slow)
         base, layers = base.replace(dim=64, n_heads=4, n_kv_heads=2, multiple_of=32), 1
-    llama.LLAMA3_FLAVORS["8B"] = base.replace(n_layers=layers)
+    LLAMA3_FLAVORS["8B"] = base.replace(n_layers=layers)
 
 
 def flops_per_token(layers: int, seq: int, dry: bool) -> float:
     cut_8b(layers, dry)
-    from trainer.models.llama import model_args
+    from trainer.models.registry import model_args
 
-    return float(model_args("8B", 1, seq).flops_per_token(seq))
+    return float(model_args("llama3", "8B", 1, seq).flops_per_token(seq))
 
 
 def _tail(text: str, n: int = 25) -> list[str]:

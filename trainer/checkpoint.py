@@ -35,7 +35,6 @@ has finished; ``close()`` waits for the last one.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -453,8 +452,10 @@ def _has(keys: set[str], prefix: str) -> bool:
 
 def model_args_record(args: Any, flavor: str = "") -> str:
     """The ``model_args`` entry of a checkpoint: JSON of the flavor name and the ModelArgs fields."""
-    # "model": the family (llama3, qwen3), so that read_model_args rebuilds the right args class.
-    return json.dumps({"flavor": flavor, "model": getattr(args, "name", "llama3"), "model_args": dataclasses.asdict(args)})
+    # "model": the family (its registered name), so that read_model_args rebuilds the right args class.
+    from trainer.models.registry import family_of
+
+    return json.dumps({"flavor": flavor, "model": family_of(args), "model_args": args.record()})
 
 
 def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
@@ -462,7 +463,7 @@ def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
 
     Raises CheckpointError when the checkpoint does not record them (written before they were).
     """
-    from trainer.models.common import args_from_record
+    from trainer.models.registry import args_from_record
 
     path = Path(path)
     keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata

@@ -1,4 +1,5 @@
-"""Convert checkpoints between our DCP format and Hugging Face Llama 3 / Qwen3 / Qwen3-MoE folders.
+"""Convert checkpoints between our DCP format and Hugging Face folders, for every registered family
+(Llama 3, Qwen3 / Qwen3-MoE, DeepSeek-V3, ...; ``trainer.models.registry``).
 
     python -m trainer.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
     python -m trainer.convert hf-to-dcp HF_DIR OUT_DIR [--dtype bfloat16]
@@ -7,12 +8,12 @@ CHECKPOINT_DIR is a DCP step folder (``step-<N>``, ``weights-step-<N>``; anythin
 ``.metadata``) or a checkpoint folder (its newest complete step). Only the model weights are
 converted; the model arguments come from the checkpoint itself (``model_args``, recorded by every
 save), so no flavor is needed (``--flavor`` names one for checkpoints older than that record).
-The output of dcp-to-hf loads with ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)``
-(``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM`` for a Qwen3 checkpoint, or ``AutoModelForCausalLM``);
-the output of hf-to-dcp is a DCP folder for ``--checkpoint.initial_load_path`` (or, placed as
-``<dump_folder>/checkpoint/step-0``, a seed checkpoint), its MoE layers' ``expert_bias`` zero.
-A Qwen3-MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with a warning:
-Hugging Face routes without the bias (``trainer.hf``).
+The output of dcp-to-hf loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
+(the family's class, e.g. ``LlamaForCausalLM``); the output of hf-to-dcp is a DCP folder for
+``--checkpoint.initial_load_path`` (or, placed as ``<dump_folder>/checkpoint/step-0``, a seed
+checkpoint), its MoE layers' ``expert_bias`` as the folder stores it (zero where it does not). A
+MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with a warning when the
+family's Hugging Face model routes without the bias (Qwen3-MoE; ``trainer.hf``).
 
 Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
@@ -39,7 +40,8 @@ from trainer.hf import (
     expected_shapes,
     parse_size,
 )
-from trainer.models.llama import LLAMA3_FLAVORS
+from trainer.models.registry import get as _family
+from trainer.models.registry import spec_of
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,18 +65,19 @@ def _args_for(path: Path, tensors: dict[str, object], flavor: str | None):
     except CheckpointError:
         if flavor is None:
             raise
-    if flavor not in LLAMA3_FLAVORS:
-        raise CheckpointError(f"--flavor: expected one of {', '.join(LLAMA3_FLAVORS)}, got {flavor!r}")
+    flavors = _family("llama3").flavors  # checkpoints without the record predate the other families
+    if flavor not in flavors:
+        raise CheckpointError(f"--flavor: expected one of {', '.join(flavors)}, got {flavor!r}")
     emb = tensors.get("tok_embeddings.weight")
     if emb is None:
         raise CheckpointError(f"checkpoint {path}: holds no model.tok_embeddings.weight; not a Llama checkpoint")
-    return LLAMA3_FLAVORS[flavor].replace(vocab_size=int(emb.size[0]))
+    return flavors[flavor].replace(vocab_size=int(emb.size[0]))
 
 
 def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None,
               max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, flavor: str | None = None) -> Path:
-    """Write the model of DCP checkpoint ``src`` as a Hugging Face folder ``out`` (Llama 3, Qwen3 or
-    Qwen3-MoE, by the recorded model arguments).
+    """Write the model of DCP checkpoint ``src`` as a Hugging Face folder ``out`` (of the family the
+    recorded model arguments name).
 
     ``dtype``: of the written tensors (default: as stored). Reads one output shard's tensors at a
     time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size`` (at least
@@ -92,7 +95,7 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     params = expected_keys(args)
     missing = [k for k in params if k not in tensors]
     extra = sorted(set(tensors) - set(shapes))
-    kind = "Llama" if getattr(args, "name", "llama3") == "llama3" else "Qwen3"
+    kind = spec_of(args).title
     if missing or extra:
         what = f"lacks model.{missing[0]}" if missing else f"has model.{extra[0]}, not a {kind} parameter"
         raise CheckpointError(f"checkpoint {path}: {what}; not a {kind} checkpoint of its recorded model arguments")
@@ -120,8 +123,8 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
 
 
 def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write the Hugging Face Llama / Qwen3 / Qwen3-MoE folder ``src`` as a DCP checkpoint folder
-    ``out`` (model + model_args; MoE layers with a zero ``expert_bias``, as the trainer's state dict has it).
+    """Write the Hugging Face folder ``src`` (of any registered family) as a DCP checkpoint folder
+    ``out`` (model + model_args; the MoE layers' ``expert_bias`` as stored, zero where Hugging Face has none).
 
     ``dtype``: of the written tensors (default: as stored; the bias stays float32). The folder is
     written as ``.<name>.partial`` and renamed when complete. Raises HFCheckpointError (one line)
@@ -135,7 +138,7 @@ def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     ckpt.check_names()
     sd = {}
     for k, shape in expected_shapes(ckpt.args, buffers=True).items():
-        if k.endswith("feed_forward.expert_bias"):
+        if k.endswith("feed_forward.expert_bias") and k not in ckpt.buffers:
             sd[k] = torch.zeros(shape, dtype=torch.float32)
             continue
         t = ckpt.our_tensor(k)
@@ -158,7 +161,7 @@ def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.convert",
-        description="Convert checkpoints between DCP and Hugging Face Llama 3 / Qwen3 / Qwen3-MoE folders.")
+        description="Convert checkpoints between DCP and Hugging Face folders (every registered model family).")
     sub = parser.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("dcp-to-hf", help="DCP checkpoint -> Hugging Face folder (safetensors shards + config.json)")
     a.add_argument("checkpoint_dir", help="a step-<N> folder or a checkpoint folder (its newest step)")

@@ -21,7 +21,7 @@ norm and output on the last), sharded over
                under TP + SP and saved whole by the matmuls (tp = 1: 6*dim + ...); the rest is the
                block input, q, k, v, attention output and log-sum-exp, the residual, two RMSNorm
                rstd, and SwiGLU's two inputs and output (the fused op recomputes the activation),
-               which is exactly what autograd saves for ``trainer.models.llama.TransformerBlock``
+               which is exactly what autograd saves for ``trainer.models.decoder.TransformerBlock``
                (checked in tests/trainer/test_estimate.py);
                full AC: each block's input (dim / tp), plus one block recomputed at a time;
                selective "op": the outputs of the matmuls and of attention plus the block input:
@@ -55,10 +55,9 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from trainer.models.llama_args import ModelArgs
-from trainer.models.qwen3_args import format_params
+from trainer.models.args import ModelArgs, format_params
 
 GIB = 2**30
 # Share of a device's memory a run may plan to use (headroom for fragmentation, NCCL buffers, CUDA context).
@@ -135,6 +134,7 @@ class ModelCosts:
     expert_params: int = 0  # all routed-expert weights of the model (what expert parallel splits)
     n_moe_layers: int = 0
     top_k: int = 0  # expert rows per token (MoE): what the all-to-all moves
+    args: object = field(default=None, compare=False)  # the model args the FLOPs come from
 
     def gathered_block_params(self, ep: int = 1) -> float:
         """Parameters of one (average) block as FSDP2 all-gathers them on a rank: with expert
@@ -142,42 +142,42 @@ class ModelCosts:
         return self.block_params - self.expert_params / self.n_layers * (1 - 1 / ep)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6 * (active parameters without the embedding lookup) + attention
-        (torchtitan's MFU formula: ``6*N + 6*n_layers*n_heads*2*head_dim*seq_len``)."""
-        n = self.active_params - (0 if self.tied else self.embedding_params)
-        return 6 * n + 6 * self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
+        """Training FLOPs per token: 6 * (active parameters without the embedding lookup) + attention,
+        counted per score entry the kernels compute (``trainer.models.args``)."""
+        return self.args.flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
-        return 6 * self.n_layers * self.n_heads * 2 * self.head_dim * seq_len
+        return self.args.attention_flops_per_token(seq_len)
 
 
 def model_costs(args) -> ModelCosts:
-    """The ModelCosts of a model's hyperparameters: Llama's ``ModelArgs`` or any args with the same
-    counting interface (``trainer.models.qwen3_args.Qwen3Args``: its own head_dim, and for a MoE
-    model ``active_params`` and ``moe.top_k`` experts of ``moe.hidden_dim`` per token).
+    """The ModelCosts of a model's hyperparameters (any family: the typed interface of
+    ``trainer.models.args.ModelArgs``; for a MoE model ``active_params`` and the ``moe.top_k`` experts
+    of ``moe.hidden_dim`` per token).
 
     The MoE share is counted simply: the experts' weights sharded like the rest (FSDP2 over dp_shard,
     with expert parallel over ep x dp_shard/ep, so the same bytes), only E/ep of them gathered per
-    block under expert parallel (``Layout.ep``), the activations of the top_k experts a token visits, the FLOPs of the
-    active parameters; the router, the token permutation buffers and load imbalance are left out.
+    block under expert parallel (``Layout.ep``), the activations of the top_k experts a token visits,
+    the FLOPs of the active parameters; the router, the token permutation buffers and load imbalance
+    are left out. ``block_params`` is the mean over the blocks (dense and MoE ones differ).
     """
     p = args.num_params()
-    active = getattr(args, "active_params", None)
-    ffn = args.ffn_hidden_dim
-    moe = getattr(args, "moe", None)
+    moe = args.moe
+    ffn = args.ffn_hidden_dim if args.n_moe_layers < args.n_layers else 0
     if moe is not None:  # the average SwiGLU width per layer over dense and MoE layers
-        n_moe = getattr(args, "n_moe_layers", args.n_layers)
-        moe_width = moe.top_k * moe.hidden_dim + moe.num_shared_experts * moe.hidden_dim
-        ffn = round((n_moe * moe_width + (args.n_layers - n_moe) * args.ffn_hidden_dim) / args.n_layers)
+        n_moe = args.n_moe_layers
+        ffn = round((n_moe * moe.active_width() + (args.n_layers - n_moe) * ffn) / args.n_layers)
+    emb = args.embedding_params()
+    out = 0 if args.tie_word_embeddings else emb
+    blocks = p - emb - out - args.dim - args.extra_params()
     return ModelCosts(
-        n_layers=args.n_layers, dim=args.dim, q_dim=args.n_heads * args.head_dim, kv_dim=args.kv_heads * args.head_dim,
-        ffn_hidden=ffn, n_heads=args.n_heads, head_dim=args.head_dim, vocab_size=args.vocab_size,
-        block_params=args.layer_params(), embedding_params=args.embedding_params(),
-        output_params=0 if args.tie_word_embeddings else args.embedding_params(), norm_params=args.dim,
-        total_params=p, active_params=active() if active is not None else p, tied=args.tie_word_embeddings,
-        expert_params=args.expert_params() if moe is not None else 0,
-        n_moe_layers=getattr(args, "n_moe_layers", 0) if moe is not None else 0,
-        top_k=moe.top_k if moe is not None else 0,
+        n_layers=args.n_layers, dim=args.dim, q_dim=args.n_heads * args.qk_head_dim,
+        kv_dim=args.kv_heads * (args.qk_head_dim + args.v_head_dim) // 2,
+        ffn_hidden=ffn, n_heads=args.n_heads, head_dim=args.qk_head_dim, vocab_size=args.vocab_size,
+        block_params=round(blocks / args.n_layers), embedding_params=emb, output_params=out,
+        norm_params=args.dim, total_params=p, active_params=args.active_params(), tied=args.tie_word_embeddings,
+        expert_params=args.expert_params(), n_moe_layers=args.n_moe_layers, top_k=moe.top_k if moe else 0,
+        args=args,
     )
 
 

@@ -271,7 +271,8 @@ class MetricsLogger:
         width = len(str(self.total_steps))
         eta = format_duration(r["eta_s"]) if r["eta_s"] is not None else "?"
         print(
-            f"{c.red}step {r['step']:>{width}}  {c.green}loss {r['loss']:8.4f}  {c.yellow}grad_norm {r['grad_norm']:7.4f}  "
+            f"{c.red}step {r['step']:>{width}}  {c.green}loss {r['loss']:8.4f}  "
+            + (f"mtp_loss {r['mtp_loss']:.4f}  " if "mtp_loss" in r else "") + f"{c.yellow}grad_norm {r['grad_norm']:7.4f}  "
             f"{c.cyan}lr {r['lr']:.3e}  {c.blue}tps {r['tps']:,.0f}  {c.magenta}mfu {mfu}  "
             f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%  "
             f"elapsed {format_duration(r['elapsed_s'])}  eta {eta}"
@@ -285,7 +286,7 @@ class MetricsLogger:
                 if r[key] is not None:
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             for key in r:
-                if key.startswith("moe_"):  # expert load: max / mean tokens per expert, per layer
+                if key.startswith("moe_") or key == "mtp_loss":  # expert load per layer; the MTP modules' loss
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             self._tb.flush()
         if self._wandb is not None:

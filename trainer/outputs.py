@@ -18,7 +18,7 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.data import build_tokenizer as _data_build_tokenizer
-from trainer.models.common import format_params
+from trainer.models.args import format_params
 from trainer.step import TrainingError
 
 logger = logging.getLogger("trainer")
@@ -29,7 +29,7 @@ def log_model(config: JobConfig, args, device: torch.device, dims, compute_dtype
     """Log the model (family, flavor, size, shape, FLOPs/token) and the shape of a step on this device."""
     cfg_t = config.training
     n_params = args.num_params()
-    moe = getattr(args, "moe", None)
+    moe = args.moe
     logger.info(
         "model %s %s: %s = %s (dim %d, %d layers, %d heads, %d kv heads, %s, vocab %d); "
         "%.3g FLOPs/token", config.model.name, config.model.flavor, f"{n_params:,}", format_params(args), args.dim,

@@ -63,9 +63,8 @@ from trainer.estimate import (
     model_costs,
     stages_per_rank,
 )
-from trainer.models.common import FAMILIES, FLAVORS
-from trainer.models.qwen3_args import format_params
-from trainer.models.llama_args import ModelArgs
+from trainer.models import registry
+from trainer.models.args import ModelArgs, format_params
 
 # Share of the dense bf16 peak a training step sustains in its compute (see the module docstring).
 COMPUTE_EFFICIENCY = 0.45
@@ -250,17 +249,14 @@ def _tp_ok(args: ModelArgs, tp: int) -> bool:
         return True
     if args.tie_word_embeddings:  # the trainer refuses TP with tied embeddings
         return False
-    moe = getattr(args, "moe", None)
-    if moe is not None and moe.hidden_dim % tp:  # the experts are split on their hidden size
-        return False
-    return all(n % tp == 0 for n in (args.n_heads, args.kv_heads, args.ffn_hidden_dim, args.vocab_size))
+    return all(n % tp == 0 for n in args.tp_divisible().values())
 
 
 def ep_choices(args, dp_shard: int, dp_replicate: int = 1, cp: int = 1) -> list[int]:
     """Expert-parallel degrees the trainer accepts for this layout: 1, and for a MoE model every
     divisor of dp_shard that divides num_experts (``ParallelDims``, ``check_ep_divisibility``),
     none > 1 with CP or HSDP (not supported)."""
-    moe = getattr(args, "moe", None)
+    moe = args.moe
     if moe is None or cp > 1 or dp_replicate > 1:
         return [1]
     return [e for e in _divisors(dp_shard) if moe.num_experts % e == 0]
@@ -330,7 +326,7 @@ def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch
              "ep": _link(tp * cp, ep, gpus_per_node), "dp_shard_mod_ep": _link(tp * cp * ep, ds // ep, gpus_per_node)}
     t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
                          schedule, comm, links)
-    family = getattr(args, "name", "llama3")  # Qwen3Args names its family; ModelArgs is llama3
+    family = registry.family_of(args)
     extra = ("--model.name", family) if family != "llama3" else ()
     return Plan(flavor, gpu, layout.n_devices, gpus_per_node, seq_len, layout, local_batch_size, ac_mode,
                 selective_ac_option, schedule if layout.pp > 1 else None, memory, comm,
@@ -429,13 +425,15 @@ def smallest_fit(args: ModelArgs, flavor: str, seq_len: int, gpu: str = "H100", 
 
 
 def flavor_args(flavor: str, seq_len: int, vocab_size: int | None = None, model: str = "llama3") -> ModelArgs:
-    """The flavor's args (``model``: llama3 or qwen3); the debug flavors take ``vocab_size`` (default:
-    the built-in byte tokenizer's 258)."""
-    if model not in FLAVORS:
-        raise ValueError(f"--model: expected one of {', '.join(FAMILIES)}, got {model!r}")
-    if flavor not in FLAVORS[model]:
-        raise ValueError(f"--flavor: expected one of {', '.join(FLAVORS[model])} for {model}, got {flavor!r}")
-    args = FLAVORS[model][flavor]
+    """The flavor's args (``model``: a registered family); the debug flavors take ``vocab_size``
+    (default: the built-in byte tokenizer's 258)."""
+    try:
+        spec = registry.get(model)
+    except ValueError:
+        raise ValueError(f"--model.name: expected one of {', '.join(registry.names())}, got {model!r}") from None
+    if flavor not in spec.flavors:
+        raise ValueError(f"--flavor: expected one of {', '.join(spec.flavors)} for {model}, got {flavor!r}")
+    args = spec.flavors[flavor]
     if args.vocab_size == -1:
         args = args.replace(vocab_size=vocab_size or 258)
     elif vocab_size:
@@ -454,7 +452,8 @@ def assumptions(gpu: GPU, gpus_per_node: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer.plan",
                                      description="Rank the parallel layouts of a flavor on N GPUs.")
-    parser.add_argument("--model", choices=FAMILIES, default="llama3", help="model family (default llama3)")
+    parser.add_argument("--model.name", "--model", dest="model", choices=registry.names(), default="llama3",
+                        help="model family (default llama3)")
     parser.add_argument("--flavor", required=True, help="a flavor of the family, e.g. 8B, 70B, 405B")
     parser.add_argument("--ngpu", type=int, required=True, help="number of GPUs (8 to 16384)")
     parser.add_argument("--gpu", choices=tuple(GPUS), default="H100")

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.models.losses import future_labels
+
 IGNORE_INDEX = -100
 
 
@@ -84,6 +86,7 @@ def forward_backward(
     shard=None,
     loss_context=contextlib.nullcontext,
     pipeline=None,
+    mtp_depth: int = 0,
 ) -> torch.Tensor:
     """Accumulate into ``.grad`` the gradient of the mean token loss over ``batches`` on all dp ranks.
 
@@ -95,13 +98,18 @@ def forward_backward(
     ranks afterwards (FSDP2 does). ``shard``: this rank's part of each (batch, seq) tensor (context
     parallel). ``loss_context``: a context for the forward, loss and backward (loss parallel).
     ``pipeline``: a ``trainer.parallel.pipeline.PipelineRunner`` that runs the batches through the
-    stages instead of ``model``. Returns the mean token loss over all ranks and micro-batches (float32
-    scalar, detached). Raises ValueError if there is no token to learn.
+    stages instead of ``model``. ``mtp_depth``: the model's multi-token prediction modules; their
+    future labels are stacked behind the labels (``future_labels``), before any sequence split.
+    Returns the mean token loss over all ranks and micro-batches (float32 scalar, detached; the main
+    loss, without the MTP terms). Raises ValueError if there is no token to learn.
     """
     distributed = dp_group is not False
+    if mtp_depth:
+        batches = [{**b, "labels": future_labels(b["labels"], mtp_depth, IGNORE_INDEX)} for b in batches]
     if shard is not None:
         batches = [{k: shard(v) for k, v in b.items()} for b in batches]
-    n_local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in batches)  # on the host: labels are CPU tensors
+    # on the host: labels are CPU tensors; the main labels only (slice 0 when stacked for MTP)
+    n_local = sum(int(((b["labels"][..., 0] if mtp_depth else b["labels"]) != IGNORE_INDEX).sum()) for b in batches)
     n_tokens = torch.tensor(float(n_local), device=device)
     if distributed:
         dist.all_reduce(n_tokens, group=dp_group)
@@ -130,6 +138,48 @@ def forward_backward(
     if distributed:
         dist.all_reduce(loss_sum, group=dp_group)
     return loss_sum / n_tokens
+
+
+def build_loss_fn(model: torch.nn.Module, config, dims) -> tuple[bool, object]:
+    """``(fused, loss_fn)`` of a run: ``loss_fn(output, labels, ignore_index) -> summed token loss``.
+
+    The loss is the model's ``token_loss``: the fused output projection + cross-entropy (vocab-parallel
+    under TP), so the last stage returns hidden states (``return_hidden``), the logits are never
+    materialized and the loss needs no loss_parallel() context; it is one op, so there is nothing for
+    compile to fuse; a family may add terms (multi-token prediction). The logits path (``fused``
+    False) stays for ``--parallelism.disable_loss_parallel`` under TP and a float8 output layer.
+    Raises ConfigError (trainer.config) for multi-token prediction with pipeline parallel or the logits path.
+    """
+    from trainer.config import ConfigError
+    from trainer.models.losses import cross_entropy_loss
+    from trainer.parallel.compile import compile_loss
+
+    p = config.parallelism
+    fused = not (dims.tp_enabled and p.disable_loss_parallel) and type(model.output) in (torch.nn.Linear, type(None))
+    if getattr(model, "mtp_depth", 0):
+        if dims.pp_enabled:
+            raise ConfigError("--model.mtp_layers: multi-token prediction is not supported with pipeline parallel (its "
+                              "modules need the first stage's embedding on the last stage); use --model.mtp_layers 0")
+        if not fused:
+            raise ConfigError("--model.mtp_layers: multi-token prediction needs the fused loss (not with "
+                              "--parallelism.disable_loss_parallel or a float8 output layer); use --model.mtp_layers 0")
+        model.mtp_loss_weight = config.training.mtp_loss_weight
+    if fused:
+        model.return_hidden = True
+        return True, model.token_loss
+    if config.compile.enable and "loss" in config.compile.components:
+        return False, compile_loss(cross_entropy_loss, config.compile.backend)
+    return False, cross_entropy_loss
+
+
+def mtp_metrics(model: torch.nn.Module, dp_group=False) -> dict[str, float]:
+    """``{"mtp_loss": the mean token loss of the multi-token prediction modules}`` since the last call,
+    over the ``dp_group`` ranks (False: one process; every rank must call it: an all-reduce)."""
+    total = model.take_mtp_loss()
+    if dp_group is not False:
+        dist.all_reduce(total, group=dp_group)
+    loss, tokens = total.tolist()
+    return {"mtp_loss": loss / tokens} if tokens else {}
 
 
 class NonFiniteWatch:

@@ -39,7 +39,6 @@ As a library (one process, or one rank under torchrun)::
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import logging
 import os
@@ -66,14 +65,12 @@ from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.estimate import Layout, detect_devices, fit_report
 from trainer.metrics import MetricsLogger
-from trainer.models.common import build_model, model_args
-from trainer.models.llama import cross_entropy_loss, linear_cross_entropy_loss
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
+from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
 from trainer.outputs import build_tokenizer, data_error, dataset_key, log_model, log_outputs, save_plot
-from trainer.parallel.compile import compile_loss
 from trainer.parallel.parallel_dims import ParallelDims
-from trainer.parallel.parallelize import parallelize_llama, reduce_partial_grads
+from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
 from trainer.profiling import Profiler
 # The step's pieces, also importable from here (the tests patch forward_backward and clip_grad_norm_
@@ -83,9 +80,11 @@ from trainer.step import (  # noqa: F401
     NonFiniteLossError,
     NonFiniteWatch,
     TrainingError,
+    build_loss_fn,
     clip_grad_norm_,
     forward_backward,
     micro_batch_loss,
+    mtp_metrics,
 )
 from trainer.validate import Validator, build_validation_loader
 
@@ -228,10 +227,17 @@ class Trainer:
         config = self.config
         self.tokenizer = build_tokenizer(config)
         try:
-            self.args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size,
-                                   config.training.seq_len, config.model)
+            if config.model.flavor == "custom":  # the model a Hugging Face folder describes
+                from trainer.hf import custom_model_args
+
+                self.args = custom_model_args(config.checkpoint.initial_load_path, config.model.name,
+                                              self.tokenizer.vocab_size, config.training.seq_len, config.model)
+            else:
+                self.args = model_args(config.model.name, config.model.flavor, self.tokenizer.vocab_size,
+                                       config.training.seq_len, config.model)
         except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
-            raise TrainingError(f"--model.tokenizer_path: {exc}") from None
+            raise TrainingError(str(exc) if config.model.flavor == "custom" else f"--model.tokenizer_path: {exc}") \
+                from None
 
     def _setup_mesh(self) -> None:
         """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""
@@ -286,21 +292,11 @@ class Trainer:
                 convert_model_to_float8(model, config.float8)
             except RuntimeError as exc:  # --float8.impl torchao without torchao
                 raise TrainingError(str(exc)) from None
-        # The loss is the fused output projection + cross-entropy (vocab-parallel under TP): the last
-        # stage returns hidden states, the logits are never materialized, and the loss needs no
-        # loss_parallel() context. It is one op, so there is nothing for compile to fuse. The logits
-        # path stays for --parallelism.disable_loss_parallel under TP and a float8 output layer.
-        fused_loss = (not (dims.tp_enabled and p.disable_loss_parallel)
-                      and type(model.output) in (torch.nn.Linear, type(None)))
-        if fused_loss:
-            model.return_hidden = True
-            loss_fn = functools.partial(linear_cross_entropy_loss, model)
-        else:
-            loss_fn = cross_entropy_loss
-            if config.compile.enable and "loss" in config.compile.components:
-                loss_fn = compile_loss(cross_entropy_loss, config.compile.backend)
+        fused_loss, loss_fn = build_loss_fn(model, config, dims)
+        spec = spec_of(self.args)
+        parallelize = spec.load(spec.parallelize) if spec.parallelize else parallelize_decoder
         try:
-            pm = parallelize_llama(
+            pm = parallelize(
                 model, config, dims, self.mesh, self.device, use_fsdp=self.use_fsdp,
                 param_dtype=self.compute_dtype if self.mixed_precision else None,
                 reduce_dtype=DTYPES[cfg_t.mixed_precision_reduce] if self.mixed_precision else None, loss_fn=loss_fn,
@@ -397,9 +393,10 @@ class Trainer:
         self._start()
         step = self.step + 1
         batches, data_wait = self._next_batches()
+        mtp_depth = getattr(self.model, "mtp_depth", 0)
         loss = forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
                                 dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
-                                loss_context=self._loss_context, pipeline=pm.pipeline)
+                                loss_context=self._loss_context, pipeline=pm.pipeline, mtp_depth=mtp_depth)
         reduce_partial_grads(pm.partial_grads)
         pm.scale_expert_grads()
         grad_norm = clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
@@ -416,9 +413,13 @@ class Trainer:
         self.tokens_seen += n_step_tokens * dims.dp_size
         self.step = step
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
+        extra = {}
+        if mtp_depth and self.metrics.should_log(step):  # every rank (the sum is over the dp ranks)
+            extra = mtp_metrics(self.model, self._dp_group)
         self.metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                           grad_norm=grad_norm, lr=lr,
-                          extra=(lambda: load_metrics(self._moe_mods, moe_load)) if self._moe_mods else None)
+                          extra=(lambda: {**load_metrics(self._moe_mods, moe_load), **extra})
+                          if self._moe_mods or extra else None)
         return loss
 
     def train(self) -> None:

@@ -92,7 +92,7 @@ def test_ep_degree_must_divide_dp_shard_and_excludes_cp_and_hsdp():
 
 
 def test_expert_parallel_needs_experts_to_split():
-    from trainer.models.qwen3_args import QWEN3_FLAVORS
+    from trainer.models.qwen3.args import QWEN3_FLAVORS
     from trainer.parallel.expert_parallel import check_ep_divisibility
 
     moe = QWEN3_FLAVORS["debugmodel_moe"]  # 8 experts of hidden 256

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from trainer import train
 from trainer.config import ConfigError, parse_args
-from trainer.models.llama import model_args
+from tests.trainer.helpers import llama_model_args as model_args
 from trainer.parallel.context_parallel import zigzag_indices
 from trainer.parallel.parallel_dims import ParallelDims, submesh
 from trainer.parallel.pipeline import plan_stages
@@ -183,21 +183,21 @@ def test_config_errors_are_one_line_naming_the_key(argv, message):
 
 
 def test_compile_with_a_zero_bubble_schedule_is_refused():
-    from trainer.models.llama import build_model
-    from trainer.parallel.parallelize import parallelize_llama
+    from trainer.models.registry import build_model
+    from trainer.parallel.parallelize import parallelize_decoder
 
     config = parse_args(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
                          "ZBVZeroBubble", "--compile.enable"])
     model = build_model(model_args("debugmodel", 258, 32), "meta")
     with pytest.raises(ValueError, match="pipeline_parallel_schedule: ZBVZeroBubble splits the backward"):
-        parallelize_llama(model, config, ParallelDims(1, -1, 2, pp=2), None, torch.device("cpu"), use_fsdp=False)
+        parallelize_decoder(model, config, ParallelDims(1, -1, 2, pp=2), None, torch.device("cpu"), use_fsdp=False)
 
 
 def test_compile_with_tensor_parallel_is_refused_off_cuda():
-    from trainer.models.llama import build_model
-    from trainer.parallel.parallelize import parallelize_llama
+    from trainer.models.registry import build_model
+    from trainer.parallel.parallelize import parallelize_decoder
 
     config = parse_args(["--parallelism.tensor_parallel_degree", "2", "--compile.enable"])
     model = build_model(model_args("debugmodel", 258, 32), "meta")
     with pytest.raises(ValueError, match="compile.enable: not supported with parallelism.tensor_parallel_degree > 1"):
-        parallelize_llama(model, config, ParallelDims(1, -1, 2, tp=2), None, torch.device("cpu"), use_fsdp=False)
+        parallelize_decoder(model, config, ParallelDims(1, -1, 2, tp=2), None, torch.device("cpu"), use_fsdp=False)

@@ -84,7 +84,8 @@ def _check_tp_block_and_float8(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
 
     from titan_kernels.nn import convert_to_float8
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.registry import build_model
+    from tests.trainer.helpers import llama_model_args as model_args
     from trainer.parallel.tensor_parallel import apply_tp, loss_parallel_context
 
     tp = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))["tp"]
@@ -104,7 +105,7 @@ def _check_tp_block_and_float8(rank, world):
 
     # A whole training step: the calls trainer.estimate.communication_per_step plans (README formulas).
     from trainer.estimate import Layout, communication_per_step
-    from trainer.models.llama import cross_entropy_loss
+    from trainer.models.losses import cross_entropy_loss
     from trainer.parallel.parallelize import reduce_partial_grads
 
     labels = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(4))

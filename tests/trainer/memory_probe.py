@@ -159,7 +159,7 @@ def measure(world: int, argv: list[str], folder: str | Path | None = None, timeo
 def estimate(case: str) -> "object":
     """The memory model's MemoryEstimate for ``CASES[case]`` (fp32 compute, the CPU's loss chunk)."""
     from trainer.estimate import Layout, estimate_memory
-    from trainer.models.llama_args import model_args
+    from tests.trainer.helpers import llama_model_args as model_args
 
     world, argv, kw = CASES[case]
     kw = dict(kw)

@@ -22,7 +22,7 @@ from trainer.config import parse_args
 from trainer.data.datasets import build_source
 from trainer.data.loader import DataLoader
 from trainer.data.tokenizer import build_tokenizer
-from trainer.models.llama import build_model
+from trainer.models.registry import build_model
 from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
 from tests.trainer.helpers import tiny_llama
 

@@ -381,4 +381,4 @@ def test_python_m_trainer_help_and_errors_are_fast_and_torch_free():
 
 
 def test_config_dir_is_inside_the_package():
-    assert CONFIG_DIR.name == "configs" and (CONFIG_DIR / "debugmodel.toml").is_file()
+    assert CONFIG_DIR.name == "configs" and (CONFIG_DIR / "llama3" / "debugmodel.toml").is_file()

@@ -13,7 +13,9 @@ from trainer.estimate import (
     fit_report,
     pipeline_ranks,
 )
-from trainer.models.llama import ModelArgs, build_model, model_args
+from trainer.models.llama3.args import Llama3Args as ModelArgs
+from trainer.models.registry import build_model
+from tests.trainer.helpers import llama_model_args as model_args
 from trainer.parallel.activation_checkpoint import apply_ac
 
 

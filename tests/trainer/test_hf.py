@@ -25,7 +25,9 @@ from trainer.config import ConfigError, parse_args
 from trainer.convert import dcp_to_hf, hf_to_dcp
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, hf_config, load_into_model, parse_size
-from trainer.models.llama import ModelArgs, build_model, model_args
+from trainer.models.llama3.args import Llama3Args as ModelArgs
+from trainer.models.registry import build_model
+from tests.trainer.helpers import llama_model_args as model_args
 from tests.trainer.helpers import tiny_llama
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e .[test])")
@@ -170,7 +172,7 @@ def test_bad_folders_give_one_line_errors(tmp_path):
         HFCheckpoint(tmp_path)
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(HFCheckpointError, match="not a Llama or Qwen3 checkpoint .model_type 'gpt2'") as e:
+    with pytest.raises(HFCheckpointError, match="not a checkpoint of a family we train .model_type 'gpt2'") as e:
         HFCheckpoint(tmp_path / "gpt2")
     assert _one_line(str(e.value))
     # a config that says one shape, tensors of another
@@ -295,7 +297,9 @@ def test_hf_start_and_end_under_pp2_x_tp2_equal_one_process(tmp_path, tmp_path_f
 # Qwen3 dense and MoE: transformers' Qwen3ForCausalLM / Qwen3MoeForCausalLM are the reference
 
 from trainer.hf import args_from_hf_config, expected_shapes  # noqa: E402
-from trainer.models.qwen3_args import QWEN3_FLAVORS, MoEArgs, Qwen3Args  # noqa: E402
+from trainer.models.qwen3.args import QWEN3_FLAVORS
+from trainer.models.moe_args import MoEArgs
+from trainer.models.qwen3.args import Qwen3Args
 
 # Awkward sizes: head_dim 12 (not dim / n_heads = 8), GQA 4:2, 5 experts of 20, top-2, a dense first
 # layer before two MoE layers (mlp_only_layers [0]), a vocabulary no power of two.
@@ -498,11 +502,12 @@ _MOE_CFG = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 4
     ({"shared_expert_intermediate_size": 64}, "shared experts .* not supported"),
     ({"num_experts_per_tok": 1}, "num_experts_per_tok 1 with norm_topk_prob true is not supported"),
     ({"num_experts": 0}, "expected integers >= 1, got num_experts 0"),
-    ({"use_sliding_window": True}, "sliding-window attention"),
-    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "sliding-window attention"),
+    ({"use_sliding_window": True, "sliding_window": None}, "use_sliding_window needs an integer sliding_window"),
+    ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "without use_sliding_window"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling type 'yarn' is not supported"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' lacks an integer original_max"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling type 'dynamic' is not supported"),
     ({"num_experts_per_tok": 6}, "MoEArgs.top_k: expected at most num_experts=5"),
 ], ids=lambda v: str(v)[:40])
 def test_unsupported_qwen3_configs_are_refused_in_one_line(change, message):
@@ -591,7 +596,7 @@ def test_train_qwen3_moe_from_and_to_hugging_face(tmp_path, monkeypatch, caplog)
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
-    # debugmodel_moe's shapes (trainer/models/qwen3_args.py), the byte tokenizer's vocabulary
+    # debugmodel_moe's shapes (trainer/models/qwen3/args.py), the byte tokenizer's vocabulary
     hf = _hf_qwen3(True, seed=6, vocab_size=258, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                    num_attention_heads=16, num_key_value_heads=8, head_dim=32, max_position_embeddings=4096,
                    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256, mlp_only_layers=[],

@@ -5,16 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.models.llama import (
-    LLAMA3_FLAVORS,
-    ModelArgs,
-    build_model,
-    cross_entropy_loss,
-    from_hf_state_dict,
-    linear_cross_entropy_loss,
-    model_args,
-    to_hf_state_dict,
-)
+from trainer.models.llama3.args import LLAMA3_FLAVORS
+from trainer.models.llama3.args import Llama3Args as ModelArgs
+from trainer.models.registry import build_model
+from trainer.models.losses import cross_entropy_loss
+from trainer.hf import from_hf_state_dict
+from trainer.models.losses import linear_cross_entropy_loss
+from tests.trainer.helpers import llama_model_args as model_args
+from trainer.hf import to_hf_state_dict
 from tests.kernels.helpers import llama31_scaled_freqs64
 from tests.trainer.helpers import tiny_llama
 
@@ -128,9 +126,12 @@ def test_official_hyperparameters():
 
 
 def test_flops_per_token_formula():
+    # 6 N (without the embedding lookup) + attention per computed score entry: causal over s tokens is
+    # s (s + 1) / 2 entries, each 6 * n_heads * 2 * head_dim FLOPs (torchtitan counts s^2 entries).
     a = model_args("8B", 128256, 8192)
     n_non_emb = a.num_params() - a.vocab_size * a.dim
-    assert a.flops_per_token(8192) == 6 * n_non_emb + 6 * 32 * 32 * 2 * 128 * 8192
+    entries_per_token = (8192 + 1) / 2
+    assert a.flops_per_token(8192) == 6 * n_non_emb + 32 * 6 * 32 * 2 * 128 * entries_per_token
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainer.models.moe import MoE, load_metrics, sequence_balance_loss, update_load_balance
-from trainer.models.qwen3_args import MoEArgs
+from trainer.models.moe_args import MoEArgs
 
 
 def _moe(dim=12, **kw) -> MoE:

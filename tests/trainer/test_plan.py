@@ -12,7 +12,7 @@ import pytest
 from tests.trainer import memory_probe
 from trainer.config import parse_args
 from trainer.estimate import GIB, USABLE_FRACTION, Layout
-from trainer.models.llama_args import LLAMA3_FLAVORS
+from trainer.models.llama3.args import LLAMA3_FLAVORS
 from trainer.plan import GPUS, best, evaluate, flavor_args, main, search
 
 REPO = Path(__file__).resolve().parents[2]
@@ -115,7 +115,7 @@ def test_memory_model_within_15_percent_of_the_measured_peak_under_every_layout(
 
 def test_moe_counts_active_parameters_for_flops_and_all_for_memory():
     from trainer.estimate import model_costs
-    from trainer.models.qwen3_args import QWEN3_FLAVORS
+    from trainer.models.qwen3.args import QWEN3_FLAVORS
 
     moe = QWEN3_FLAVORS["30B-A3B"]
     c = model_costs(moe)
@@ -180,7 +180,7 @@ def test_expert_parallel_memory_communication_and_time_terms():
 
 
 def test_every_qwen3_flavor_from_8_to_16384_gpus_quickly():
-    from trainer.models.qwen3_args import QWEN3_FLAVORS
+    from trainer.models.qwen3.args import QWEN3_FLAVORS
 
     for flavor in QWEN3_FLAVORS:
         for n in (8, 24, 512, 16384):

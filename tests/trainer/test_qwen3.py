@@ -1,4 +1,4 @@
-"""Qwen3 (trainer/models/qwen3_args.py, qwen3.py): published parameter counts (total and active),
+"""Qwen3 (trainer/models/qwen3/): published parameter counts (total and active),
 the flavors' analytic counts equal the built modules', logits equal transformers' Qwen3 and
 Qwen3-MoE models through our Hugging Face state dict (QK-norm, head_dim, rope_theta, softmax top-k
 routing with renormalisation), the state dict round trip, the message formats, and
@@ -8,10 +8,12 @@ import json
 import pytest
 import torch
 
-from trainer.models.common import active_params, args_from_record, args_record, model_args
-from trainer.models.llama import build_model
-from trainer.models.qwen3 import from_hf_state_dict, hf_config, to_hf_state_dict
-from trainer.models.qwen3_args import QWEN3_FLAVORS, MoEArgs, Qwen3Args, format_params
+from trainer.hf import from_hf_state_dict, hf_config, to_hf_state_dict
+from trainer.models.moe_args import MoEArgs
+from trainer.models.qwen3.args import QWEN3_FLAVORS
+from trainer.models.registry import args_from_record, args_record, build_model, model_args
+from trainer.models.qwen3.args import Qwen3Args
+from trainer.models.args import format_params
 
 # Published sizes, total / active (MoE: Qwen3 technical report, checked within 1%) and, for the dense
 # models, total / non-embedding as the model cards round them (checked within half the last digit).
@@ -55,7 +57,7 @@ def test_analytic_counts_equal_the_built_model(flavor):
         experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
         assert experts == args.expert_params()
         per_token = params - experts + experts * args.moe.top_k // args.moe.num_experts
-        assert per_token == active_params(args)
+        assert per_token == args.active_params()
         # FLOPs/token (MFU) count active parameters only
         assert args.flops_per_token(128) < 6 * params
 

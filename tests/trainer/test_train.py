@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from trainer import train
 from trainer.config import ConfigError, parse_args
 from trainer.metrics import MetricsLogger, peak_flops
-from trainer.models.llama import build_model, cross_entropy_loss
+from trainer.models.registry import build_model
+from trainer.models.losses import cross_entropy_loss
 from tests.trainer.helpers import tiny_llama
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.

@@ -16,7 +16,8 @@ from trainer import train
 from trainer.checkpoint import load_weights
 from trainer.config import ConfigError, parse_args
 from trainer.data import build_tokenizer
-from trainer.models.llama import build_model, model_args
+from trainer.models.registry import build_model
+from tests.trainer.helpers import llama_model_args as model_args
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]

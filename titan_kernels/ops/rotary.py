@@ -2,8 +2,8 @@
 ``torch.ops.titan.rotary_backward``, plus the cos/sin table builder ``rope_cos_sin``.
 
 Math: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding", eq. 34 (see
-``titan_kernels.reference.rotary``); Llama 3.1 frequency scaling as ``apply_scaling`` in Meta's
-llama3 reference implementation (``llama/model.py``).
+``titan_kernels.reference.rotary``); the tables and their Llama 3.1 / YaRN frequency scaling in
+``titan_kernels.ops.rope_tables``.
 
 Both ops are ``torch.library.custom_op``s whose real implementation picks the backend at run time
 (``titan_kernels.backend``), with fake implementations, autograd through ``register_autograd`` (the
@@ -19,13 +19,11 @@ map R(theta) of q and k, its backward is R(-theta) and the backward's adjoint is
 """
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-
 import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops.rope_tables import rope_cos_sin  # noqa: F401  (re-exported: the tables' builder)
 from titan_kernels.reference import rotary as _ref
 
 OP = "rotary"
@@ -327,103 +325,3 @@ def apply_rotary_emb(
     # use_backend context) both ops read it when they run.
     request = _backend.capture_request(OP)
     return _rotate(q, k, cos, sin, position_ids, interleaved, request, inverse=False)
-
-
-_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _check_int(value: object, arg: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{arg}: expected an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{arg}: expected an int >= {minimum}, got {value}")
-    return value
-
-
-def _check_positive(value: object, arg: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{arg}: expected a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{arg}: expected a finite number > 0, got {value}")
-    return float(value)
-
-
-def _check_scaling(scaling: object) -> dict[str, float]:
-    if not isinstance(scaling, Mapping):
-        raise TypeError(f"scaling: expected a dict with keys {_SCALING_KEYS} or None, got {type(scaling).__name__}")
-    extra = set(scaling) - set(_SCALING_KEYS) - {"rope_type"}
-    missing = [key for key in _SCALING_KEYS if key not in scaling]
-    if extra or missing:
-        raise ValueError(
-            f"scaling: expected keys {_SCALING_KEYS} (Llama 3.1 scaling), got unknown {sorted(extra)}, missing {missing}"
-        )
-    if scaling.get("rope_type", "llama3") != "llama3":
-        raise ValueError(f"scaling: only rope_type 'llama3' is implemented, got {scaling['rope_type']!r}")
-    out = {key: _check_positive(scaling[key], f"scaling[{key!r}]") for key in _SCALING_KEYS}
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
-        raise ValueError(
-            f"scaling: expected high_freq_factor > low_freq_factor, got {out['high_freq_factor']} <= {out['low_freq_factor']}"
-        )
-    return out
-
-
-def rope_cos_sin(
-    head_dim: int,
-    max_positions: int,
-    theta: float = 500000.0,
-    scaling: Mapping[str, float] | None = None,
-    *,
-    rotary_dim: int | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables for ``apply_rotary_emb``.
-
-    freq_i = theta ** (-2i / rotary_dim) for i < rotary_dim / 2 (RoFormer eq. 15), optionally
-    rescaled for long context as Llama 3.1 does (Meta's llama3 ``apply_scaling``): with
-    wavelen = 2 pi / freq, frequencies whose wavelength is shorter than
-    original_max_position_embeddings / high_freq_factor are kept, those longer than
-    original_max_position_embeddings / low_freq_factor are divided by factor, and those between
-    are blended with smooth = (original_max_position_embeddings / wavelen - low_freq_factor) /
-    (high_freq_factor - low_freq_factor). Angles position * freq are computed in float64 and
-    rounded once at the end (a float32 angle at position 1e5 would be off by ~1e-2 rad).
-
-    Args:
-        head_dim: size of a head (int >= 2).
-        max_positions: number of table rows, i.e. positions 0..max_positions-1 (int >= 0).
-        theta: RoPE base (500000 for Llama 3, 10000 for Llama 2).
-        scaling: None, or dict(factor, low_freq_factor, high_freq_factor,
-            original_max_position_embeddings), e.g. Llama 3.1's dict(factor=8.0,
-            low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192).
-            A Hugging Face ``rope_scaling`` dict with ``rope_type="llama3"`` is accepted as is.
-        rotary_dim: number of rotated dims (even, 2 <= rotary_dim <= head_dim); default head_dim.
-        device: where to build the tables (a "meta" device gives meta tensors).
-
-    Returns:
-        (cos, sin): float32 (max_positions, rotary_dim // 2).
-
-    Raises:
-        TypeError: a non-int size, a non-number theta or scaling value, scaling not a dict.
-        ValueError: head_dim < 2, max_positions < 0, odd rotary_dim or one outside [2, head_dim],
-            theta not finite > 0, scaling keys missing/unknown, high_freq_factor <= low_freq_factor.
-    """
-    head_dim = _check_int(head_dim, "head_dim", 2)
-    max_positions = _check_int(max_positions, "max_positions", 0)
-    theta = _check_positive(theta, "theta")
-    rotary_dim = head_dim if rotary_dim is None else _check_int(rotary_dim, "rotary_dim", 2)
-    if rotary_dim % 2 or rotary_dim > head_dim:
-        raise ValueError(f"rotary_dim: expected an even number <= head_dim = {head_dim}, got {rotary_dim}")
-    f64 = dict(dtype=torch.float64, device=device)
-    freqs = 1.0 / theta ** (torch.arange(0, rotary_dim, 2, **f64) / rotary_dim)
-    if scaling is not None:
-        sc = _check_scaling(scaling)
-        old_len = sc["original_max_position_embeddings"]
-        low_wavelen = old_len / sc["low_freq_factor"]
-        high_wavelen = old_len / sc["high_freq_factor"]
-        wavelen = 2 * math.pi / freqs
-        smooth = (old_len / wavelen - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
-        blended = (1 - smooth) * freqs / sc["factor"] + smooth * freqs
-        freqs = torch.where(
-            wavelen < high_wavelen, freqs, torch.where(wavelen > low_wavelen, freqs / sc["factor"], blended)
-        )
-    angles = torch.outer(torch.arange(max_positions, **f64), freqs)
-    return angles.cos().to(torch.float32), angles.sin().to(torch.float32)

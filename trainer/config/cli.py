@@ -21,8 +21,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
 
-from trainer.config.fields import check_value, parse_str, suggest, toml_value, type_name
-from trainer.config.flavors import available_flavors, flavor_config_path
+from trainer.config.fields import check_value, field_choices, parse_str, suggest, toml_value, type_name
+from trainer.config.flavors import families, family_flavors, flavor_config_path
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError
 
@@ -143,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     Args:
         argv: the arguments without the program name; ``None`` means ``sys.argv[1:]``.
 
-    Layers: defaults < ``--config FILE.toml`` (or, without it, ``trainer/configs/<flavor>.toml``)
+    Layers: defaults < ``--config FILE.toml`` (or, without it, ``trainer/configs/<family>/<flavor>.toml``)
     < ``--section.key value`` overrides. ``--help`` prints every key and raises ``SystemExit(0)``.
 
     Raises:
@@ -155,7 +155,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     if wants_help:
         argv = [a for a in argv if a not in ("--help", "-h")]
     config_file, flavor, items = _split_argv(argv)
-    # The family picks the flavor's file (qwen3_<flavor>.toml), so it is read before the TOML layer.
+    # The family picks the flavor's file (configs/<family>/<flavor>.toml), so it is read before the TOML layer.
     name = next((raw for key, raw in items if key == "model.name" and raw is not None), None)
     config = _base_config(config_file, flavor, name)
     if wants_help:
@@ -193,20 +193,20 @@ def help_text(defaults: JobConfig | None = None) -> str:
         defaults: the configuration whose values are shown as defaults (e.g. a flavor's TOML applied);
             None = the default flavor's.
     """
-    lines = [
-        "usage: python -m trainer [--config FILE.toml] [--flavor NAME] [--section.key value ...]",
-        "",
-        "Pre-trains Llama 3. Values come from the defaults below, then the TOML file (--config, or",
-        "trainer/configs/<flavor>.toml), then the command line. Boolean keys also work as bare flags.",
-        "",
-        "  --config FILE.toml   read this TOML file instead of the flavor's",
-        f"  --flavor NAME        short for --model.flavor ({', '.join(available_flavors())})",
-        "  --help               show this list and exit",
-    ]
     if defaults is None:
         defaults = _base_config(None, None)
-    lines.insert(5, f"Defaults shown are those of flavor {defaults.model.flavor!r}.")
-    lines.insert(6, "")
+    lines = [
+        "usage: python -m trainer [--config FILE.toml] [--model.name FAMILY] [--flavor NAME] [--section.key value ...]",
+        "",
+        "Pre-trains decoder LLMs. Values come from the defaults below, then the TOML file (--config, or",
+        "trainer/configs/<family>/<flavor>.toml), then the command line. Boolean keys also work as bare flags.",
+        f"Defaults shown are those of --model.name {defaults.model.name} --flavor {defaults.model.flavor}.",
+        "",
+        "  --config FILE.toml   read this TOML file instead of the flavor's",
+        "  --flavor NAME        short for --model.flavor; the flavors of each family (--model.name):",
+    ]
+    lines += [f"      {name}: {', '.join(family_flavors(name))}" for name in families()]
+    lines.append("  --help               show this list and exit")
     for section, cls in _SECTIONS.items():
         lines += ["", f"[{section}] {(cls.__doc__ or '').strip()}"]
         for f in dataclasses.fields(cls):
@@ -214,7 +214,7 @@ def help_text(defaults: JobConfig | None = None) -> str:
             shown = "none" if default is None else toml_value(default)
             if isinstance(default, list):
                 shown = ",".join(default)
-            choices = f.metadata.get("choices")
+            choices = field_choices(f)
             extra = f" [{'|'.join(choices)}]" if choices else ""
             lines.append(f"  --{section}.{f.name} (default: {shown}){extra}")
             lines.append(f"      {f.metadata.get('help', '')}")

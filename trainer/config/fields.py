@@ -73,6 +73,12 @@ def suggest(name: str, candidates: typing.Iterable[str]) -> str | None:
     return best if best_score >= 0.6 else None
 
 
+def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
+    """The allowed values of a string field (its ``choices`` metadata, called when a function)."""
+    choices = f.metadata.get("choices")
+    return tuple(choices()) if callable(choices) else choices
+
+
 def choice_message(key: str, value: Any, choices: typing.Iterable[str]) -> str:
     """The one-line error for ``value`` of ``key`` not being one of ``choices``, with a suggestion."""
     choices = list(choices)

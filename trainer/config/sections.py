@@ -7,21 +7,29 @@ This is the bottom of the package (DESIGN.md section 1): it imports nothing else
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type or invalid value. The message is one line."""
 
 
-def _opt(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
-    """A config field with its help text (and, for strings, the allowed values)."""
+def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
+    """A config field with its help text (and, for strings, the allowed values: a tuple, or a
+    function returning them when they come from a registry)."""
     meta = {"help": help}
     if choices is not None:
         meta["choices"] = choices
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+def _families() -> tuple[str, ...]:
+    """The registered model families (read when needed: the registry is torch-free but not tiny)."""
+    from trainer.models import registry
+
+    return registry.names()
 
 
 @dataclass
@@ -37,12 +45,12 @@ class Job:
 class Model:
     """Which model to build."""
 
-    name: str = _opt("llama3", "Model family: llama3, or qwen3 (dense and mixture-of-experts).",
-                     choices=("llama3", "qwen3"))
+    name: str = _opt("llama3", "Model family (the registered families, trainer.models.registry).",
+                     choices=_families)
     flavor: str = _opt(
         "debugmodel",
-        "Model size: debugmodel, 1B, 3B (Llama 3.2), 8B, 70B, 405B (Llama 3.1); for qwen3: debugmodel, "
-        "debugmodel_moe, 0.6B, 1.7B, 4B, 8B, 14B, 32B, 30B-A3B, 235B-A22B (trainer/configs/qwen3_<flavor>.toml). "
+        "Model size: a flavor of the family with a file trainer/configs/<family>/<flavor>.toml (the list is in "
+        "the --flavor line above), or custom with a Hugging Face folder (--checkpoint.initial_load_in_hf). "
         "Also --flavor.",
     )
     tokenizer_path: str = _opt(
@@ -58,6 +66,9 @@ class Model:
     )
     moe_bias_update_rate: float = _opt(1e-3, "MoE flavors, load_balance bias: the bias step per optimizer step.")
     moe_aux_loss_coeff: float = _opt(1e-3, "MoE flavors, load_balance aux_loss: the weight of the loss.")
+    mtp_layers: int = _opt(
+        -1, "Multi-token prediction modules (deepseek_v3): -1 = the flavor's, 0 = none (the model alone), N = N modules "
+        "predicting tokens t+2..t+N+1.")
 
 
 @dataclass
@@ -95,6 +106,9 @@ class Training:
         "float32", "Gradient reduce dtype under FSDP2 mixed precision.", choices=("float32", "bfloat16")
     )
     document_masking: bool = _opt(False, "Mask attention across document boundaries inside a packed sequence.")
+    mtp_loss_weight: float = _opt(
+        0.3, "Multi-token prediction: the weight (lambda) of the MTP modules' mean loss beside the main loss "
+        "(DeepSeek-V3 used 0.3, then 0.1); logged apart as mtp_loss.")
     gc_freq: int = _opt(50, "Run Python garbage collection every this many steps.")
 
 

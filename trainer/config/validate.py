@@ -15,7 +15,7 @@ import math
 import pathlib
 from typing import TYPE_CHECKING, Any
 
-from trainer.config.fields import check_value, choice_message, iter_fields
+from trainer.config.fields import check_value, choice_message, field_choices, iter_fields
 from trainer.config.flavors import available_flavors
 from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
 
@@ -38,7 +38,7 @@ def validate_config(config: JobConfig) -> None:
     for section, f, hint, value in iter_fields(config):
         key = f"{section}.{f.name}"
         check_value(key, value, hint, "--")
-        choices = f.metadata.get("choices")
+        choices = field_choices(f)
         if choices is not None and value not in choices:
             raise ConfigError(choice_message(key, value, choices))
 
@@ -48,7 +48,11 @@ def validate_config(config: JobConfig) -> None:
 
     t, o, s, p, c = config.training, config.optimizer, config.lr_scheduler, config.parallelism, config.checkpoint
     flavors = available_flavors(config.model.name)
-    if flavors and config.model.flavor not in flavors:
+    if config.model.flavor == "custom":
+        if not (config.checkpoint.initial_load_in_hf and config.checkpoint.initial_load_path):
+            raise ConfigError("--model.flavor: custom builds the model a Hugging Face folder describes; give it with "
+                              "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path DIR")
+    elif flavors and config.model.flavor not in flavors:
         raise ConfigError(choice_message("model.flavor", config.model.flavor, flavors))
     need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
     need(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "an integer >= 1")
@@ -65,6 +69,9 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(t.max_norm) and t.max_norm > 0, "training.max_norm", t.max_norm, "a finite value > 0")
     need(t.seed >= 0, "training.seed", t.seed, "an integer >= 0")
     need(t.gc_freq >= 1, "training.gc_freq", t.gc_freq, "an integer >= 1")
+    need(math.isfinite(t.mtp_loss_weight) and t.mtp_loss_weight >= 0, "training.mtp_loss_weight", t.mtp_loss_weight,
+         "a finite value >= 0")
+    need(config.model.mtp_layers >= -1, "model.mtp_layers", config.model.mtp_layers, "-1 (the flavor's) or an integer >= 0")
     need(bool(t.dataset or t.dataset_path), "training.dataset", t.dataset, "a dataset name or a dataset_path")
     for key, path in (("training.dataset_path", t.dataset_path), ("model.tokenizer_path", config.model.tokenizer_path)):
         if path and not pathlib.Path(path).expanduser().exists():

@@ -1,14 +1,18 @@
 """What every part of the Hugging Face conversion shares: the folder's file names, the error, and
 the config.json fields the families read alike (integer sizes, rotary theta and scaling).
 
-The file names and the index layout are those ``transformers``' ``save_pretrained`` writes; the
-rope scaling is Llama 3.1's ('llama3': factor, low/high_freq_factor,
-original_max_position_embeddings; ``titan_kernels.ops.rotary``), read from the old
-``rope_theta`` + ``rope_scaling`` keys or transformers >= 5's ``rope_parameters``.
+The file names and the index layout are those ``transformers``' ``save_pretrained`` writes. Rotary
+scaling is read from the old ``rope_theta`` + ``rope_scaling`` keys or transformers >= 5's
+``rope_parameters``: Llama 3.1's ('llama3': factor, low/high_freq_factor,
+original_max_position_embeddings) and YaRN ('yarn': factor, original_max_position_embeddings,
+beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate), as
+``titan_kernels.ops.rope_tables`` computes them.
 """
 from __future__ import annotations
 
 import logging
+
+import torch
 
 logger = logging.getLogger("trainer")
 
@@ -16,16 +20,26 @@ CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
-# model_type of config.json -> our family.
-MODEL_TYPES = {"llama": "llama3", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
 
 
 class HFCheckpointError(ValueError):
-    """A folder is not a usable Hugging Face Llama / Qwen3 checkpoint; the message is one line."""
+    """A folder is not a usable Hugging Face checkpoint of one of our families; the message is one line."""
 
 
-def _rope_from_config(cfg: dict, where: str) -> tuple[float, dict | None]:
-    """(rope_theta, our rope_scaling) from a config: transformers >= 5 nests both in ``rope_parameters``."""
+def model_types() -> dict[str, str]:
+    """config.json model_type -> our family, for every registered family."""
+    from trainer.models import registry
+
+    return registry.hf_model_types()
+
+
+def _rope_from_config(cfg: dict, where: str, allowed: tuple[str, ...] = ("llama3",)) -> tuple[float, dict | None]:
+    """(rope_theta, our rope_scaling) of a config; transformers >= 5 nests both in ``rope_parameters``.
+    ``allowed``: the scaling types the family has. Raises HFCheckpointError for another type or a
+    scaling dict that lacks its keys."""
     params = cfg.get("rope_parameters")
     scaling = cfg.get("rope_scaling")
     theta = cfg.get("rope_theta")
@@ -38,15 +52,38 @@ def _rope_from_config(cfg: dict, where: str) -> tuple[float, dict | None]:
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
         return theta, None
-    if kind != "llama3":
-        raise HFCheckpointError(f"{where}: rope scaling type {kind!r} is not supported (expected none or 'llama3')")
-    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [k for k in keys if k not in scaling]
-    if missing:
-        raise HFCheckpointError(f"{where}: rope scaling 'llama3' lacks {', '.join(missing)}")
-    ours = {k: float(scaling[k]) for k in keys[:3]}
-    ours["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    if kind not in allowed:
+        raise HFCheckpointError(f"{where}: rope scaling type {kind!r} is not supported (expected none or "
+                                f"{' or '.join(repr(a) for a in allowed)})")
+    if kind == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in scaling]
+        if missing:
+            raise HFCheckpointError(f"{where}: rope scaling 'llama3' lacks {', '.join(missing)}")
+        ours = {k: float(scaling[k]) for k in _LLAMA3_KEYS[:3]}
+        ours["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+        return theta, ours
+    # yarn: factor may be absent (then max_position_embeddings / original, as transformers does)
+    original = scaling.get("original_max_position_embeddings")
+    if not isinstance(original, int) or isinstance(original, bool):
+        raise HFCheckpointError(f"{where}: rope scaling 'yarn' lacks an integer original_max_position_embeddings")
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = float(cfg.get("max_position_embeddings", original)) / original
+    ours = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    for k in _YARN_KEYS:
+        if scaling.get(k) is not None:
+            ours[k] = scaling[k] if k == "truncate" else float(scaling[k])
     return theta, ours
+
+
+def rope_to_config(theta: float, scaling: dict | None) -> dict:
+    """The config.json rotary keys of ``(rope_theta, our rope_scaling)``, in the long-standing layout
+    (``rope_theta`` + ``rope_scaling``) that transformers 4 and 5 both read."""
+    if scaling is None:
+        return {"rope_theta": theta, "rope_scaling": None}
+    kind = scaling.get("rope_type", "llama3")
+    return {"rope_theta": theta, "rope_scaling": {**{k: v for k, v in scaling.items() if k != "rope_type"},
+                                                  "rope_type": kind}}
 
 
 def _int_fields(cfg: dict, keys: tuple[str, ...], what: str, where: str) -> None:

@@ -18,8 +18,10 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from trainer.hf.adapter import expert_hf_shape, is_expert
 from trainer.hf.common import CONFIG, DEFAULT_MAX_SHARD_SIZE, INDEX, SINGLE, HFCheckpointError, logger
 from trainer.hf.mapping import (
+    adapter_of,
     args_from_hf_config,
     expected_shapes,
     from_hf_state_dict,
@@ -27,8 +29,7 @@ from trainer.hf.mapping import (
     hf_names,
     to_hf_state_dict,
 )
-from trainer.hf.qwen3 import expert_hf_shape, is_expert
-from trainer.models.common import family_of
+from trainer.models.registry import family_of
 
 # Buffers some Hugging Face checkpoints carry that are not weights (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -48,13 +49,13 @@ def _safetensors():
 
 
 class HFCheckpoint:
-    """A Hugging Face Llama / Qwen3 / Qwen3-MoE folder opened for reading (config parsed, shard
-    index read; no weights yet).
+    """A Hugging Face folder of one of our families opened for reading (config parsed, shard index
+    read; no weights yet).
 
-    ``args``/``flavor``: our ModelArgs or Qwen3Args and the flavor they match; ``family``: llama3
-    or qwen3. ``tensor(name)`` reads one tensor by its Hugging Face name, ``our_tensor(key)`` one
-    of our parameters (a Qwen3-MoE layer's E expert matrices stacked). Raises HFCheckpointError
-    when the folder is not such a checkpoint.
+    ``args``/``flavor``: our model args and the flavor they match ("custom" for none); ``family``:
+    its registered name. ``tensor(name)`` reads one tensor by its Hugging Face name,
+    ``our_tensor(key)`` one of our parameters or persistent buffers (a MoE layer's E expert matrices
+    stacked). Raises HFCheckpointError when the folder is not such a checkpoint.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
@@ -73,8 +74,15 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{cfg_path}: expected a JSON object")
         self.args, self.flavor = args_from_hf_config(self.config, str(cfg_path))
         self.family = family_of(self.args)
-        self.shapes = expected_shapes(self.args)
+        self.adapter = adapter_of(self.args)
         self.weight_map = self._weight_map()
+        adjust = getattr(self.adapter, "args_for_weights", None)  # e.g. MTP modules a folder lacks
+        if adjust is not None:
+            self.args = adjust(self.args, self.weight_map)
+        self.shapes = expected_shapes(self.args)
+        # Buffers Hugging Face stores too (DeepSeek-V3's e_score_correction_bias is our expert_bias).
+        self.buffers = {k: v for k, v in expected_shapes(self.args, buffers=True).items()
+                        if k not in self.shapes and hf_names(self.args, k)}
         self._open: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
@@ -126,9 +134,9 @@ class HFCheckpoint:
 
     def check_names(self) -> None:
         """Raise HFCheckpointError if a tensor of the config's model is missing or an unknown one is present."""
-        kind = "Llama" if self.family == "llama3" else "Qwen3"
+        kind = self.adapter.title
         try:
-            expected = {n for k in self.shapes for n in self.names_of(k)}
+            expected = {n for k in (*self.shapes, *self.buffers) for n in self.names_of(k)}
         except KeyError as exc:  # a parameter without a Hugging Face counterpart (cannot come from a config)
             raise HFCheckpointError(f"{self.path}: {exc.args[0]}") from None
         present = {k for k in self.weight_map if not k.endswith(_IGNORED_SUFFIXES)}
@@ -144,7 +152,7 @@ class HFCheckpoint:
 
     def _hf_shape(self, key: str, name: str) -> tuple[int, ...]:
         """The shape the Hugging Face tensor ``name`` of our ``key`` must have (from config.json)."""
-        want = self.shapes[key]
+        want = self.shapes[key] if key in self.shapes else self.buffers[key]
         if not is_expert(key):
             return want  # the rotary permutation keeps the shape
         return expert_hf_shape(want, name)
@@ -166,6 +174,25 @@ class HFCheckpoint:
             raise HFCheckpointError(f"{self.path}: {exc}") from None
 
 
+def custom_model_args(path, family: str, vocab_size: int, seq_len: int, model_config=None):
+    """``--flavor custom``: the args of the model the Hugging Face folder ``path`` describes (its
+    config.json), which must be of ``family``, for sequences up to ``seq_len`` and a tokenizer of
+    ``vocab_size`` tokens. Raises HFCheckpointError (a ValueError; one line naming the key) for a
+    folder of another family or one we cannot reproduce, ValueError for a tokenizer larger than its
+    vocabulary."""
+    ckpt = HFCheckpoint(path)
+    found = family_of(ckpt.args)
+    if found != family:
+        raise HFCheckpointError(f"--model.name: {family}, but {path} holds a {found} model (use --model.name {found})")
+    if vocab_size > ckpt.args.vocab_size:
+        raise ValueError(f"--model.tokenizer_path: the tokenizer has {vocab_size} tokens but {path} has an embedding "
+                         f"of {ckpt.args.vocab_size}; use the model's own tokenizer")
+    logger.info("flavor custom: the model of %s (%s)", path,
+                f"the published flavor {ckpt.flavor}" if ckpt.flavor != "custom" else "no published flavor")
+    args = ckpt.args.replace(max_seq_len=seq_len)
+    return args.configure(model_config) if model_config is not None else args
+
+
 @torch.no_grad()
 def load_into_model(model: nn.Module, ckpt: HFCheckpoint) -> int:
     """Copy the checkpoint's weights into ``model``'s parameters, whatever its parallel layout.
@@ -174,8 +201,9 @@ def load_into_model(model: nn.Module, ckpt: HFCheckpoint) -> int:
     DTensor parameters; names as in the full model). Each parameter is read whole from its shard
     (one tensor of host memory at a time: a Qwen3-MoE layer's stacked (E, in, out) expert weight
     at most), cast to the parameter's dtype, and each rank keeps its own piece. The MoE layers'
-    ``expert_bias`` buffers are zeroed (Hugging Face routes without one). Returns the number of
-    parameters loaded. Raises HFCheckpointError for a missing tensor or a shape mismatch.
+    ``expert_bias`` buffers are read where the family stores them (DeepSeek-V3's
+    ``e_score_correction_bias``), else zeroed (Hugging Face routes without one). Returns the number
+    of parameters loaded. Raises HFCheckpointError for a missing tensor or a shape mismatch.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -196,7 +224,9 @@ def load_into_model(model: nn.Module, ckpt: HFCheckpoint) -> int:
         param.copy_(full)
         n += 1
     for name, buf in model.named_buffers():
-        if name.endswith("feed_forward.expert_bias"):
+        if name in ckpt.buffers:
+            buf.copy_(ckpt.our_tensor(name).to(device=buf.device, dtype=buf.dtype))
+        elif name.endswith("feed_forward.expert_bias"):
             buf.zero_()
     ckpt.close()
     return n
@@ -207,17 +237,18 @@ def load_into_model(model: nn.Module, ckpt: HFCheckpoint) -> int:
 
 
 class HFWriter:
-    """Writes a Hugging Face Llama / Qwen3 / Qwen3-MoE folder: tensors in, shards of at most
+    """Writes a Hugging Face folder of one of our families: tensors in, shards of at most
     ``max_shard_size`` bytes out.
 
     ``add(our_key, tensor)`` converts a full (unsharded) parameter to the Hugging Face names and
-    layout (a Qwen3-MoE expert weight (E, in, out) to E (out, in) matrices) and queues it;
-    ``close()`` writes the last shard, renames the shards to ``model-0000k-of-0000n.safetensors``
-    with their index (or ``model.safetensors`` when one is enough, as ``save_pretrained`` does) and
-    writes ``config.json``. Tied models store no ``lm_head.weight`` (transformers ties it to the
-    embedding on load). An ``expert_bias`` buffer is not written; ``close`` warns (logger
-    "trainer") when one was not zero: transformers' Qwen3-MoE picks its top-k experts without it,
-    so the exported model routes some tokens to other experts than the trained one did.
+    layout (a MoE expert weight (E, in, out) to E (out, in) matrices) and queues it; ``close()``
+    writes the last shard, renames the shards to ``model-0000k-of-0000n.safetensors`` with their
+    index (or ``model.safetensors`` when one is enough, as ``save_pretrained`` does) and writes
+    ``config.json``. Tied models store no ``lm_head.weight`` (transformers ties it to the embedding
+    on load). An ``expert_bias`` buffer is written where the family's Hugging Face model has one
+    (DeepSeek-V3's ``e_score_correction_bias``); elsewhere it is not, and ``close`` warns (logger
+    "trainer") when one was not zero: transformers then picks the top-k experts without it, so the
+    exported model routes some tokens to other experts than the trained one did.
 
     Raises HFCheckpointError at construction for a model Hugging Face cannot express (``hf_config``).
     """
@@ -228,6 +259,7 @@ class HFWriter:
             raise ValueError(f"max_shard_size: expected bytes >= 1, got {max_shard_size}")
         self.config = hf_config(args, dtype)  # refuses what Hugging Face cannot express, before any shard
         self.out, self.args, self.dtype, self.max_shard_size = Path(out), args, dtype, max_shard_size
+        self.adapter = adapter_of(args)
         self.out.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
@@ -240,11 +272,12 @@ class HFWriter:
             peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
             if peak > 0:
                 self.biased_layers.append((key, peak))
-            return
         for name, t in to_hf_state_dict({key: tensor}, self.args).items():
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
-            t = t.detach().to("cpu", self.dtype).contiguous()
+            # the routing bias stays float32 (transformers keeps it in fp32 whatever the dtype)
+            dtype = torch.float32 if key.endswith("feed_forward.expert_bias") else self.dtype
+            t = t.detach().to("cpu", dtype).contiguous()
             size = t.numel() * t.element_size()
             if self._pending and self._pending_bytes + size > self.max_shard_size:
                 self._flush()
@@ -284,13 +317,9 @@ class HFWriter:
             written.add(INDEX)
         (self.out / CONFIG).write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
         self._remove_stale_weights(written)
-        if self.biased_layers:
-            key, peak = max(self.biased_layers, key=lambda kv: kv[1])
-            logger.warning(
-                "%s: %d MoE layer(s) have a non-zero load-balancing expert_bias (largest |bias| %.3g, %s); Hugging "
-                "Face Qwen3-MoE has none and picks the top-k experts by the router scores alone, so the exported "
-                "model routes some tokens differently from the trained one", self.out, len(self.biased_layers), peak,
-                key)
+        warning = self.adapter.export_warning(self.biased_layers, self.out)
+        if warning:
+            logger.warning("%s", warning)
         return self.out
 
 

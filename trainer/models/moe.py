@@ -5,8 +5,9 @@ GEMMs, optional shared experts, and load balancing (auxiliary-loss-free bias or 
 
 1. Router: ``scores = softmax(x W_g)`` (or sigmoid) in float32, (tokens, E). Each token picks the
    ``top_k`` experts of highest ``scores + expert_bias`` (the bias steers the choice only, Wang et
-   al. 2024, arXiv 2408.15664); its weights are the chosen *scores*, renormalised to sum to 1
-   (``route_norm``) and times ``route_scale``.
+   al. 2024, arXiv 2408.15664); with group-limited routing (DeepSeek-V3, ``n_group`` > 1) only
+   among the ``topk_group`` groups whose two best biased scores sum highest. Its weights are the
+   chosen *scores*, renormalised to sum to 1 (``route_norm``) and times ``route_scale``.
 2. Permute: the (token, expert) rows copied into expert order, tokens in order within an expert
    (``titan_kernels.moe_permute``); ``counts[e]`` rows go to expert e.
 3. Experts: ``w2_e(silu(x w1_e) * x w3_e)`` for every expert at once: three grouped GEMMs
@@ -47,7 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_kernels
-from trainer.models.qwen3_args import MoEArgs
+from trainer.models.feed_forward import FeedForward
+from trainer.models.moe_args import MoEArgs
 
 
 _counting_paused = False
@@ -140,6 +142,8 @@ class Router(nn.Module):
         logits = F.linear(x, local(self.gate.weight).to(x.dtype)).float()
         scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
         choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
+        if a.n_group > 1:
+            choice = limit_groups(choice, a.n_group, a.topk_group)
         idx = choice.topk(a.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, idx)
         if a.route_norm and a.top_k > 1:
@@ -147,6 +151,18 @@ class Router(nn.Module):
         if a.route_scale != 1.0:
             weights = weights * a.route_scale
         return scores, idx, weights
+
+
+def limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3's group-limited routing (sec. 2.1.2; its ``n_group`` / ``topk_group``): the experts
+    form ``n_group`` equal groups; each token keeps the ``topk_group`` groups whose two best
+    ``choice`` values sum highest, and the other experts' values become -inf. choice (T, E) float32."""
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+    keep = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    mask = torch.ones_like(group_scores, dtype=torch.bool).scatter_(1, keep, False)  # True = dropped group
+    return grouped.masked_fill(mask.unsqueeze(-1), float("-inf")).view(t, e)
 
 
 def _sum_grad_over(t: torch.Tensor, mesh) -> torch.Tensor:
@@ -198,8 +214,6 @@ class MoE(nn.Module):
         self.router = Router(dim, args)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
         if args.num_shared_experts:
-            from trainer.models.blocks import FeedForward
-
             self.shared_experts = FeedForward(dim, args.hidden_dim * args.num_shared_experts)
         else:
             self.shared_experts = None
@@ -212,6 +226,30 @@ class MoE(nn.Module):
         with torch.no_grad():
             self.expert_bias.zero_()
             self.tokens_per_expert.zero_()
+
+    def tp_plan(self) -> dict:
+        """Under tensor parallel: the input all-gathered over the sequence into a plain tensor (every tp
+        rank routes all tokens alike); the shared experts split like the FeedForward. The routed
+        experts are split on their hidden size by ``trainer.parallel.expert_parallel.shard_experts``,
+        and the layer reduce-scatters their partial output itself (``tp_finish``)."""
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import PrepareModuleInput
+
+        plan = {"": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                       use_local_output=True)}
+        if self.shared_experts is not None:
+            plan.update({f"shared_experts.{k}": v for k, v in self.shared_experts.tp_plan(gather_input=False).items()})
+        return plan
+
+    def tp_finish(self, tp_mesh) -> None:
+        """After the plan: the router weight a replicated DTensor on tp (each rank computes its full,
+        identical gradient from the all-gathered tokens), and the routed output reduce-scattered over tp."""
+        from torch.distributed.tensor import Replicate, distribute_tensor
+
+        w = self.router.gate.weight
+        self.router.gate.weight = nn.Parameter(distribute_tensor(w.data, tp_mesh, [Replicate()], src_data_rank=None),
+                                               requires_grad=w.requires_grad)
+        self.tp_mesh = tp_mesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args

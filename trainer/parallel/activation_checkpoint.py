@@ -68,7 +68,8 @@ def _checkpoint_forward(block: nn.Module, context_fn=None) -> None:
 
 
 def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> int:
-    """Apply activation checkpointing to ``model.layers`` in place; returns how many blocks it wraps.
+    """Apply activation checkpointing to the blocks of ``model`` (``model.blocks()``: its layers and a
+    family's extra blocks, e.g. MTP) in place; returns how many blocks it wraps.
 
     Raises ValueError for an unknown mode or a bad selective_ac_option (not 'op' or an integer >= 1),
     and if a block is already wrapped.
@@ -88,13 +89,20 @@ def apply_ac(model: nn.Module, mode: str, selective_ac_option: str = "2") -> int
                 "activation_checkpoint.selective_ac_option: expected 'op' or an integer >= 1, "
                 f"got {selective_ac_option!r}"
             )
-    for layer_id, block in enumerate(model.layers.values()):
+    blocks = _blocks(model)
+    for layer_id, block in enumerate(blocks):
         if getattr(block, "_titan_ac", False):
             raise ValueError(f"model.layers[{layer_id}]: activation checkpointing is already applied")
     wrapped = 0
-    for index, block in enumerate(model.layers.values()):
+    for index, block in enumerate(blocks):
         # The model's own layer id: a pipeline stage holding layers 3..5 wraps the same ones as the whole model.
         if getattr(block, "layer_id", index) % every == 0:
             _checkpoint_forward(block, context_fn)
             wrapped += 1
     return wrapped
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's transformer blocks (``blocks()`` where it has it, else ``layers``)."""
+    blocks = getattr(model, "blocks", None)
+    return blocks() if blocks is not None else list(model.layers.values())

@@ -13,7 +13,8 @@ from torch import nn
 
 
 def apply_compile(model: nn.Module, fullgraph: bool = True, backend: str = "inductor") -> None:
-    """Compile every block of ``model.layers`` in place with ``torch.compile`` ``backend``
+    """Compile every block of ``model`` (its layers and a family's extra blocks) in place with
+    ``torch.compile`` ``backend``
     ("inductor"; "aot_eager" traces the same graphs and autograd without generating code).
 
     ``fullgraph=False`` lets a block run a region eagerly (context parallel's ring attention, which
@@ -21,7 +22,7 @@ def apply_compile(model: nn.Module, fullgraph: bool = True, backend: str = "indu
     """
     if not hasattr(model, "layers"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
-    for block in model.layers.values():
+    for block in model.blocks() if hasattr(model, "blocks") else model.layers.values():
         block.compile(fullgraph=fullgraph, backend=backend)
 
 

@@ -87,7 +87,7 @@ def _expert_major(recv: torch.Tensor) -> torch.Tensor:
 def check_ep_divisibility(args, ep: int, tp: int) -> None:
     """Raise ValueError naming the parallelism key unless the model has experts to split: MoE
     layers, num_experts divisible by ep, the expert hidden size divisible by tp."""
-    moe = getattr(args, "moe", None)
+    moe = args.moe
     if ep > 1 and moe is None:
         raise ValueError("parallelism.expert_parallel_degree: the model has no mixture-of-experts layers "
                          "(use a MoE flavor, e.g. --model.name qwen3 --flavor debugmodel_moe)")

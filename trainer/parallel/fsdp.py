@@ -41,7 +41,7 @@ def apply_fsdp(
     # (ep = dp_shard) FSDP2 leaves them alone (nothing to shard or average).
     experts = {id(p) for p in expert_params or ()}
     ignored: set[nn.Parameter] = set()
-    for block in model.layers.values():
+    for block in model.blocks() if hasattr(model, "blocks") else model.layers.values():
         ff = getattr(block, "feed_forward", None)
         if experts and hasattr(ff, "experts") and id(ff.experts.w1) in experts:
             if expert_mesh is not None and expert_mesh.size() > 1:
@@ -51,7 +51,7 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored or None)
     # The root (embedding, final norm, output) stays gathered from forward to backward: the fused
-    # loss reads output.weight after the forward (trainer.models.llama.linear_cross_entropy_loss).
+    # loss reads output.weight after the forward (trainer.models.losses.linear_cross_entropy_loss).
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
     if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
         for module in model.modules():

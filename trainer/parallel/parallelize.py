@@ -1,4 +1,5 @@
-"""``parallelize_llama``: a meta-device Llama -> this rank's parallelized, materialized model.
+"""``parallelize_decoder``: a meta-device model of any decoder family -> this rank's parallelized,
+materialized model (a family may replace it: ``ModelSpec.parallelize``).
 
 Order (DESIGN.md section 4): pipeline split -> per stage: tensor + sequence parallel -> context
 parallel -> activation checkpointing -> compile per block -> FSDP2 -> materialize and initialize.
@@ -68,7 +69,7 @@ class ParallelModel:
         return self.cp.shard(t) if self.cp is not None else t
 
 
-def parallelize_llama(
+def parallelize_decoder(
     model: nn.Module,
     config,
     dims: ParallelDims,

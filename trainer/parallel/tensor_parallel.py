@@ -1,7 +1,10 @@
-"""Tensor + sequence parallel for Llama (Megatron-LM's split, Shoeybi et al. 2019; with sequence
-parallel, Korthikanti et al. 2022), through ``torch.distributed.tensor.parallel``.
+"""Tensor + sequence parallel for the decoder families (Megatron-LM's split, Shoeybi et al. 2019; with
+sequence parallel, Korthikanti et al. 2022), through ``torch.distributed.tensor.parallel``.
 
-The plan, per transformer block, on a 1-D ``tp`` mesh:
+Each block's attention and feed-forward module gives its own plan (``tp_plan()``, relative names,
+``""`` for the module itself; an optional ``tp_finish(tp_mesh)`` runs after it), so a family with
+other modules (DeepSeek-V3's latent attention, a MoE) brings its plan with them. The shared decoder's
+plan, per transformer block, on a 1-D ``tp`` mesh:
 
   attention_norm, ffn_norm   sequence parallel: input sharded on the sequence (Shard(1)), weight
                              replicated. Our rms_norm / add_rms_norm DTensor rules run them on the
@@ -18,7 +21,7 @@ own rows, the Partial sum is reduce-scattered onto the sequence); ``norm`` is se
 ``output`` is colwise (its weight split on the vocabulary, ``Shard(0)``). Loss parallel (the
 default) is the trainer's fused loss: the model returns the final norm's sequence-sharded hidden
 states and ``titan_kernels.linear_cross_entropy`` takes them with the vocab-split output weight
-(``trainer.models.llama.linear_cross_entropy_loss``): hidden is all-gathered (as ``output``'s
+(``trainer.models.losses.linear_cross_entropy_loss``): hidden is all-gathered (as ``output``'s
 colwise input would be), each rank computes the logits of its own vocabulary rows chunk by chunk,
 and only token-sized max / sum-exp / target-logit values are all-reduced, never the (batch, seq,
 vocab) logits, which are not even materialized; hidden's gradient is reduce-scattered back onto
@@ -49,7 +52,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -77,12 +79,12 @@ class SequenceParallelAll(SequenceParallel):
 
 
 def check_tp_divisibility(args, tp: int) -> None:
-    """Raise ValueError (naming ``parallelism.tensor_parallel_degree``) unless tp divides n_heads,
-    n_kv_heads, the FFN hidden size and the vocabulary (each rank gets an equal part)."""
+    """Raise ValueError (naming ``parallelism.tensor_parallel_degree``) unless tp divides every size
+    the model's args say tensor parallel splits (``tp_divisible()``: heads, FFN widths, vocabulary;
+    each rank gets an equal part)."""
     if tp == 1:
         return
-    for what, n in (("n_heads", args.n_heads), ("n_kv_heads", args.kv_heads),
-                    ("ffn_hidden_dim", args.ffn_hidden_dim), ("vocab_size", args.vocab_size)):
+    for what, n in args.tp_divisible().items():
         if n % tp:
             raise ValueError(
                 f"parallelism.tensor_parallel_degree: {tp} does not divide the model's {what} = {n} "
@@ -91,9 +93,9 @@ def check_tp_divisibility(args, tp: int) -> None:
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, async_tp: bool = False) -> nn.Module:
-    """Apply the Llama tensor + sequence parallel plan (module docstring) to ``model`` in place.
+    """Apply the tensor + sequence parallel plan (module docstring) to ``model`` in place.
 
-    ``model`` is a ``trainer.models.llama.Transformer`` or a pipeline stage of one (any of
+    ``model`` is a ``trainer.models.decoder.Transformer`` or a pipeline stage of one (any of
     tok_embeddings / norm / output may be None), on the meta device or materialized, with nn.Linear
     or Float8Linear layers (the fp8_linear op has DTensor rules for colwise and rowwise shards).
     Tied embeddings are not supported (the output would need the embedding's other split).
@@ -118,64 +120,32 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
         )
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
-        block_plan = {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(
-                input_layouts=(Shard(1), None, None, None), desired_input_layouts=(Replicate(), None, None, None)
-            ),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallelAll(),
-        }
-        if getattr(block.attention, "q_norm", None) is not None:
-            # QK-norm (Qwen3) over head_dim of this rank's heads: the heads dim (2) is the sharded one,
-            # the weight replicated; its gradient is summed over tp like the other norms'.
-            block_plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-            block_plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-        if hasattr(block.feed_forward, "router"):  # a MoE layer (trainer.models.moe)
-            block_plan.update(_moe_plan(block.feed_forward))
-        else:
-            block_plan.update({
-                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-                "feed_forward.w3": ColwiseParallel(),
-            })
-        parallelize_module(block, tp_mesh, block_plan)
-        if hasattr(block.feed_forward, "router"):
-            _replicate_router(block.feed_forward, tp_mesh)
+        parallelize_module(block, tp_mesh, block_plan(block))
+        finish_block(block, tp_mesh)
+    extra = getattr(model, "tp_finish", None)  # a family's modules outside the blocks (e.g. MTP)
+    if extra is not None:
+        extra(tp_mesh)
     if async_tp:
         enable_async_tp(tp_mesh)
     return model
 
 
-def _moe_plan(moe: nn.Module) -> dict:
-    """A MoE layer under TP: its input all-gathered over the sequence into a plain tensor (every tp
-    rank routes all tokens alike); the shared experts split like the FeedForward. The routed
-    experts are split on their hidden size by ``trainer.parallel.expert_parallel.shard_experts`` and
-    the MoE reduce-scatters their partial output itself (``MoE.tp_mesh``)."""
-    plan = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                               use_local_output=True)}
-    if moe.shared_experts is not None:
-        plan.update({
-            "feed_forward.shared_experts.w1": ColwiseParallel(),
-            "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=Shard(1)),
-            "feed_forward.shared_experts.w3": ColwiseParallel(),
-        })
+def block_plan(block: nn.Module) -> dict:
+    """The plan of one transformer block (module docstring): its norms sequence parallel, its attention
+    and feed-forward by their own ``tp_plan()``."""
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallelAll()}
+    for name in ("attention", "feed_forward"):
+        for key, style in getattr(block, name).tp_plan().items():
+            plan[f"{name}.{key}" if key else name] = style
     return plan
 
 
-def _replicate_router(moe: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """The router weight as a replicated DTensor on tp (each rank computes its full, identical
-    gradient from the all-gathered tokens), and the MoE told to reduce-scatter over tp."""
-    from torch.distributed.tensor import distribute_tensor
-
-    w = moe.router.gate.weight
-    moe.router.gate.weight = nn.Parameter(distribute_tensor(w.data, tp_mesh, [Replicate()], src_data_rank=None),
-                                          requires_grad=w.requires_grad)
-    moe.tp_mesh = tp_mesh
+def finish_block(block: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """After the plan: the block's modules' own ``tp_finish(tp_mesh)`` (replicated weights, meshes)."""
+    for name in ("attention", "feed_forward"):
+        finish = getattr(getattr(block, name), "tp_finish", None)
+        if finish is not None:
+            finish(tp_mesh)
 
 
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
