@@ -16,9 +16,12 @@ Masking, as FlashAttention >= 2.1: with ``causal``, query i sees key j when ``j 
 GQA/MQA: query head h reads K/V head ``h // (n_heads // n_kv_heads)``. K and V are broadcast through
 a view, never repeated in memory; dK and dV sum over the query heads of their group.
 
-Layouts (shared with ``titan_kernels.triton.flash_attn``):
-  dense:  q (batch, seq_q, n_heads, head_dim), k/v (batch, seq_k, n_kv_heads, head_dim), lse (batch, n_heads, seq_q)
-  varlen: q (total_q, n_heads, head_dim), k/v (total_k, n_kv_heads, head_dim), lse (n_heads, total_q),
+Layouts (shared with ``titan_kernels.triton.flash_attn``); v's head_dim (head_dim_v) may differ from
+q/k's (multi-head latent attention), and out has v's:
+  dense:  q (batch, seq_q, n_heads, head_dim), k (batch, seq_k, n_kv_heads, head_dim),
+          v (batch, seq_k, n_kv_heads, head_dim_v), out (batch, seq_q, n_heads, head_dim_v), lse (batch, n_heads, seq_q)
+  varlen: q (total_q, n_heads, head_dim), k (total_k, n_kv_heads, head_dim), v (total_k, n_kv_heads, head_dim_v),
+          out (total_q, n_heads, head_dim_v), lse (n_heads, total_q),
           documents delimited by int32 ``cu_seqlens_q`` / ``cu_seqlens_k`` of length n_docs + 1.
 """
 from __future__ import annotations
@@ -71,12 +74,12 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
 
 
 def _dense_fwd(q, k, v, causal, scale):
-    b, sq, h, d = q.shape
+    b, sq, h, _ = q.shape
     s = _scores(q, k, causal, scale)
     lse = torch.logsumexp(s, dim=-1)  # -inf for a row with no visible key (and for seq_k == 0)
     p = _probs(s, lse)
-    o = torch.matmul(p, _acc(v).permute(0, 2, 1, 3).unsqueeze(2))  # (b, hkv, g, sq, d)
-    out = o.permute(0, 3, 1, 2, 4).reshape(b, sq, h, d).to(q.dtype)
+    o = torch.matmul(p, _acc(v).permute(0, 2, 1, 3).unsqueeze(2))  # (b, hkv, g, sq, dv)
+    out = o.permute(0, 3, 1, 2, 4).reshape(b, sq, h, v.shape[-1]).to(q.dtype)
     return out, lse.reshape(b, h, sq)
 
 
@@ -86,7 +89,7 @@ def _dense_bwd(dout, q, k, v, out, lse, causal, scale, dlse=None):
     g = h // hkv
     s = _scores(q, k, causal, scale)
     p = _probs(s, _acc(lse).reshape(b, hkv, g, sq))
-    do = _acc(dout).reshape(b, sq, hkv, g, d).permute(0, 2, 3, 1, 4)  # (b, hkv, g, sq, d)
+    do = _acc(dout).reshape(b, sq, hkv, g, v.shape[-1]).permute(0, 2, 3, 1, 4)  # (b, hkv, g, sq, dv)
     delta = (_acc(dout) * _acc(out)).sum(-1).reshape(b, sq, hkv, g).permute(0, 2, 3, 1)
     if dlse is not None:
         delta = delta - _acc(dlse).reshape(b, hkv, g, sq)
@@ -128,7 +131,7 @@ def attention_fwd(
     """
     if cu_seqlens_q is None:
         return _dense_fwd(q, k, v, causal, softmax_scale)
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_acc(q[:0]).dtype, device=q.device)
     for q0, q1, k0, k1 in _doc_bounds(cu_seqlens_q, cu_seqlens_k):
         if q1 == q0:

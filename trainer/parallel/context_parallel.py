@@ -24,7 +24,7 @@ accumulators: each rank adds the gradient of the block it holds, computed by the
 only those), and after ``cp`` hops each accumulator is back at its owner.
 
 Communication per attention call (forward): ``cp - 1`` hops of this rank's K and V,
-2 * batch * (seq / cp) * n_kv_heads * head_dim values each way; the backward twice that (K/V again
+batch * (seq / cp) * n_kv_heads * (head_dim + head_dim_v) values each way; the backward twice that (K/V again
 plus their gradients, which travel in float32). See trainer/parallel/README.md.
 """
 from __future__ import annotations
@@ -78,8 +78,9 @@ class ContextParallel:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence.
 
-        q (batch, seq/cp, n_heads, head_dim), k/v (batch, seq/cp, n_kv_heads, head_dim), this rank's
-        zigzag part; returns (batch, seq/cp, n_heads, head_dim) in q.dtype. Differentiable.
+        q (batch, seq/cp, n_heads, head_dim), k (batch, seq/cp, n_kv_heads, head_dim), v (batch,
+        seq/cp, n_kv_heads, head_dim_v), this rank's zigzag part (v's head_dim may differ from q/k's);
+        returns (batch, seq/cp, n_heads, head_dim_v) in q.dtype. Differentiable.
         """
         return _ring_apply(q, k, v, self)
 
@@ -114,11 +115,12 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, cp: ContextParallel):
         n, r = cp.size, cp.rank
         b, s, h, d = q.shape
+        dk = k.shape[-1]
         c = s // 2
         scale = 1.0 / math.sqrt(d)
-        out = torch.zeros(b, s, h, d, dtype=torch.float32, device=q.device)
+        out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.cat([k, v], -1)  # one buffer travels; v's head_dim may differ from k's (MLA)
         for step in range(n):
             works, nxt = [], None
             if step < n - 1:
@@ -126,7 +128,8 @@ class _RingAttention(torch.autograd.Function):
                 works = cp._exchange(kv, nxt)
             rows, cols, causal = _block(r, (r - step) % n, c)
             o_blk, l_blk = titan_kernels.flash_attn(
-                q[:, rows], kv[0][:, cols], kv[1][:, cols], causal=causal, softmax_scale=scale, return_lse=True
+                q[:, rows], kv[:, cols, :, :dk], kv[:, cols, :, dk:], causal=causal, softmax_scale=scale,
+                return_lse=True
             )
             l_old = lse[:, :, rows]
             l_new = torch.logaddexp(l_old, l_blk)
@@ -148,9 +151,10 @@ class _RingAttention(torch.autograd.Function):
         cp, scale = ctx.cp, ctx.scale
         n, r = cp.size, cp.rank
         c = q.shape[1] // 2
+        dk = k.shape[-1]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
+        kv = torch.cat([k, v], -1)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V block
         for step in range(n):
             works, nxt = [], None
@@ -159,19 +163,19 @@ class _RingAttention(torch.autograd.Function):
                 works = cp._exchange(kv, nxt)
             rows, cols, causal = _block(r, (r - step) % n, c)
             dq_b, dk_b, dv_b = torch.ops.titan.flash_attn_backward(
-                dout[:, rows], q[:, rows], kv[0][:, cols], kv[1][:, cols], out[:, rows], lse[:, :, rows], None,
-                None, None, 0, 0, causal, scale, False, "",
+                dout[:, rows], q[:, rows], kv[:, cols, :, :dk], kv[:, cols, :, dk:], out[:, rows], lse[:, :, rows],
+                None, None, None, 0, 0, causal, scale, False, "",
             )
             dq[:, rows] += dq_b
-            dkv[0][:, cols] += dk_b
-            dkv[1][:, cols] += dv_b
+            dkv[:, cols, :, :dk] += dk_b
+            dkv[:, cols, :, dk:] += dv_b
             # The block's gradient moves on with it; after n hops each one is back at its owner.
             dkv_next = torch.empty_like(dkv)
             _wait(works + cp._exchange(dkv, dkv_next))
             dkv = dkv_next
             if nxt is not None:
                 kv = nxt
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:

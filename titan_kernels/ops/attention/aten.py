@@ -22,6 +22,12 @@ How the cases that the kernels do not take directly are mapped onto them:
   read of cu_seqlens per call, free on the CPU.
 - GQA: the CPU and CUDA flash kernels take n_kv_heads < n_heads as is; cuDNN and efficient get K/V
   repeated per query head and their dK/dV summed over the group.
+- v's head_dim different from q/k's (multi-head latent attention, q/k 192 and v 128): cuDNN and
+  efficient take it natively (torch's ``can_use_*_attention`` decides per call); aten's CPU flash
+  kernel refuses it ("Q/K/V should have the same head size"), so the narrower of q/k and v is
+  zero-padded to the wider head_dim (no score changes; out = [out, 0], the extra columns dropped; the
+  backward pads out and dout alike and drops the gradients' extra columns). That is the kernel's only way; its cost is measured in bench/bench_attention_cpu.py
+  (P V over 192 columns instead of 128). CUDA's flash kernel refuses it (``why_not``).
 - A gradient for the LSE (ring attention): d lse_i / d S_ij = P_ij adds dlse_i * P_ij to dS_ij. The
   backward kernels take no dlse, so it rides in one extra head_dim column: q' = [q, 0], k' = [k, 0],
   v' = [v, 1], out' = [out, 0], dout' = [dout, dlse]. The kernel's dP'_ij = dout_i.v_j + dlse_i and its
@@ -74,7 +80,18 @@ def _zeros_like(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
 # ----------------------------------------------------------------------------- CPU flash kernel
 
 
+def _pad_to(t: torch.Tensor, d: int) -> torch.Tensor:
+    # aten's CPU kernel needs one head_dim for q, k and v: zero columns change no score (q.k) and give
+    # out = [out, 0] (see the module doc).
+    return t if t.shape[-1] == d else F.pad(t, (0, d - t.shape[-1]))
+
+
 def _cpu_dense_fwd(q, k, v, causal: bool, scale: float):
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # multi-head latent attention (q/k 192, v 128): the kernel's only way is padding
+        d = max(dv, q.shape[-1])
+        out, lse = _cpu_dense_fwd(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), causal, scale)
+        return out[..., :dv], lse
     sq, sk = q.shape[1], k.shape[1]
     if (sq == sk or not causal) and ((q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
                                      or (q.stride()[-1] == 1 and k.stride()[-1] == 1 and v.stride()[-1] == 1)):
@@ -99,6 +116,12 @@ def _cpu_dense_fwd(q, k, v, causal: bool, scale: float):
 
 def _cpu_dense_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=None):
     b, sq, h, d = q.shape
+    dv = v.shape[-1]
+    if dv != d:  # padded as in the forward (out and dout too); the gradients' extra columns dropped
+        p = max(d, dv)
+        dq, dk, dv_ = _cpu_dense_bwd(_pad_to(dout, p), _pad_to(q, p), _pad_to(k, p), _pad_to(v, p), _pad_to(out, p),
+                                     lse, causal, scale, dlse)
+        return dq[..., :d], dk[..., :d], dv_[..., :dv]
     sk = k.shape[1]
     skip = _empty_rows(sq, sk, causal)
     if skip:  # the empty rows have no gradient; the kernel sees only the rows that see a key
@@ -123,8 +146,8 @@ def _cpu_dense_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, dlse=Non
 
 
 def _per_document(dense, q, k, v, cu_q, cu_k, causal, scale):
-    """Varlen forward as one dense call per document: out (total_q, h, d), lse (h, total_q)."""
-    out = q.new_zeros(q.shape)
+    """Varlen forward as one dense call per document: out (total_q, h, dv), lse (h, total_q)."""
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
     lse = q.new_full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for q0, q1, k0, k1 in zip(cq[:-1], cq[1:], ck[:-1], ck[1:]):
@@ -181,7 +204,7 @@ def _sum_groups(dk, dv, n_kv_heads):
     if h == n_kv_heads:
         return dk, dv
     g = h // n_kv_heads
-    return dk.view(b, s, n_kv_heads, g, d).sum(3), dv.view(b, s, n_kv_heads, g, d).sum(3)
+    return dk.view(b, s, n_kv_heads, g, d).sum(3), dv.view(b, s, n_kv_heads, g, dv.shape[-1]).sum(3)
 
 
 def cuda_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

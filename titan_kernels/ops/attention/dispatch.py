@@ -69,19 +69,24 @@ class AttentionCase:
     backward: bool = False
     has_dlse: bool = False
     tensors: tuple = field(default=(), repr=False)  # (q, k, v): torch's own SDPA checks, once per key
+    head_dim_v: int | None = None  # v's head_dim; None: the same as q/k's
+
+    def __post_init__(self):
+        if self.head_dim_v is None:
+            self.head_dim_v = self.head_dim
 
     def key(self) -> tuple:
         """Everything a capability answer depends on (not the batch or the exact lengths)."""
-        return _key(self.device, self.dtype, self.head_dim, self.causal, self.seq_q, self.seq_k, self.varlen,
-                    self.need_lse, self.backward, self.has_dlse, self.n_heads != self.n_kv_heads)
+        return _key(self.device, self.dtype, self.head_dim, self.head_dim_v, self.causal, self.seq_q, self.seq_k,
+                    self.varlen, self.need_lse, self.backward, self.has_dlse, self.n_heads != self.n_kv_heads)
 
 
-def _key(device, dtype, head_dim, causal, seq_q, seq_k, varlen, need_lse, backward, has_dlse, gqa) -> tuple:
+def _key(device, dtype, head_dim, head_dim_v, causal, seq_q, seq_k, varlen, need_lse, backward, has_dlse, gqa):
     shape = (seq_q > seq_k) - (seq_q < seq_k)  # -1, 0, 1
-    return (device, dtype, head_dim, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
+    return (device, dtype, head_dim, head_dim_v, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
 
 
-def case_key(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
+def case_key(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
     """``make_case(...).key()`` without building the case (it runs on every call: kept to one read of
     each tensor attribute)."""
     qs, ks = q.shape, k.shape
@@ -89,8 +94,8 @@ def case_key(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, b
         seq_q, seq_k = int(max_seqlen_q), int(max_seqlen_k)
     else:
         seq_q, seq_k = qs[1], ks[1]
-    return (q.device, q.dtype, qs[-1], causal, (seq_q > seq_k) - (seq_q < seq_k), cu_seqlens_q is not None, need_lse,
-            backward, has_dlse, qs[-2] != ks[-2])
+    return (q.device, q.dtype, qs[-1], v.shape[-1], causal, (seq_q > seq_k) - (seq_q < seq_k),
+            cu_seqlens_q is not None, need_lse, backward, has_dlse, qs[-2] != ks[-2])
 
 
 def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
@@ -100,7 +105,7 @@ def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_ls
         batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     return AttentionCase(
         q.device, q.dtype, batch, seq_q, seq_k, q.shape[-2], k.shape[-2], q.shape[-1], bool(causal),
-        cu_seqlens_q is not None, bool(need_lse), backward, has_dlse, (q, k, v),
+        cu_seqlens_q is not None, bool(need_lse), backward, has_dlse, (q, k, v), v.shape[-1],
     )
 
 
@@ -130,8 +135,30 @@ def _why_not_flash_lib(kind: str, case: AttentionCase) -> str | None:
         return f"takes float16/bfloat16, not {str(case.dtype).replace('torch.', '')}"
     if case.head_dim % 8 != 0:
         return f"head_dim {case.head_dim} is not a multiple of 8"
+    if case.head_dim_v != case.head_dim:
+        why = _why_not_flash_lib_head_dim_v(kind, case)
+        if why:
+            return why
     if case.has_dlse:
         return "its backward takes no gradient for the LSE"
+    return None
+
+
+def _why_not_flash_lib_head_dim_v(kind: str, case: AttentionCase) -> str | None:
+    # FlashAttention-3's forward (hopper/flash_api.cpp, mha_fwd) takes v's head_dim != q/k's for q/k in
+    # (128, 192] with v in (96, 128] (DeepSeek-V3's 192/128), or q/k <= 64; its backward (mha_bwd) checks
+    # v's shape against q's head_dim, so it takes equal head dims only. FlashAttention-2 checks equal
+    # head dims in both passes.
+    d, dv = case.head_dim, case.head_dim_v
+    if kind == "fa2":
+        return f"v's head_dim {dv} differs from q/k's {d}: FlashAttention-2 takes equal head dims only"
+    if case.backward:
+        return f"v's head_dim {dv} differs from q/k's {d}: FlashAttention-3's backward takes equal head dims only"
+    if dv % 8 != 0:
+        return f"v's head_dim {dv} is not a multiple of 8"
+    if not ((128 < d <= 192 and 96 < dv <= 128) or d <= 64):
+        return (f"v's head_dim {dv} differs from q/k's {d}: FlashAttention-3 takes that only for q/k in (128, 192] "
+                "with v in (96, 128], or q/k <= 64")
     return None
 
 
@@ -156,7 +183,9 @@ def _why_not_aten(name: str, case: AttentionCase) -> str | None:
     if (name, dev) not in _aten.IMPLS:
         return f"aten has no {name.removeprefix('sdpa_')} attention kernel for {dev} tensors"
     if dev == "cpu":
-        return None  # the CPU kernel takes every case we validate (any head_dim, GQA, varlen, dlse)
+        # The CPU kernel takes every case we validate (any head_dim, GQA, varlen, dlse); v's head_dim
+        # different from q/k's by zero-padding v (its only way; see aten.py).
+        return None
     if case.varlen:
         return "aten's CUDA kernels are wired for dense batches only (varlen runs on triton or FlashAttention)"
     if case.causal and case.seq_q != case.seq_k:
@@ -165,6 +194,8 @@ def _why_not_aten(name: str, case: AttentionCase) -> str | None:
         return "its backward takes no gradient for the LSE"
     if name != "sdpa_efficient" and case.dtype not in _HALF:
         return f"takes float16/bfloat16, not {str(case.dtype).replace('torch.', '')}"
+    if name == "sdpa_flash" and case.head_dim_v != case.head_dim:
+        return f"v's head_dim {case.head_dim_v} differs from q/k's {case.head_dim}: its flash kernel takes equal ones only"
     if name == "sdpa_flash" and _cuda_capability(case.device) < (8, 0):
         return f"needs sm_80 or newer, this device is {_sm(_cuda_capability(case.device))}"
     if not _sdpa_can_use(name, case):

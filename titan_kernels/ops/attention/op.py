@@ -40,8 +40,13 @@ def _trivial(q, k, cu_q) -> bool:
     return q.numel() == 0 or k.shape[1] == 0
 
 
-def _empty_fwd(q, cu_q):
-    out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+def _out_shape(q, v) -> tuple:
+    """out has q's shape with v's head_dim (which may differ from q/k's)."""
+    return (*q.shape[:-1], v.shape[-1])
+
+
+def _empty_fwd(q, v, cu_q):
+    out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
     shape = (q.shape[1], q.shape[0]) if cu_q is not None else (q.shape[0], q.shape[2], q.shape[1])
     return out, torch.full(shape, float("-inf"), dtype=torch.float32, device=q.device)
 
@@ -50,7 +55,7 @@ def _run(request, q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_d
     """``call(fns)`` on the implementation ``titan_kernels.backend`` chooses for this case (cached per
     key). An automatically chosen backend that raises (a kernel or library that fails on this device)
     is recorded, with a warning, and the next one runs."""
-    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
+    key = _d.case_key(q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
 
     def case():
         return _d.make_case(q, k, v, cu_q, max_q, max_k, causal, need_lse, backward, has_dlse)
@@ -80,9 +85,9 @@ def _fwd_with(fns, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 def _forward(request, q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse):
     if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # inline: every call
-        return _empty_fwd(q, cu_q)
+        return _empty_fwd(q, v, cu_q)
     # The first try inline, without _run's closures: this is most of a small call's overhead.
-    key = _d.case_key(q, k, cu_q, max_q, max_k, causal, return_lse)  # key[0] is q.device
+    key = _d.case_key(q, k, v, cu_q, max_q, max_k, causal, return_lse)  # key[0] is q.device
     choice = _backend.choose(_d.OP, key[0], key, case=lambda: _d.make_case(q, k, v, cu_q, max_q, max_k, causal,
                                                                            return_lse), backend=request or None)
     try:
@@ -124,7 +129,8 @@ def flash_attn_op(
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward -> (out, lse). Dense when cu_seqlens_q is None: q (b, s_q, h, d),
-    k/v (b, s_k, h_kv, d), lse (b, h, s_q); varlen: q (total_q, h, d), lse (h, total_q) and
+    k (b, s_k, h_kv, d), v (b, s_k, h_kv, d_v), out (b, s_q, h, d_v), lse (b, h, s_q); varlen:
+    q (total_q, h, d), out (total_q, h, d_v), lse (h, total_q) and
     max_seqlen_* bound the document lengths (ignored when dense). ``backend`` is the request ("" =
     automatic, read when the op runs). ``return_lse`` says whether the caller sees the LSE (only then
     is its gradient used). out is in q.dtype, lse float32; both contiguous."""
@@ -139,7 +145,7 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
         lse_shape = (q.shape[1], q.shape[0])
     else:
         lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty(lse_shape, dtype=torch.float32)
+    return torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("titan::flash_attn_backward", mutates_args=())
@@ -270,11 +276,16 @@ def flash_attn(
     """Scaled dot-product attention on the fastest backend that takes the case (FlashAttention API).
 
     Args:
-        q: (batch, seq_q, n_heads, head_dim); k, v: (batch, seq_k, n_kv_heads, head_dim). Same dtype
-            (float16 / bfloat16; float32 too, on backends that take it: reference, Triton, SDPA) and
-            device; any strides. head_dim up to 256: any multiple of 8 runs everywhere (fast
-            paths at 64, 128, 256), other sizes only on the backends that take them (reference,
-            Triton, SDPA; not FlashAttention). n_heads is a multiple of n_kv_heads (GQA/MQA: query
+        q: (batch, seq_q, n_heads, head_dim); k: (batch, seq_k, n_kv_heads, head_dim); v: (batch,
+            seq_k, n_kv_heads, head_dim_v). Same dtype (float16 / bfloat16; float32 too, on backends
+            that take it: reference, Triton, SDPA) and device; any strides. head_dim and head_dim_v
+            up to 256: any multiple of 8 runs everywhere (fast paths at 64, 128, 256), other sizes
+            only on the backends that take them (reference, Triton, SDPA; not FlashAttention).
+            head_dim_v may differ from head_dim (multi-head latent attention, DeepSeek-V3: 192 and
+            128): natively on the reference, Triton, FlashAttention-3's forward (q/k in (128, 192]
+            with v in (96, 128], or q/k <= 64) and aten's cuDNN / efficient kernels where torch's
+            checks accept it; aten's CPU kernel by zero-padding (its only way); FlashAttention-2 and
+            aten's CUDA flash kernel refuse it. n_heads is a multiple of n_kv_heads (GQA/MQA: query
             head h reads K/V head h // (n_heads // n_kv_heads); K/V are never repeated in memory).
         causal: mask aligned bottom-right as FlashAttention >= 2.1: query i sees key j when
             ``j <= i + seq_k - seq_q``. A row with no visible key outputs 0.
@@ -284,12 +295,13 @@ def flash_attn(
         backend: force one of ``ATTENTION_BACKENDS`` (or "cpu" / "cuda"); None chooses (see module doc).
 
     Returns:
-        out (batch, seq_q, n_heads, head_dim) in q.dtype, or (out, lse) with ``return_lse``.
+        out (batch, seq_q, n_heads, head_dim_v) in q.dtype, or (out, lse) with ``return_lse``.
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, or k/v dtype != q dtype.
-        ValueError: wrong rank, mismatched batch / head_dim / shapes / devices, n_heads not a multiple
-            of n_kv_heads, head_dim over 256 (no backend takes it), a bad softmax_scale or backend name.
+        ValueError: wrong rank, mismatched batch / shapes / devices, k's head_dim != q's, n_heads not
+            a multiple of n_kv_heads, a head_dim over 256 (no backend takes it), a bad softmax_scale
+            or backend name.
         RuntimeError: a requested backend cannot run the case, e.g. FlashAttention with a head_dim
             that is not a multiple of 8 (the message says why).
 
@@ -318,8 +330,8 @@ def flash_attn_varlen(
     """Attention over packed documents: tokens attend only within their own document.
 
     Args:
-        q: (total_q, n_heads, head_dim); k, v: (total_k, n_kv_heads, head_dim); dtype, head_dim and
-            GQA rules as ``flash_attn``.
+        q: (total_q, n_heads, head_dim); k: (total_k, n_kv_heads, head_dim); v: (total_k,
+            n_kv_heads, head_dim_v); dtype, head_dim and GQA rules as ``flash_attn``.
         cu_seqlens_q, cu_seqlens_k: int32 (n_docs + 1,) cumulative lengths on q's device: document i
             is rows ``cu[i]:cu[i+1]``; they start at 0, never decrease and end at total_q / total_k.
             Zero-length documents are allowed.
@@ -328,7 +340,7 @@ def flash_attn_varlen(
             per document.
 
     Returns:
-        out (total_q, n_heads, head_dim) in q.dtype, or (out, lse) with lse (n_heads, total_q) float32.
+        out (total_q, n_heads, head_dim_v) in q.dtype, or (out, lse) with lse (n_heads, total_q) float32.
 
     Raises:
         As ``flash_attn``, plus TypeError for cu_seqlens that are not int32 and ValueError for

@@ -25,15 +25,18 @@ _DTYPES = frozenset(FLOAT_DTYPES)
 
 
 def _head_dim_if_valid(q, k, v, rank: int) -> int:
-    """head_dim when q, k, v pass every check of the common case, in one pass (this runs on every call;
-    dense: the batch too), else 0: the detailed checks then name what is wrong."""
+    """q's head_dim when q, k, v pass every check of the common case, in one pass (this runs on every
+    call; dense: the batch too), else 0: the detailed checks then name what is wrong. v's head_dim may
+    differ from q/k's (multi-head latent attention: q/k 192, v 128)."""
     try:
-        qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
-        if not (len(qs) == rank and len(ks) == rank and v.shape == ks and dt in _DTYPES and k.dtype == dt
-                and v.dtype == dt and k.device == dev and v.device == dev and (rank == 3 or ks[0] == qs[0])):
+        qs, ks, vs, dt, dev = q.shape, k.shape, v.shape, q.dtype, q.device
+        if not (len(qs) == rank and len(ks) == rank and len(vs) == rank and vs[:-1] == ks[:-1] and dt in _DTYPES
+                and k.dtype == dt and v.dtype == dt and k.device == dev and v.device == dev
+                and (rank == 3 or ks[0] == qs[0])):
             return 0
         d, hkv = qs[-1], ks[-2]
-        return d if ks[-1] == d and 1 <= d <= MAX_HEAD_DIM and hkv >= 1 and qs[-2] % hkv == 0 else 0
+        return d if (ks[-1] == d and 1 <= d <= MAX_HEAD_DIM and 1 <= vs[-1] <= MAX_HEAD_DIM and hkv >= 1
+                     and qs[-2] % hkv == 0) else 0
     except (AttributeError, TypeError):  # not a tensor: the detailed checks say which
         return 0
 
@@ -53,10 +56,13 @@ def check_qkv(q, k, v, rank: int, layout: str) -> None:
     d = q.shape[-1]
     if k.shape[-1] != d:  # before v against k: a k with the wrong head_dim is k's fault, not v's
         raise ValueError(f"k: expected head_dim {d} (the head_dim of q), got {k.shape[-1]}")
-    if v.shape != k.shape:
-        raise ValueError(f"v: expected shape {tuple(k.shape)} (the shape of k), got {tuple(v.shape)}")
+    if v.shape[:-1] != k.shape[:-1]:
+        raise ValueError(f"v: expected shape {tuple(k.shape[:-1]) + ('head_dim_v',)} (the shape of k but its "
+                         f"head_dim, which may differ), got {tuple(v.shape)}")
     if not 1 <= d <= MAX_HEAD_DIM:
         raise ValueError(f"q: head_dim must be in [1, {MAX_HEAD_DIM}] (no backend takes others), got {d}")
+    if not 1 <= v.shape[-1] <= MAX_HEAD_DIM:
+        raise ValueError(f"v: head_dim must be in [1, {MAX_HEAD_DIM}] (no backend takes others), got {v.shape[-1]}")
     h, hkv = q.shape[-2], k.shape[-2]
     if h < 1:
         raise ValueError(f"q: expected n_heads >= 1, got shape {tuple(q.shape)}")

@@ -102,6 +102,10 @@ def _dims(q: torch.Tensor, k: torch.Tensor, cu_seqlens_q: torch.Tensor | None, m
     return False, q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3]
 
 
+def _block_d(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
 def _dummy_cu(t: torch.Tensor, cu: torch.Tensor | None) -> torch.Tensor:
     return cu if cu is not None else t  # never read when IS_VARLEN is False
 
@@ -112,19 +116,22 @@ _sm90_disabled_reason: str | None = None
 
 
 def sm90_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """True when the Hopper forward kernel takes this case: an sm_90 device, bf16/fp16, head_dim 64,
-    128 or 256, unit stride on head_dim and 16-byte aligned strides (TMA descriptor rules)."""
+    """True when the Hopper forward kernel takes this case: an sm_90 device, bf16/fp16, q/k and v
+    head_dims each 64, 128 or 256, unit stride on head_dim and 16-byte aligned strides (TMA descriptor
+    rules)."""
     if _sm90_disabled_reason is not None or _tensor_descriptor_cls() is None:
         return False
     if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128, 256):
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[-1] not in (64, 128, 256) \
+            or v.shape[-1] not in (64, 128, 256):
         return False
     return all(_aligned16(t) for t in (q, k, v))
 
 
 def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale, tiles=None):
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
+    dv = v.shape[-1]
     so, sl = _strides4(out, varlen), _lse_strides(lse, varlen)
     args = (
         out, lse, _dummy_cu(lse, cu_seqlens_q), _dummy_cu(lse, cu_seqlens_k), *so, *sl,
@@ -133,14 +140,15 @@ def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal
     if tiles is not None:  # fixed tiles (the interpreter, in tests)
         bm, bn = tiles
         ws = _tl_range_has_warp_specialize()
-        descs = (_descriptor(q, varlen, bm, d), _descriptor(k, varlen, bn, d), _descriptor(v, varlen, bn, d))
+        descs = (_descriptor(q, varlen, bm, d), _descriptor(k, varlen, bn, d), _descriptor(v, varlen, bn, dv))
         _fwd_kernel_sm90[(triton.cdiv(seq_q, bm), batch * h)](
-            *descs, *args, IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d,
+            *descs, *args, IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HEAD_DIM_V=dv,
             WARP_SPECIALIZE=ws)
         return
-    descs = (_descriptor(q, varlen, 64, d), _descriptor(k, varlen, 64, d), _descriptor(v, varlen, 64, d))
+    descs = (_descriptor(q, varlen, 64, d), _descriptor(k, varlen, 64, d), _descriptor(v, varlen, 64, dv))
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * h)  # noqa: E731
-    _launch(_fwd_sm90_tuned(), grid, (*descs, *args), dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d))
+    _launch(_fwd_sm90_tuned(), grid, (*descs, *args),
+            dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d, HEAD_DIM_V=dv))
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -148,15 +156,16 @@ def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal
 
 def _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale):
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
-    block_d = max(16, triton.next_power_of_2(d))
+    dv = v.shape[-1]
+    block_d, block_dv = _block_d(d), _block_d(dv)
     args = (
         q, k, v, out, lse, _dummy_cu(q, cu_seqlens_q), _dummy_cu(q, cu_seqlens_k),
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(out, varlen),
         *_lse_strides(lse, varlen),
-        seq_q, seq_k, h, h // hkv, d, qk_scale, _seq_bucket(seq_q),
+        seq_q, seq_k, h, h // hkv, d, dv, qk_scale, _seq_bucket(seq_q),
     )
-    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d,
-                PRECISION=_precision(q.dtype), DOT_F32=_dot_f32(q.dtype))
+    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
+                EVEN_DV=block_dv == dv, PRECISION=_precision(q.dtype), DOT_F32=_dot_f32(q.dtype))
     if triton_interpret():
         bm, bn = INTERPRET_TILES["fwd"]
         _fwd_kernel[(triton.cdiv(seq_q, bm), batch * h)](*args, BLOCK_M=bm, BLOCK_N=bn, **meta)
@@ -185,12 +194,13 @@ def attention_fwd(
     global _sm90_disabled_reason
     dims = _dims(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
+    out_shape = (*q.shape[:-1], v.shape[-1])
     if varlen:
         # Rows outside every document (only possible with unvalidated cu_seqlens) read as 0 / -inf.
-        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.zeros(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.full((h, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
     else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
         lse = torch.empty((batch, h, seq_q), dtype=torch.float32, device=q.device)
     if batch == 0 or h == 0 or seq_q == 0 or out.numel() == 0:
         return out, lse
@@ -244,7 +254,8 @@ def attention_bwd(
     delta = torch.empty_like(lse)
     cu_q, cu_k = _dummy_cu(q, cu_seqlens_q), _dummy_cu(q, cu_seqlens_k)
     sl = _lse_strides(lse, varlen)
-    block_d = max(16, triton.next_power_of_2(d))
+    d_v = v.shape[-1]
+    block_d, block_dv = _block_d(d), _block_d(d_v)
     precision = _precision(q.dtype)
     qk_scale = float(softmax_scale) * LOG2E
     group = h // hkv
@@ -253,21 +264,21 @@ def attention_bwd(
     bm = 64
     _bwd_delta_kernel[(triton.cdiv(seq_q, bm), batch * h)](
         out, dout, delta, cu_q, *_strides4(out, varlen), *_strides4(dout, varlen), *sl,
-        seq_q, h, d, IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_D=block_d,
+        seq_q, h, d_v, IS_VARLEN=varlen, BLOCK_M=bm, BLOCK_DV=block_dv,
     )
     if dlse is not None:
         delta.sub_(dlse)  # dS = P * (dP - delta + dlse): an LSE gradient only shifts delta
-    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, PRECISION=precision,
-                DOT_F32=_dot_f32(q.dtype))
+    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
+                EVEN_DV=block_dv == d_v, PRECISION=precision, DOT_F32=_dot_f32(q.dtype))
     qkv_strides = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen))
     dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, *qkv_strides,
         *_strides4(dk, varlen), *_strides4(dv, varlen), *sl,
-        seq_q, seq_k, hkv, group, d, qk_scale, float(softmax_scale), _seq_bucket(seq_k),
+        seq_q, seq_k, hkv, group, d, d_v, qk_scale, float(softmax_scale), _seq_bucket(seq_k),
     )
     dq_args = (
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, *qkv_strides, *_strides4(dq, varlen), *sl,
-        seq_q, seq_k, h, group, d, qk_scale, float(softmax_scale), _seq_bucket(seq_q),
+        seq_q, seq_k, h, group, d, d_v, qk_scale, float(softmax_scale), _seq_bucket(seq_q),
     )
     if interp:
         bm, bn = INTERPRET_TILES["dkdv"]

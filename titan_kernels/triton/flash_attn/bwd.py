@@ -31,8 +31,8 @@ def _bwd_delta_kernel(
     stride_ob, stride_os, stride_oh, stride_od,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, n_heads, head_dim,
-    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    seqlen_q, n_heads, head_dim_v,
+    IS_VARLEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -45,9 +45,9 @@ def _bwd_delta_kernel(
     do_off, _ = _doc_offset(CU_Q, b, seqlen_q, stride_dob, stride_dos, IS_VARLEN)
     l_off, _ = _doc_offset(CU_Q, b, seqlen_q, stride_lb, stride_ls, IS_VARLEN)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.arange(0, BLOCK_DV)
     rows = m0 + offs_m
-    mask = (rows < len_q)[:, None] & (offs_d < head_dim)[None, :]
+    mask = (rows < len_q)[:, None] & (offs_d < head_dim_v)[None, :]
     m0_64 = m0.to(tl.int64)
     o = tl.load(O + o_off + h * stride_oh + m0_64 * stride_os + offs_m[:, None] * stride_os + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0)
@@ -65,18 +65,23 @@ def _load_lse(ptrs, rmask):
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, offs_m, cols, mask_d,
+def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, offs_m, cols, mask_d, mask_dv,
                     len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls,
-                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         rmask = rows < len_q
         if EVEN_D:
-            ld_mask = rmask[:, None]
+            q_mask = rmask[:, None]
         else:
-            ld_mask = rmask[:, None] & mask_d[None, :]
-        q = tl.load(q_ptrs, mask=ld_mask, other=0.0)
-        do = tl.load(do_ptrs, mask=ld_mask, other=0.0)
+            q_mask = rmask[:, None] & mask_d[None, :]
+        if EVEN_DV:
+            do_mask = rmask[:, None]
+        else:
+            do_mask = rmask[:, None] & mask_dv[None, :]
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+        do = tl.load(do_ptrs, mask=do_mask, other=0.0)
         lse2 = _load_lse(lse_ptrs, rmask)
         delta = tl.load(delta_ptrs, mask=rmask, other=0.0)
         s_t = _dot(k, tl.trans(q), None, PRECISION, DOT_F32) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
@@ -104,9 +109,10 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_kv_heads, group, head_dim, qk_scale, sm_scale, seq_bucket,
+    seqlen_q, seqlen_k, n_kv_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -127,16 +133,19 @@ def _bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < head_dim
+    mask_dv = offs_dv < head_dim_v
     cols = n0 + offs_n
     n0_64 = n0.to(tl.int64)
-    kv_mask = (cols < len_k)[:, None] & mask_d[None, :]
+    k_mask = (cols < len_k)[:, None] & mask_d[None, :]
+    v_mask = (cols < len_k)[:, None] & mask_dv[None, :]
     k = tl.load(K + k_off + kvh * stride_kh + n0_64 * stride_ks + offs_n[:, None] * stride_ks + offs_d[None, :] * stride_kd,
-                mask=kv_mask, other=0.0)
-    v = tl.load(V + v_off + kvh * stride_vh + n0_64 * stride_vs + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd,
-                mask=kv_mask, other=0.0)
+                mask=k_mask, other=0.0)
+    v = tl.load(V + v_off + kvh * stride_vh + n0_64 * stride_vs + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd,
+                mask=v_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     diag = len_k - len_q
     if IS_CAUSAL:
@@ -152,43 +161,51 @@ def _bwd_dkdv_kernel(
     for g in range(group):
         h = kvh * group + g
         q_ptrs = Q + q_off + h * stride_qh + lo_64 * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
-        do_ptrs = DO + do_off + h * stride_doh + lo_64 * stride_dos + offs_m[:, None] * stride_dos + offs_d[None, :] * stride_dod
+        do_ptrs = DO + do_off + h * stride_doh + lo_64 * stride_dos + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod
         lse_ptrs = LSE + l_off + h * stride_lh + (lo + offs_m) * stride_ls
         delta_ptrs = DELTA + l_off + h * stride_lh + (lo + offs_m) * stride_ls
         # The masked pass ends at a multiple of BLOCK_M >= mid_hi, where the unmasked pass begins (or
         # the unmasked pass is empty), so the advanced pointers carry over.
         dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, mid_hi, offs_m, cols, mask_d,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, True, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, mid_hi, offs_m, cols, mask_d, mask_dv,
+            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, True, EVEN_D, EVEN_DV, BLOCK_M, PRECISION,
+            DOT_F32)
         dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mid, len_q, offs_m, cols, mask_d,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, False, EVEN_D, BLOCK_M, PRECISION, DOT_F32)
+            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mid, len_q, offs_m, cols, mask_d, mask_dv,
+            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, False, EVEN_D, EVEN_DV, BLOCK_M, PRECISION,
+            DOT_F32)
     dk = dk * sm_scale
     tl.store(DK + dk_off + kvh * stride_dkh + n0_64 * stride_dks + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
-             dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + dv_off + kvh * stride_dvh + n0_64 * stride_dvs + offs_n[:, None] * stride_dvs + offs_d[None, :] * stride_dvd,
-             dv.to(DV.dtype.element_ty), mask=kv_mask)
+             dk.to(DK.dtype.element_ty), mask=k_mask)
+    tl.store(DV + dv_off + kvh * stride_dvh + n0_64 * stride_dvs + offs_n[:, None] * stride_dvs + offs_dv[None, :] * stride_dvd,
+             dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
-                  stride_ks, stride_vs,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, mask_dv, len_k, diag,
+                  qk_scale, stride_ks, stride_vs,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         if MASKED:
             kmask = (cols < len_k)[None, :]
+            vmask = kmask
             if not EVEN_D:
                 kmask = kmask & mask_d[:, None]
+            if not EVEN_DV:
+                vmask = vmask & mask_dv[:, None]
             k_t = tl.load(k_ptrs, mask=kmask, other=0.0)
-            v_t = tl.load(v_ptrs, mask=kmask, other=0.0)
-        elif EVEN_D:
-            k_t = tl.load(k_ptrs)
-            v_t = tl.load(v_ptrs)
+            v_t = tl.load(v_ptrs, mask=vmask, other=0.0)
         else:
-            k_t = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-            v_t = tl.load(v_ptrs, mask=mask_d[:, None], other=0.0)
+            if EVEN_D:
+                k_t = tl.load(k_ptrs)
+            else:
+                k_t = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+            if EVEN_DV:
+                v_t = tl.load(v_ptrs)
+            else:
+                v_t = tl.load(v_ptrs, mask=mask_dv[:, None], other=0.0)
         s = _dot(q, k_t, None, PRECISION, DOT_F32) * qk_scale
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
@@ -213,9 +230,10 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_heads, group, head_dim, qk_scale, sm_scale, seq_bucket,
+    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -236,7 +254,9 @@ def _bwd_dq_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < head_dim
+    mask_dv = offs_dv < head_dim_v
     rows = m0 + offs_m
     rmask = rows < len_q
     m0_64 = m0.to(tl.int64)
@@ -244,19 +264,19 @@ def _bwd_dq_kernel(
     q = tl.load(Q + q_off + h * stride_qh + m0_64 * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd,
                 mask=ld_mask, other=0.0)
     do = tl.load(DO + do_off + h * stride_doh + m0_64 * stride_dos + offs_m[:, None] * stride_dos
-                 + offs_d[None, :] * stride_dod, mask=ld_mask, other=0.0)
+                 + offs_dv[None, :] * stride_dod, mask=rmask[:, None] & mask_dv[None, :], other=0.0)
     lse2 = _load_lse(LSE + l_off + h * stride_lh + rows * stride_ls, rmask)
     delta = tl.load(DELTA + l_off + h * stride_lh + rows * stride_ls, mask=rmask, other=0.0)
     k_ptrs = K + k_off + kvh * stride_kh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd  # K^T block
-    v_ptrs = V + v_off + kvh * stride_vh + offs_n[None, :] * stride_vs + offs_d[:, None] * stride_vd  # V^T block
+    v_ptrs = V + v_off + kvh * stride_vh + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd  # V^T block
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d,
-                                       len_k, diag, qk_scale, stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D,
-                                       BLOCK_N, PRECISION, DOT_F32)
+                                       mask_dv, len_k, diag, qk_scale, stride_ks, stride_vs, False, IS_CAUSAL,
+                                       EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d,
-                                       len_k, diag, qk_scale, stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D,
-                                       BLOCK_N, PRECISION, DOT_F32)
+                                       mask_dv, len_k, diag, qk_scale, stride_ks, stride_vs, True, IS_CAUSAL,
+                                       EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     dq = dq * sm_scale
     tl.store(DQ + dq_off + h * stride_dqh + m0_64 * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=ld_mask)

@@ -9,7 +9,8 @@ accumulator) and the log-sum-exp written for the backward.
   _fwd_kernel   two passes over the key blocks: those every query of the block fully sees (no mask),
                 then those on the causal diagonal or the sequence end (masked). GQA: head h reads
                 KV head h // group, K/V never repeated. Any strides (head_dim's too); EVEN_D skips
-                the head_dim mask when head_dim fills BLOCK_D (a power of two >= 16).
+                the head_dim mask when head_dim fills BLOCK_D (a power of two >= 16), EVEN_DV the same
+                for v's head_dim (BLOCK_DV), which may differ from q/k's.
   _fwd_tuned    its autotuner (configs: tiles._configs; the launcher is ``flash_attn.attention_fwd``).
 """
 from __future__ import annotations
@@ -30,9 +31,9 @@ from titan_kernels.triton.flash_attn.tiles import (
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
+def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
                stride_ks, stride_vs,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -41,7 +42,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, l
             vmask = (cols < len_k)[:, None]
             if not EVEN_D:
                 kmask = kmask & mask_d[:, None]
-                vmask = vmask & mask_d[None, :]
+            if not EVEN_DV:
+                vmask = vmask & mask_dv[None, :]
             k = tl.load(k_ptrs, mask=kmask, other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
@@ -53,10 +55,10 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, l
         p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
         if MASKED:
             v = tl.load(v_ptrs, mask=vmask, other=0.0)
-        elif EVEN_D:
+        elif EVEN_DV:
             v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=mask_dv[None, :], other=0.0)
         acc = _dot(p.to(v.dtype), v, acc, PRECISION, DOT_F32)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
@@ -71,9 +73,10 @@ def _fwd_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_heads, group, head_dim, qk_scale, seq_bucket,
+    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -93,27 +96,29 @@ def _fwd_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     mask_d = offs_d < head_dim
+    mask_dv = offs_dv < head_dim_v
     rows = m0 + offs_m
     m0_64 = m0.to(tl.int64)
 
     q_ptrs = Q + q_off + h * stride_qh + m0_64 * stride_qs + offs_m[:, None] * stride_qs + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=(rows < len_q)[:, None] & mask_d[None, :], other=0.0)
     k_ptrs = K + k_off + kvh * stride_kh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd  # K^T block
-    v_ptrs = V + v_off + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    v_ptrs = V + v_off + kvh * stride_vh + offs_n[:, None] * stride_vs + offs_dv[None, :] * stride_vd
 
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d, len_k, diag, qk_scale,
-        stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
+        stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d, len_k, diag, qk_scale,
-        stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
+        stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0_64 * stride_os, stride_os, stride_od,
-                  LSE, l_off + h * stride_lh, stride_ls, m0, len_q, head_dim, BLOCK_M, BLOCK_D)
+                  LSE, l_off + h * stride_lh, stride_ls, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV)
 
 
 _fwd_tuned = triton.autotune(

@@ -1,6 +1,7 @@
 """The Hopper (sm_90) FlashAttention forward: TMA loads and, where Triton offers it, warp specialization.
 
-Selected only on capability (9, 0) with bf16/fp16, head_dim 64/128/256 and 16-byte-aligned strides
+Selected only on capability (9, 0) with bf16/fp16, q/k and v head_dims each 64/128/256 (they may
+differ) and 16-byte-aligned strides
 (``flash_attn.sm90_eligible``); the backward uses the portable kernels. The math is the
 FlashAttention-2 forward (Dao 2023, Alg. 1, as in ``fwd``); what is Hopper's comes from
 FlashAttention-3 (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony
@@ -54,7 +55,8 @@ def _load_block(desc, row, head, b, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, 
 @triton.jit
 def _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, hi, rows, offs_n, len_k, diag,
                     qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    WARP_SPECIALIZE: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = _load_block(desc_k, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
         s = tl.dot(q, tl.trans(k)) * qk_scale
@@ -62,7 +64,7 @@ def _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, hi, ro
             # Keys past len_k may belong to the next document (varlen): always masked here.
             s = _score_mask(s, rows, start_n + offs_n, len_k, diag, IS_CAUSAL)
         p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
-        v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
+        v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM_V, IS_VARLEN)
         acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_i
 
@@ -74,7 +76,8 @@ def _fwd_kernel_sm90(
     stride_lb, stride_lh, stride_ls,
     seqlen_q, seqlen_k, n_heads, group, qk_scale, seq_bucket,
     IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
@@ -99,7 +102,7 @@ def _fwd_kernel_sm90(
     q = _load_block(desc_q, q_row0 + m0, h, b, BLOCK_M, HEAD_DIM, IS_VARLEN)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
     full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
     # No early return here (Triton's Hopper warp specialization rejects the branch it makes): a
     # program past the end of a short document runs no iteration and stores nothing.
@@ -107,13 +110,13 @@ def _fwd_kernel_sm90(
     hi = tl.where(m0 < len_q, hi, 0)
     acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, 0, full, rows, offs_n,
                                     len_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN, BLOCK_N, HEAD_DIM,
-                                    WARP_SPECIALIZE)
+                                    HEAD_DIM_V, WARP_SPECIALIZE)
     acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, full, hi, rows, offs_n,
                                     len_k, diag, qk_scale, True, IS_CAUSAL, IS_VARLEN, BLOCK_N, HEAD_DIM,
-                                    WARP_SPECIALIZE)
+                                    HEAD_DIM_V, WARP_SPECIALIZE)
     # O is stored through pointers: a TMA store of a varlen block would overwrite the next document.
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0.to(tl.int64) * stride_os, stride_os, stride_od,
-                  LSE, l_off + h * stride_lh, stride_ls, m0, len_q, HEAD_DIM, BLOCK_M, HEAD_DIM)
+                  LSE, l_off + h * stride_lh, stride_ls, m0, len_q, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V)
 
 
 # ----------------------------------------------------------------------------- host side: what this Triton and the tensors allow
@@ -151,11 +154,11 @@ def _descriptor(t: torch.Tensor, varlen: bool, rows: int, head_dim: int):
 
 
 def _sm90_pre_hook(nargs):
-    bm, bn, d = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["HEAD_DIM"]
+    bm, bn, d, dv = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["HEAD_DIM"], nargs["HEAD_DIM_V"]
     varlen = nargs["IS_VARLEN"]
     nargs["desc_q"].block_shape = [bm, 1, d] if varlen else [1, bm, 1, d]
     nargs["desc_k"].block_shape = [bn, 1, d] if varlen else [1, bn, 1, d]
-    nargs["desc_v"].block_shape = [bn, 1, d] if varlen else [1, bn, 1, d]
+    nargs["desc_v"].block_shape = [bn, 1, dv] if varlen else [1, bn, 1, dv]
 
 
 # Checked by compiling for sm_90a with Triton 3.9 (no GPU run): warp specialization partitions the
@@ -180,4 +183,4 @@ def _sm90_configs():
 
 @functools.lru_cache(maxsize=None)
 def _fwd_sm90_tuned():
-    return triton.autotune(_sm90_configs(), key=_AUTOTUNE_KEY[1:] + ["HEAD_DIM"])(_fwd_kernel_sm90)
+    return triton.autotune(_sm90_configs(), key=_AUTOTUNE_KEY[2:] + ["HEAD_DIM", "HEAD_DIM_V"])(_fwd_kernel_sm90)

@@ -12,7 +12,7 @@ Used by the portable forward (``fwd``), the Hopper forward (``fwd_sm90``) and th
   _dot              tl.dot with the interpreter's bfloat16 workaround.
   _score_mask       -inf on scores past the sequence end or above the causal diagonal.
   _fwd_epilogue     Alg. 1's epilogue for the query block: O = acc / l and lse = (m + log2 l) * ln 2
-                    stored; a row with no visible key gets O = 0, lse = -inf.
+                    stored; a row with no visible key gets O = 0, lse = -inf (O has v's head_dim).
   _configs, _AUTOTUNE_KEY   the autotuning configs' constructor and the key shared by the kernels.
 """
 from __future__ import annotations
@@ -111,7 +111,7 @@ def _fwd_epilogue(acc, l_i, m_i, O, o_base, stride_os, stride_od, LSE, l_base, s
 
 # ----------------------------------------------------------------------------- autotuning
 
-_AUTOTUNE_KEY = ["BLOCK_D", "IS_CAUSAL", "IS_VARLEN", "group", "seq_bucket"]
+_AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "IS_VARLEN", "group", "seq_bucket"]
 
 # Kernels write every output element exactly once (no accumulation), so autotuning reruns are safe.
 # The tiles were checked by compiling for sm_90a with Triton 3.9 (no GPU here): at head_dim 64 and
