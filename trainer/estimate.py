@@ -66,9 +66,9 @@ USABLE_FRACTION = 0.9
 REFERENCE_GPU = ("H100", 80 * GIB)
 # Float32 logits per chunk of the fused loss on GPUs (titan_kernels.reference.cross_entropy.CHUNK_BYTES).
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
-SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble")
-_INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
-_V = ("ZBVZeroBubble",)
+SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+_V = ("ZBVZeroBubble", "DualPipeV")
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,8 @@ class ModelCosts:
     expert_params: int = 0  # all routed-expert weights of the model (what expert parallel splits)
     n_moe_layers: int = 0
     top_k: int = 0  # expert rows per token (MoE): what the all-to-all moves
+    extra_params: int = 0  # outside the layers, embedding and output: e.g. MTP modules (on the last stage)
+    extra_blocks: int = 0  # blocks among those extra parameters (their activations)
     args: object = field(default=None, compare=False)  # the model args the FLOPs come from
 
     def gathered_block_params(self, ep: int = 1) -> float:
@@ -177,7 +179,7 @@ def model_costs(args) -> ModelCosts:
         block_params=round(blocks / args.n_layers), embedding_params=emb, output_params=out,
         norm_params=args.dim, total_params=p, active_params=args.active_params(), tied=args.tie_word_embeddings,
         expert_params=args.expert_params(), n_moe_layers=args.n_moe_layers, top_k=moe.top_k if moe else 0,
-        args=args,
+        extra_params=args.extra_params(), extra_blocks=args.attention_layers() - args.n_layers, args=args,
     )
 
 
@@ -217,11 +219,17 @@ def block_values_per_token(costs: ModelCosts | ModelArgs, mode: str = "none", tp
     ``mode``: "none" (everything autograd saves), "op" (selective per-op AC), "full" (the block input).
     """
     c = costs if isinstance(costs, ModelCosts) else model_costs(costs)
-    d, q, kv, f, h = c.dim, c.q_dim, c.kv_dim, c.ffn_hidden, c.n_heads
-    if mode == "none":  # block input, residual; q and attention output; k, v; lse; 2 rstd; SwiGLU
-        return 2 * d + (2 * d + 2 * q + 2 * kv + 3 * f + h + 2) / tp
-    if mode == "op":  # wo and w2 outputs; the block input; wq/wk/wv and attention outputs; lse; w1, w3 outputs
-        return 2 * d + (d + 2 * q + 2 * kv + 2 * f + h) / tp
+    d, f = c.dim, c.ffn_hidden
+    # attention: q, its output, k, v, lse (per head, split by tp) and what it keeps whole on every rank
+    # (MLA's latents); the model args say (``attention_saved_values``)
+    if c.args is not None:
+        whole, per_head = c.args.attention_saved_values()
+    else:
+        whole, per_head = 0, 2 * c.q_dim + 2 * c.kv_dim + c.n_heads
+    if mode == "none":  # block input, residual; attention; 2 rstd; SwiGLU
+        return 2 * d + whole + (2 * d + per_head + 3 * f + 2) / tp
+    if mode == "op":  # wo and w2 outputs; the block input; attention; w1, w3 outputs
+        return 2 * d + whole + (d + per_head + 2 * f) / tp
     if mode == "full":
         return d / tp
     raise ValueError(f"mode: expected none, op or full, got {mode!r}")
@@ -308,6 +316,8 @@ def estimate_memory(
 
     def stage(layers: int, root: float, in_flight: float, has_loss: bool) -> MemoryEstimate:
         p_stage = layers * c.block_params + root
+        if has_loss:  # a family's extra blocks (MTP) run on the last stage, after the layers
+            layers += c.extra_blocks
         state = p_stage * master_bytes / (n_shard * tp)
         working = 0.0
         if n_shard > 1 or compute_bytes != master_bytes or layout.dp_replicate > 1:
@@ -333,7 +343,7 @@ def estimate_memory(
         last_block = block_values_per_token(c, "none", tp) * tokens * compute_bytes
         return MemoryEstimate(state, state, 2 * state, working, acts, loss, coexist, last_block)
 
-    emb, out = c.embedding_params, c.output_params + c.norm_params
+    emb, out = c.embedding_params, c.output_params + c.norm_params + c.extra_params
     if pp == 1:
         return stage(c.n_layers, emb + out, 1.0, True)
     return max((stage(layers, emb * first + out * last, _in_flight(pp, pp_schedule, m, r), last)

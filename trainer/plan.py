@@ -366,7 +366,7 @@ def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, lo
             if cp > max_cp or (cp > 1 and (seq_len % (2 * cp) or (seq_len // cp) % tp)) or (seq_len % tp):
                 continue
             for pp in _divisors(n_gpus // (tp * cp)):
-                if pp > 1 and (args.tie_word_embeddings or pp > args.n_layers):
+                if pp > 1 and (args.tie_word_embeddings or pp > args.n_layers or args.pipeline_refusal()):
                     continue
                 dp = n_gpus // (tp * cp * pp)
                 for sched in (PP_SCHEDULES if pp > 1 else (None,)):

@@ -156,10 +156,10 @@ def build_loss_fn(model: torch.nn.Module, config, dims) -> tuple[bool, object]:
 
     p = config.parallelism
     fused = not (dims.tp_enabled and p.disable_loss_parallel) and type(model.output) in (torch.nn.Linear, type(None))
+    refusal = model.args.pipeline_refusal()
+    if refusal and dims.pp_enabled:
+        raise ConfigError(f"--parallelism.pipeline_parallel_degree: {refusal}")
     if getattr(model, "mtp_depth", 0):
-        if dims.pp_enabled:
-            raise ConfigError("--model.mtp_layers: multi-token prediction is not supported with pipeline parallel (its "
-                              "modules need the first stage's embedding on the last stage); use --model.mtp_layers 0")
         if not fused:
             raise ConfigError("--model.mtp_layers: multi-token prediction needs the fused loss (not with "
                               "--parallelism.disable_loss_parallel or a float8 output layer); use --model.mtp_layers 0")

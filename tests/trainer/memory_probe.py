@@ -121,6 +121,9 @@ CASES = {
                                   "--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"],
                               dict(layout=(1, 1, 1, 2, 1), pp_schedule="Interleaved1F1B")),
     "CP 2": (2, [*B4, "--parallelism.context_parallel_degree", "2"], dict(layout=(1, 1, 1, 1, 2))),
+    # multi-head latent attention, a MoE with a shared expert, one MTP module (on the last stage)
+    "DeepSeek-V3 debugmodel, 1 process": (1, [*B4, "--model.name", "deepseek_v3", "--flavor", "debugmodel"],
+                                          dict(layout=(1, 1, 1, 1, 1), family="deepseek_v3")),
 }
 
 
@@ -161,11 +164,14 @@ def estimate(case: str) -> "object":
     from trainer.estimate import Layout, estimate_memory
     from tests.trainer.helpers import llama_model_args as model_args
 
+    from trainer.models.registry import model_args as family_args
+
     world, argv, kw = CASES[case]
     kw = dict(kw)
     layout = Layout(*kw.pop("layout"))
-    return estimate_memory(model_args("debugmodel", 258, SEQ_LEN), layout, 4, SEQ_LEN, compute_bytes=4,
-                           master_bytes=4, loss_chunk_bytes=4 << 20, **kw)
+    family = kw.pop("family", None)
+    args = family_args(family, "debugmodel", 258, SEQ_LEN) if family else model_args("debugmodel", 258, SEQ_LEN)
+    return estimate_memory(args, layout, 4, SEQ_LEN, compute_bytes=4, master_bytes=4, loss_chunk_bytes=4 << 20, **kw)
 
 
 def table(cases: list[str]) -> list[tuple[str, float, float]]:

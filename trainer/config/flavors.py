@@ -56,10 +56,13 @@ def available_flavors(model_name: str = "llama3") -> tuple[str, ...]:
 
 
 def _flavor_sort_key(name: str) -> tuple[float, str]:
-    # debug flavors first, then by size: 1B < 3B < 8B < 70B < 405B (30B-A3B sorts as 30B; 1T as 1000B).
+    # debug flavors first, then by size: 1B < 3B < 8B < 70B < 405B (30B-A3B sorts as 30B; 1T as 1000B),
+    # then the named ones (kimi_k2).
+    if name.startswith("debug"):
+        return (-1.0, name)
     head = name.split("-")[0]
     scale = {"B": 1.0, "T": 1000.0}.get(head[-1:], None)
     try:
-        return (float(head[:-1]) * scale, name) if scale is not None else (-1.0, name)
+        return (float(head[:-1]) * scale, name) if scale is not None else (float("inf"), name)
     except ValueError:
-        return (-1.0, name)
+        return (float("inf"), name)

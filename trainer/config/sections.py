@@ -158,7 +158,7 @@ class Parallelism:
     pipeline_parallel_degree: int = _opt(1, "Pipeline parallel degree (ranks holding successive stages).")
     pipeline_parallel_schedule: str = _opt(
         "1F1B", "Pipeline schedule (torch.distributed.pipelining); Interleaved*/ZBV hold 2 stages per rank.",
-        choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"),
+        choices=("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"),
     )
     pipeline_parallel_split_points: list[str] = _opt(
         [], "Stage boundaries as the first layer of each later stage, e.g. layers.3 (comma-separated); "

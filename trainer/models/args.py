@@ -88,6 +88,8 @@ class ModelArgs:
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "tie_word_embeddings",
         "qk_norm", "n_dense_layers", "moe.num_experts", "moe.hidden_dim", "moe.num_shared_experts")
+    # What ``extra_params`` are (e.g. MTP), for messages.
+    EXTRA_NAME: ClassVar[str] = "extra"
     # Fields that neither shape nor change the math of a trained model.
     IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("max_seq_len", "init_std", "depth_init", "moe.load_balance",
                                                  "moe.bias_update_rate", "moe.aux_loss_coeff")
@@ -286,6 +288,17 @@ class ModelArgs:
             total += cache[key]
         return per_entry * total / seq_len
 
+    def attention_saved_values(self) -> tuple[int, int]:
+        """Values per token autograd keeps for one attention layer: ``(whole, per_head)``, where
+        ``per_head`` is split over tensor-parallel ranks (q, the attention output, k, v, the log-sum-exp)
+        and ``whole`` is kept on every rank (nothing for GQA)."""
+        q, kv = self.n_heads * self.qk_head_dim, self.kv_heads * self.head_dim
+        return 0, 2 * q + 2 * kv + self.n_heads
+
+    def pipeline_refusal(self) -> str | None:
+        """Why this model cannot be split into pipeline stages, or None."""
+        return None
+
     def attention_layers(self) -> int:
         """Layers with attention that a token's FLOPs count (a family adds e.g. its MTP blocks)."""
         return self.n_layers
@@ -302,10 +315,17 @@ class ModelArgs:
 
 
 def format_params(args) -> str:
-    """``30.53e9 parameters (3.35e9 active)`` for a MoE model, ``8.19e9 parameters`` for a dense one."""
-    total, active = args.num_params(), args.active_params()
-    exp = 12 if total >= 1e12 else 9 if total >= 1e9 else 6  # the debug flavors in millions
-    text = f"{total / 10**exp:.2f}e{exp} parameters"
+    """``30.53e9 parameters (3.35e9 active)`` for a MoE model, ``8.19e9 parameters`` for a dense one;
+    a family's extra modules apart: ``671.03e9 parameters + 11.61e9 MTP (37.55e9 active)``."""
+    extra = args.extra_params()
+    total, active = args.num_params() - extra, args.active_params() - args.extra_params(active=True)
+    def fmt(n: int) -> str:  # the debug flavors in millions, trillions as such
+        exp = 12 if n >= 1e12 else 9 if n >= 1e9 or n >= total / 1000 >= 1e9 else 6
+        return f"{n / 10**exp:.2f}e{exp}"
+
+    text = f"{fmt(total)} parameters"
+    if extra:
+        text += f" + {fmt(extra)} {args.EXTRA_NAME}"
     if active != total:
-        text += f" ({active / 10**exp:.2f}e{exp} active)"
+        text += f" ({fmt(active)} active)"
     return text

@@ -261,7 +261,9 @@ class MoE(nn.Module):
         # sums over tp. ``_sum_grad_over`` all-reduces them in the backward (Megatron's "f"), so the
         # input gradient and the router's are whole and alike on every tp rank.
         expert_in = _sum_grad_over(tokens, tp) if tp is not None else tokens
-        scores, idx, weights = self.router(tokens, self.expert_bias if a.load_balance == "bias" else None)
+        # The bias always steers the choice: zero unless trained with load_balance "bias" or imported
+        # (DeepSeek-V3's e_score_correction_bias); load_balance only decides whether it moves.
+        scores, idx, weights = self.router(tokens, self.expert_bias)
         if tp is not None:
             weights = _sum_grad_over(weights, tp)
         # Permute: one fused copy of the token rows into expert order (titan_kernels.moe_permute:

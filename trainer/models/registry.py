@@ -22,6 +22,7 @@ from typing import Any, Mapping
 FAMILY_PACKAGES = (
     "trainer.models.llama3",
     "trainer.models.qwen3",
+    "trainer.models.deepseek_v3",
 )
 
 

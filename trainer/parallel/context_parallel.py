@@ -75,14 +75,16 @@ class ContextParallel:
         """Rotary positions (int64, (local_seq,)) of the local tokens of a sequence of ``local_seq * cp``."""
         return zigzag_indices(local_seq * self.size, self.size, self.rank, device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 softmax_scale: float | None = None) -> torch.Tensor:
         """Causal attention of the local queries over the whole sequence.
 
         q (batch, seq/cp, n_heads, head_dim), k (batch, seq/cp, n_kv_heads, head_dim), v (batch,
         seq/cp, n_kv_heads, head_dim_v), this rank's zigzag part (v's head_dim may differ from q/k's);
-        returns (batch, seq/cp, n_heads, head_dim_v) in q.dtype. Differentiable.
+        ``softmax_scale`` None = 1 / sqrt(head_dim). Returns (batch, seq/cp, n_heads, head_dim_v) in
+        q.dtype. Differentiable.
         """
-        return _ring_apply(q, k, v, self)
+        return _ring_apply(q, k, v, self, softmax_scale)
 
     def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> list:
         ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
@@ -106,18 +108,18 @@ def _block(r: int, j: int, c: int) -> tuple[slice, slice, bool]:
 
 
 @torch._dynamo.disable  # point-to-point communication inside: runs eagerly between compiled regions
-def _ring_apply(q, k, v, cp):
-    return _RingAttention.apply(q, k, v, cp)
+def _ring_apply(q, k, v, cp, softmax_scale=None):
+    return _RingAttention.apply(q, k, v, cp, softmax_scale)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel):
+    def forward(ctx, q, k, v, cp: ContextParallel, softmax_scale):
         n, r = cp.size, cp.rank
         b, s, h, d = q.shape
         dk = k.shape[-1]
         c = s // 2
-        scale = 1.0 / math.sqrt(d)
+        scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
         out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], -1)  # one buffer travels; v's head_dim may differ from k's (MLA)
@@ -175,13 +177,13 @@ class _RingAttention(torch.autograd.Function):
             dkv = dkv_next
             if nxt is not None:
                 kv = nxt
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:
     """Make every attention layer of ``model`` (a Transformer or a pipeline stage) context parallel
     over ``cp_mesh``; returns the ContextParallel object (its ``shard`` splits the batches)."""
     cp = ContextParallel(cp_mesh)
-    for block in model.layers.values():
+    for block in model.blocks() if hasattr(model, "blocks") else model.layers.values():  # also a family's MTP blocks
         block.attention.context_parallel = cp
     return cp

@@ -15,7 +15,9 @@ Schedules (``pipeline_parallel_schedule``):
   GPipe, 1F1B                 one stage per rank;
   Interleaved1F1B,            two stages per rank (or ``len(split_points) + 1`` stages, a multiple of
   InterleavedZeroBubble       pp), looped: rank r holds stages r, r + pp, ...;
-  ZBVZeroBubble               two stages per rank in a V: rank r holds stages r and 2*pp - 1 - r.
+  ZBVZeroBubble, DualPipeV    two stages per rank in a V: rank r holds stages r and 2*pp - 1 - r.
+                              DualPipeV (DeepSeek-V3 sec. 3.2.1, torch's ``ScheduleDualPipeV``) also
+                              overlaps one micro-batch's forward with another's backward.
 The zero-bubble schedules split each backward into the input gradient (on the critical path) and
 the weight gradient (filling the bubbles) (Qi et al., "Zero Bubble Pipeline Parallelism", 2024).
 
@@ -44,6 +46,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
 )
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -51,10 +54,11 @@ SCHEDULES = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
     "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
 }
 SINGLE_STAGE = ("GPipe", "1F1B")
-V_SCHEDULES = ("ZBVZeroBubble",)
-ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 _SPLIT_RE = re.compile(r"^layers\.(\d+)$")
 
