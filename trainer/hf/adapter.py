@@ -121,6 +121,15 @@ class HFAdapter:
     def _experts(args) -> int:
         return args.moe.num_experts if args.moe is not None else 0
 
+    def hf_shape(self, key: str, want: tuple[int, ...], name: str) -> tuple[int, ...]:
+        """The shape the Hugging Face tensor ``name`` holding (part of) our ``key`` of shape ``want``
+        must have: ``want`` itself (the rotary permutation keeps it), an expert's (``expert_hf_shape``)."""
+        return expert_hf_shape(want, name) if is_expert(key) else want
+
+    def export_group(self, key: str) -> tuple[str, ...]:
+        """Our keys that convert together (GPT-OSS's w1 and w3 make one tensor); alone by default."""
+        return (key,)
+
     # -- per-tensor layout (identity unless a family permutes) --
 
     def tensor_to_hf(self, key: str, t: torch.Tensor, args) -> torch.Tensor:

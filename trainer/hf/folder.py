@@ -18,7 +18,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from trainer.hf.adapter import expert_hf_shape, is_expert
+from trainer.hf.adapter import is_expert
 from trainer.hf.common import CONFIG, DEFAULT_MAX_SHARD_SIZE, INDEX, SINGLE, HFCheckpointError, logger
 from trainer.hf.mapping import (
     adapter_of,
@@ -153,9 +153,7 @@ class HFCheckpoint:
     def _hf_shape(self, key: str, name: str) -> tuple[int, ...]:
         """The shape the Hugging Face tensor ``name`` of our ``key`` must have (from config.json)."""
         want = self.shapes[key] if key in self.shapes else self.buffers[key]
-        if not is_expert(key):
-            return want  # the rotary permutation keeps the shape
-        return expert_hf_shape(want, name)
+        return self.adapter.hf_shape(key, want, name)
 
     def our_tensor(self, key: str) -> torch.Tensor:
         """Our parameter ``key`` (our naming, interleaved rotary layout, experts stacked (E, in, out)),
@@ -263,6 +261,7 @@ class HFWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
+        self._groups: dict[str, torch.Tensor] = {}  # halves waiting for the rest of their export group
         self._shards: list[tuple[str, list[str]]] = []
         self.total_size = 0
         self.biased_layers: list[tuple[str, float]] = []  # (expert_bias key, max |bias|) of non-zero ones
@@ -272,7 +271,15 @@ class HFWriter:
             peak = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
             if peak > 0:
                 self.biased_layers.append((key, peak))
-        for name, t in to_hf_state_dict({key: tensor}, self.args).items():
+        group = self.adapter.export_group(key)
+        if len(group) > 1:  # keys that make one Hugging Face tensor wait for each other
+            self._groups[key] = tensor
+            if not all(k in self._groups for k in group):
+                return
+            part = {k: self._groups.pop(k) for k in group}
+        else:
+            part = {key: tensor}
+        for name, t in to_hf_state_dict(part, self.args).items():
             if name == "lm_head.weight" and self.args.tie_word_embeddings:
                 continue
             # the routing bias stays float32 (transformers keeps it in fp32 whatever the dtype)
@@ -299,6 +306,9 @@ class HFWriter:
         self._pending, self._pending_bytes = {}, 0
 
     def close(self) -> Path:
+        if self._groups:
+            raise HFCheckpointError(f"{self.out}: {sorted(self._groups)[0]} was given without the tensors it is "
+                                    f"exported with ({', '.join(self.adapter.export_group(sorted(self._groups)[0]))})")
         if self._pending or not self._shards:
             self._flush()
         n = len(self._shards)

@@ -54,7 +54,9 @@ class ModelArgs:
 
     ``head_dim`` None means ``dim // n_heads``; ``n_kv_heads`` None means ``n_heads``;
     ``vocab_size = -1`` means "take it from the tokenizer" (the debug flavors). ``qk_norm``: an
-    RMSNorm over head_dim on every query and key head before the rotary (Qwen3). ``moe``: the
+    RMSNorm over head_dim on every query and key head before the rotary (Qwen3); ``attention_bias``:
+    biases on wq/wk/wv/wo; ``attention_sinks``: a learned sink logit per head joining each row's
+    softmax (GPT-OSS). ``moe``: the
     mixture-of-experts feed-forward of every layer from ``n_dense_layers`` on (None: dense).
     ``layer_types``: per layer ``full_attention`` / ``sliding_attention`` (a window of
     ``sliding_window`` keys, the query's own included) / ``chunked_attention`` (``attention_chunk``
@@ -75,6 +77,8 @@ class ModelArgs:
     max_seq_len: int = 8192
     tie_word_embeddings: bool = False
     qk_norm: bool = False
+    attention_bias: bool = False
+    attention_sinks: bool = False
     sliding_window: int = 0
     attention_chunk: int = 0
     layer_types: tuple[str, ...] = ()
@@ -87,9 +91,13 @@ class ModelArgs:
     # the math only. A family adds its own.
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = (
         "dim", "n_layers", "n_heads", "kv_heads", "head_dim", "ffn_hidden_dim", "vocab_size", "tie_word_embeddings",
-        "qk_norm", "n_dense_layers", "moe.num_experts", "moe.hidden_dim", "moe.num_shared_experts")
+        "qk_norm", "attention_bias", "attention_sinks", "n_dense_layers", "moe.num_experts", "moe.hidden_dim",
+        "moe.num_shared_experts", "moe.router_bias", "moe.expert_proj_bias")
     # What ``extra_params`` are (e.g. MTP), for messages.
     EXTRA_NAME: ClassVar[str] = "extra"
+    # Whether the publisher's "active parameters" count the input embedding (Qwen does; DeepSeek and
+    # OpenAI count the weights a token multiplies by, without the lookup).
+    ACTIVE_INCLUDES_EMBEDDING: ClassVar[bool] = True
     # Fields that neither shape nor change the math of a trained model.
     IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("max_seq_len", "init_std", "depth_init", "moe.load_balance",
                                                  "moe.bias_update_rate", "moe.aux_loss_coeff")
@@ -230,9 +238,12 @@ class ModelArgs:
         return self.vocab_size * self.dim
 
     def attention_params(self) -> int:
-        """wq, wk, wv, wo (and the QK-norm weights)."""
+        """wq, wk, wv, wo (and the QK-norm weights, biases, sinks)."""
         q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * self.dim * q + 2 * self.dim * kv + (2 * self.head_dim if self.qk_norm else 0)
+        out = 2 * self.dim * q + 2 * self.dim * kv + (2 * self.head_dim if self.qk_norm else 0)
+        if self.attention_bias:
+            out += q + 2 * kv + self.dim
+        return out + (self.n_heads if self.attention_sinks else 0)
 
     def ffn_params(self) -> int:
         return 3 * self.dim * self.ffn_hidden_dim
@@ -271,8 +282,9 @@ class ModelArgs:
         return self._count(active=False)
 
     def active_params(self) -> int:
-        """Parameters one token uses (= num_params for a dense model); the 'A3B' of 30B-A3B."""
-        return self._count(active=True)
+        """Parameters one token uses, as the family's publisher counts them (``ACTIVE_INCLUDES_EMBEDDING``):
+        the 'A3B' of 30B-A3B; for a dense model counting the embedding, num_params."""
+        return self._count(active=True) - (0 if self.ACTIVE_INCLUDES_EMBEDDING else self.embedding_params())
 
     def attention_flops_per_token(self, seq_len: int) -> float:
         """Attention's training FLOPs per token over all layers (module docstring): each unmasked
@@ -306,7 +318,7 @@ class ModelArgs:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * active parameters (without the embedding lookup) + attention
         (module docstring)."""
-        n = self.active_params() - (0 if self.tie_word_embeddings else self.embedding_params())
+        n = self._count(active=True) - (0 if self.tie_word_embeddings else self.embedding_params())
         return 6 * n + self.attention_flops_per_token(seq_len)
 
     def _need_vocab(self) -> None:
@@ -326,6 +338,6 @@ def format_params(args) -> str:
     text = f"{fmt(total)} parameters"
     if extra:
         text += f" + {fmt(extra)} {args.EXTRA_NAME}"
-    if active != total:
+    if args.moe is not None:
         text += f" ({fmt(active)} active)"
     return text

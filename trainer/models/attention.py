@@ -27,11 +27,15 @@ def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None,
-           cu_seqlens: torch.Tensor | None, mask: dict, softmax_scale: float | None = None) -> torch.Tensor:
+           cu_seqlens: torch.Tensor | None, mask: dict, softmax_scale: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (batch, seq, heads, qk_head_dim) over k/v (batch, seq, kv_heads, .) with
-    the layer's ``mask`` (flash_attn's window_size / chunk_size keywords, empty for plain causal):
-    dense, or over the documents of a packed batch when ``position_ids`` are given (``cu_seqlens``
-    from ``document_cu_seqlens``, computed here when not given). Returns (batch, seq, heads, v_head_dim)."""
+    the layer's ``mask`` (flash_attn's window_size / chunk_size keywords, empty for plain causal) and
+    its ``sinks`` (heads,) if any: dense, or over the documents of a packed batch when
+    ``position_ids`` are given (``cu_seqlens`` from ``document_cu_seqlens``, computed here when not
+    given). Returns (batch, seq, heads, v_head_dim)."""
+    if sinks is not None:
+        mask = {**mask, "sinks": sinks}
     if position_ids is None:
         return titan_kernels.flash_attn(q, k, v, causal=True, softmax_scale=softmax_scale, **mask)
     bsz, seq = q.shape[:2]
@@ -62,18 +66,22 @@ class Attention(nn.Module):
     (batch, seq) int64 or None. With position_ids, tokens attend only inside their document (a
     document starts where position_ids is 0), and rotary uses those positions. The attention is
     ``titan_kernels.flash_attn`` (causal, with the layer's window or chunk), or ``flash_attn_varlen``
-    over the documents with ``cu_seqlens`` from ``document_cu_seqlens(position_ids)``.
+    over the documents with ``cu_seqlens`` from ``document_cu_seqlens(position_ids)``. With
+    ``args.attention_bias`` the projections have biases; with ``args.attention_sinks`` each head has a
+    learned sink logit ``sinks`` (n_heads,) in its softmax (GPT-OSS).
     """
 
     def __init__(self, args, layer_id: int = 0) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        bias = args.attention_bias
+        self.wq = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=bias)
+        self.wo = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=args.norm_eps) if args.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(self.n_heads, dtype=torch.float32)) if args.attention_sinks else None
         self.mask = layer_mask(args, layer_id)
         # Set by trainer.parallel.context_parallel: this rank holds part of every sequence; it gives
         # the rotary positions of the local tokens and runs attention over the whole sequence.
@@ -88,11 +96,21 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        sinks = self.local_sinks()
         if self.context_parallel is not None:
             q, k = rope(q, k, self.context_parallel.position_ids(seq, q.device))
-            return self.wo(self.context_parallel(q, k, v, **self.mask).reshape(bsz, seq, -1))
+            extra = {"sinks": sinks} if sinks is not None else {}
+            return self.wo(self.context_parallel(q, k, v, **self.mask, **extra).reshape(bsz, seq, -1))
         q, k = rope(q, k, position_ids)
-        return self.wo(attend(q, k, v, position_ids, cu_seqlens, self.mask).reshape(bsz, seq, -1))
+        return self.wo(attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks).reshape(bsz, seq, -1))
+
+    def local_sinks(self) -> torch.Tensor | None:
+        """The sink logits of this rank's heads (float32): under tensor parallel a head-sharded DTensor's
+        local part, whose gradient stays this rank's."""
+        s = self.sinks
+        if s is None:
+            return None
+        return (s.to_local() if hasattr(s, "to_local") else s).float()
 
     def tp_plan(self) -> dict:
         """Tensor + sequence parallel (Megatron's split): the input all-gathered on the sequence, wq/wk/
@@ -116,3 +134,12 @@ class Attention(nn.Module):
             plan["q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         return plan
+
+    def tp_finish(self, tp_mesh) -> None:
+        """The sinks split on the heads like wq's rows (``Shard(0)``); the forward uses the local part."""
+        if self.sinks is not None:
+            from torch.distributed.tensor import Shard, distribute_tensor
+
+            s = self.sinks
+            self.sinks = nn.Parameter(distribute_tensor(s.data, tp_mesh, [Shard(0)], src_data_rank=None),
+                                      requires_grad=s.requires_grad)

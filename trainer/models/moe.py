@@ -91,14 +91,25 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                w3: torch.Tensor, float8: str | None = None) -> torch.Tensor:
+                w3: torch.Tensor, float8: str | None = None, biases=None, activation: dict | None = None) -> torch.Tensor:
     """SwiGLU experts on rows sorted by expert: x (N, dim), counts (E,) rows per expert, w1/w3
     (E, dim, hidden), w2 (E, hidden, dim) -> (N, dim). Weights are cast to x's dtype (mixed precision).
-    ``float8``: the fp8_grouped_mm recipe of the three GEMMs (None: high precision)."""
+    ``float8``: the fp8_grouped_mm recipe of the three GEMMs (None: high precision). ``biases``: None or
+    (b1, b2, b3) of shapes (E, hidden), (E, dim), (E, hidden), added per row by its expert.
+    ``activation``: ``titan_kernels.swiglu``'s keywords (GPT-OSS's clamped variant; None: plain)."""
     offsets = counts.cumsum(0).to(torch.int32)
     w1, w2, w3 = (w.to(x.dtype) for w in (w1, w2, w3))
-    h = titan_kernels.swiglu(grouped_mm(x, w1, offsets, float8), grouped_mm(x, w3, offsets, float8))
-    return grouped_mm(h, w2, offsets, float8)
+    h1, h3 = grouped_mm(x, w1, offsets, float8), grouped_mm(x, w3, offsets, float8)
+    if biases is not None:
+        b1, b2, b3 = (_rows(b.to(x.dtype), counts, x.shape[0]) for b in biases)
+        h1, h3 = h1 + b1, h3 + b3
+    out = grouped_mm(titan_kernels.swiglu(h1, h3, **(activation or {})), w2, offsets, float8)
+    return out if biases is None else out + b2
+
+
+def _rows(b: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
+    """Expert e's row of ``b`` (E, .) repeated for its ``counts[e]`` rows: (n, .), no host sync."""
+    return torch.repeat_interleave(b, counts, dim=0, output_size=n)
 
 
 class GroupedExperts(nn.Module):
@@ -111,21 +122,41 @@ class GroupedExperts(nn.Module):
     ``titan_kernels.fp8_grouped_mm`` with that recipe; None (default) keeps them in high precision.
     """
 
-    def __init__(self, dim: int, hidden_dim: int, num_experts: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, bias: bool = False,
+                 activation: dict | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        # GPT-OSS: biases on the three projections, and the clamped SwiGLU (``activation``).
+        if bias:
+            self.w1_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+            self.w2_bias = nn.Parameter(torch.empty(num_experts, dim))
+            self.w3_bias = nn.Parameter(torch.empty(num_experts, hidden_dim))
+        else:
+            self.w1_bias = self.w2_bias = self.w3_bias = None
+        self.activation = activation
         self.expert_parallel = None
         self.float8_recipe: str | None = None
+        self.tp_mesh = None  # set by tensor parallel: w2_bias is then added once over the tp ranks
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = local(self.w1), local(self.w2), local(self.w3)
-        f8 = self.float8_recipe
+        f8, act, biases = self.float8_recipe, self.activation, self._biases()
         if self.expert_parallel is not None:
-            return self.expert_parallel(x, counts, lambda xs, cs: run_experts(xs, cs, w1, w2, w3, f8))
-        return run_experts(x, counts, w1, w2, w3, f8)
+            return self.expert_parallel(x, counts, lambda xs, cs: run_experts(xs, cs, w1, w2, w3, f8, biases, act))
+        return run_experts(x, counts, w1, w2, w3, f8, biases, act)
+
+    def _biases(self):
+        if self.w1_bias is None:
+            return None
+        b1, b2, b3 = local(self.w1_bias), local(self.w2_bias), local(self.w3_bias)
+        if self.tp_mesh is not None:
+            # Every tp rank adds w2's bias to its partial output, which the ranks then sum: each adds
+            # 1/tp of it, and the gradient (1/tp per rank) is summed back over tp to the whole one.
+            b2 = _sum_grad_over(b2, self.tp_mesh) / self.tp_mesh.size()
+        return b1, b2, b3
 
 
 class Router(nn.Module):
@@ -135,11 +166,12 @@ class Router(nn.Module):
     def __init__(self, dim: int, args: MoEArgs) -> None:
         super().__init__()
         self.args = args
-        self.gate = nn.Linear(dim, args.num_experts, bias=False)
+        self.gate = nn.Linear(dim, args.num_experts, bias=args.router_bias)
 
     def forward(self, x: torch.Tensor, expert_bias: torch.Tensor | None):
         a = self.args
-        logits = F.linear(x, local(self.gate.weight).to(x.dtype)).float()
+        b = self.gate.bias
+        logits = F.linear(x, local(self.gate.weight).to(x.dtype), None if b is None else local(b).to(x.dtype)).float()
         scores = torch.softmax(logits, dim=-1) if a.score_func == "softmax" else torch.sigmoid(logits)
         choice = scores.detach() if expert_bias is None else scores.detach() + expert_bias
         if a.n_group > 1:
@@ -212,7 +244,11 @@ class MoE(nn.Module):
         super().__init__()
         self.args = args
         self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts)
+        activation = None
+        if args.swiglu_limit or args.swiglu_alpha != 1.0 or args.swiglu_up_offset:
+            activation = dict(alpha=args.swiglu_alpha, limit=args.swiglu_limit or None, up_offset=args.swiglu_up_offset)
+        self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, bias=args.expert_proj_bias,
+                                      activation=activation)
         if args.num_shared_experts:
             self.shared_experts = FeedForward(dim, args.hidden_dim * args.num_shared_experts)
         else:
@@ -246,10 +282,14 @@ class MoE(nn.Module):
         identical gradient from the all-gathered tokens), and the routed output reduce-scattered over tp."""
         from torch.distributed.tensor import Replicate, distribute_tensor
 
-        w = self.router.gate.weight
-        self.router.gate.weight = nn.Parameter(distribute_tensor(w.data, tp_mesh, [Replicate()], src_data_rank=None),
-                                               requires_grad=w.requires_grad)
+        gate = self.router.gate
+        for name in ("weight", "bias"):
+            w = getattr(gate, name)
+            if w is not None:
+                setattr(gate, name, nn.Parameter(distribute_tensor(w.data, tp_mesh, [Replicate()], src_data_rank=None),
+                                                 requires_grad=w.requires_grad))
         self.tp_mesh = tp_mesh
+        self.experts.tp_mesh = tp_mesh
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a = self.args

@@ -26,6 +26,11 @@ class MoEArgs:
     a token first keeps the ``topk_group`` groups whose two best (bias-corrected) scores sum
     highest, then picks its top_k experts inside them. ``n_group`` 1 routes over all experts.
 
+    GPT-OSS's experts: ``router_bias`` (a learned bias on the router's logits), ``expert_proj_bias``
+    (biases on the experts' projections), and the clamped SwiGLU ``(clamp(up, +-limit) + up_offset) *
+    g sigmoid(alpha g)`` with g = min(gate, limit) (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7,
+    ``swiglu_up_offset`` 1; limit 0 = none: the plain SwiGLU).
+
     ``load_balance``: "bias" = auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664;
     DeepSeek-V3's ``e_score_correction_bias``): a per-expert bias added to the scores for the top-k
     choice only, moved by ``bias_update_rate * sign(mean load - load)`` after each optimizer step;
@@ -42,6 +47,11 @@ class MoEArgs:
     route_scale: float = 1.0
     n_group: int = 1
     topk_group: int = 1
+    router_bias: bool = False
+    expert_proj_bias: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
+    swiglu_up_offset: float = 0.0
     load_balance: str = "bias"
     bias_update_rate: float = 1e-3
     aux_loss_coeff: float = 1e-3
@@ -71,6 +81,9 @@ class MoEArgs:
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError(f"MoEArgs.n_group: group-limited routing scores a group by its two best experts; "
                              f"{self.num_experts} experts in {self.n_group} groups leave fewer than 2 per group")
+        if not (self.swiglu_alpha > 0 and self.swiglu_limit >= 0):
+            raise ValueError(f"MoEArgs: swiglu_alpha must be > 0 and swiglu_limit >= 0 (0 = none), got "
+                             f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}")
         if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(f"MoEArgs.top_k: {self.top_k} experts do not fit in topk_group={self.topk_group} groups "
                              f"of {self.num_experts // self.n_group}")
@@ -81,11 +94,15 @@ class MoEArgs:
     # -- counts of one MoE layer of model width ``dim`` --
 
     def router_params(self, dim: int) -> int:
-        return dim * self.num_experts
+        return (dim + self.router_bias) * self.num_experts
+
+    def one_expert_params(self, dim: int) -> int:
+        """w1, w2, w3 of one expert (and their biases)."""
+        return 3 * dim * self.hidden_dim + (2 * self.hidden_dim + dim if self.expert_proj_bias else 0)
 
     def expert_params(self, dim: int) -> int:
-        """The routed experts' weights (w1, w2, w3 of every expert)."""
-        return self.num_experts * 3 * dim * self.hidden_dim
+        """The routed experts' weights (w1, w2, w3 of every expert, and their biases)."""
+        return self.num_experts * self.one_expert_params(dim)
 
     def shared_params(self, dim: int) -> int:
         return 3 * dim * self.hidden_dim * self.num_shared_experts
@@ -95,7 +112,7 @@ class MoEArgs:
 
     def active_params(self, dim: int) -> int:
         """Weights one token uses: the router, its top_k experts and the shared experts."""
-        return self.router_params(dim) + self.top_k * 3 * dim * self.hidden_dim + self.shared_params(dim)
+        return self.router_params(dim) + self.top_k * self.one_expert_params(dim) + self.shared_params(dim)
 
     def active_width(self) -> int:
         """The SwiGLU hidden width one token passes through: top_k experts and the shared ones."""

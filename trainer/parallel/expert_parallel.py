@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 
 class ExpertParallel:
@@ -109,20 +109,27 @@ def shard_experts(model: nn.Module, world_mesh: DeviceMesh, ep: int, tp: int) ->
 
     if ep == 1 and tp == 1:
         return []
+    # The projections' biases (GPT-OSS) follow their weights' expert and hidden splits; w2's bias
+    # (E, dim) is replicated over tp (``GroupedExperts`` adds 1/tp of it on each rank).
     if ep > 1 and tp > 1:
         mesh = world_mesh["ep", "tp"]
-        in_out = {"w1": [Shard(0), Shard(2)], "w3": [Shard(0), Shard(2)], "w2": [Shard(0), Shard(1)]}
+        in_out = {"w1": [Shard(0), Shard(2)], "w3": [Shard(0), Shard(2)], "w2": [Shard(0), Shard(1)],
+                  "w1_bias": [Shard(0), Shard(1)], "w3_bias": [Shard(0), Shard(1)], "w2_bias": [Shard(0), Replicate()]}
     elif ep > 1:
         mesh = world_mesh["ep"]
-        in_out = {"w1": [Shard(0)], "w3": [Shard(0)], "w2": [Shard(0)]}
+        in_out = {"w1": [Shard(0)], "w3": [Shard(0)], "w2": [Shard(0)],
+                  "w1_bias": [Shard(0)], "w3_bias": [Shard(0)], "w2_bias": [Shard(0)]}
     else:
         mesh = world_mesh["tp"]
-        in_out = {"w1": [Shard(2)], "w3": [Shard(2)], "w2": [Shard(1)]}
+        in_out = {"w1": [Shard(2)], "w3": [Shard(2)], "w2": [Shard(1)],
+                  "w1_bias": [Shard(1)], "w3_bias": [Shard(1)], "w2_bias": [Replicate()]}
     params = []
     for _, moe in moe_modules(model):
         experts = moe.experts
         for name, placements in in_out.items():
             p = getattr(experts, name)
+            if p is None:  # experts without biases
+                continue
             dt = nn.Parameter(distribute_tensor(p.data, mesh, placements, src_data_rank=None),
                               requires_grad=p.requires_grad)
             setattr(experts, name, dt)

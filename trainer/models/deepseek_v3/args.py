@@ -44,6 +44,7 @@ class DeepSeekV3Args(ModelArgs):
     v_head_dim: int = 128
     num_mtp_layers: int = 0
 
+    ACTIVE_INCLUDES_EMBEDDING: ClassVar[bool] = False  # the publisher counts without the lookup
     EXTRA_NAME: ClassVar[str] = "MTP"
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ModelArgs.SHAPE_FIELDS + (
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_mtp_layers")
