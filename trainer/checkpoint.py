@@ -24,24 +24,33 @@ only, or with ``initial_load_model_only false`` the whole training state), or a 
 Llama / Qwen3 folder (``initial_load_in_hf``), read tensor by tensor into the sharded model.
 
 Atomicity. Every rank writes into ``.step-<N>.partial``; DCP's coordinator writes ``.metadata``
-after all ranks' data is written (and fsynced), and only then does rank 0 rename the folder to
+after all ranks' data is written (and fsynced), then rank 0 writes ``manifest.json`` (size and
+checksum of every file, ``trainer.checkpoint_manifest``), and only then renames the folder to
 ``step-<N>`` (a rename is atomic on POSIX file systems). A crash at any point leaves at most a
 ``.partial`` folder, which is ignored and removed by the next save. All ranks must see one shared
-file system (one node, or a shared mount).
+file system (one node, or a shared mount). Free space is checked before each write, and a write
+that fails is one line with its ``.partial`` removed (``trainer.checkpoint_publish``).
 
-Async mode writes in a background thread (``dcp.async_save``) after copying the state (CPU tensors
-are cloned here; GPU tensors are staged to CPU by DCP), and publishes the checkpoint when the write
-has finished; ``close()`` waits for the last one.
+Verification. A resume checks the checkpoint against its manifest first (the ranks share the
+files). A damaged, truncated, unreadable or unverifiable newest checkpoint is reported in one
+line naming the file, moved to ``damaged/`` and the run falls back to the newest intact one
+(``strict_verify``: an error instead). An explicit ``load_step`` never falls back.
+
+Lineage and retention (``trainer.checkpoint_lineage``): a run resumed with a ``load_step`` below
+the newest step moves the later steps aside into ``abandoned-after-step-<L>-<time>/``; retention
+keeps the newest ``keep_latest_k`` of this lineage and never the one just saved.
+
+Async mode writes in a background thread (``dcp.async_save``) from a copy of the state and
+publishes the checkpoint when the write has finished; ``close()`` waits for the last one.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
-import re
+import pickle
 import shutil
 import warnings
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -57,9 +67,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from trainer import signals
+from trainer.checkpoint_lineage import STEP_RE as _STEP_RE
+from trainer.checkpoint_lineage import fork, remove_leftovers, retain, set_aside_damaged
+from trainer.checkpoint_manifest import ManifestError, read_manifest, verify_files
+from trainer.checkpoint_publish import FolderWriter, SaveError, fsync_dir
+from trainer.data.reshard import reshard_loader_state
+
 logger = logging.getLogger("trainer")
 
-_STEP_RE = re.compile(r"^step-(\d+)$")
 _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # DCP warns on every call without a process group (also from its async writer thread) that it
@@ -68,7 +84,15 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unav
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded as asked (missing step, incompatible layout, weights-only export)."""
+    """A checkpoint cannot be loaded or saved as asked (missing step, incompatible layout, weights-only
+    export, damaged files under strict_verify, a failed save); the message is one line."""
+
+class _Unreadable(CheckpointError):
+    """A file of the checkpoint cannot be read (a reason to fall back, unlike a model that does not match)."""
+
+
+# Reading a damaged checkpoint fails in many ways (a truncated zip, a garbage pickle, a short read).
+_READ_ERRORS = (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, KeyError)
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
@@ -84,21 +108,12 @@ def complete_steps(folder: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -106,15 +121,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _clone_cpu_tensors(obj: Any) -> Any:
-    """A copy of ``obj`` in which every CPU tensor is cloned (so training may change the originals)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone() if obj.device.type == "cpu" else obj
-    if isinstance(obj, dict):
-        return {k: _clone_cpu_tensors(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clone_cpu_tensors(v) for v in obj]
-    return obj
+def _all_gather(obj: Any) -> list[Any]:
+    if _world() == 1:
+        return [obj]
+    out = [None] * _world()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class Checkpointer:
@@ -128,13 +140,16 @@ class Checkpointer:
         dp_rank: this process's data-parallel rank (the dataloader key).
         enable: save at all (loading a seed or an existing run also needs it).
         interval: save every ``interval`` steps, and at the last step.
-        keep_latest_k: keep only the newest k complete checkpoints (0 = all).
+        keep_latest_k: keep only the newest k complete checkpoints of this lineage (0 = all).
         async_mode: "disabled" or "async".
         load_step: -1 = the newest complete checkpoint; else that step.
         model_weights_only / export_dtype: the final save is a weights-only export in this dtype.
     model_args / flavor: what the model was built with, recorded in every checkpoint.
     last_save_in_hf: the final save is a Hugging Face folder ``hf-step-<N>`` (in export_dtype),
         written at the last step even when ``enable`` is off.
+    strict_verify: a checkpoint that fails verification is an error instead of a fall back.
+    on_save_error: "stop" (a failed save raises CheckpointError) or "continue" (it is logged and
+        the run goes on without it; a save with ``last=True`` always raises).
     """
 
     def __init__(
@@ -156,6 +171,8 @@ class Checkpointer:
         model_args: Any = None,
         flavor: str = "",
         last_save_in_hf: bool = False,
+        strict_verify: bool = False,
+        on_save_error: str = "stop",
     ) -> None:
         if async_mode not in ("disabled", "async"):
             raise ValueError(f"checkpoint.async_mode: expected 'disabled' or 'async', got {async_mode!r}")
@@ -163,6 +180,8 @@ class Checkpointer:
             raise ValueError(f"checkpoint.export_dtype: expected one of {tuple(_EXPORT_DTYPES)}, got {export_dtype!r}")
         if interval < 1:
             raise ValueError(f"checkpoint.interval: expected an integer >= 1, got {interval}")
+        if on_save_error not in ("stop", "continue"):
+            raise ValueError(f"checkpoint.on_save_error: expected 'stop' or 'continue', got {on_save_error!r}")
         if keep_latest_k < 0:
             raise ValueError(f"checkpoint.keep_latest_k: expected an integer >= 0, got {keep_latest_k}")
         self.folder = Path(folder)
@@ -172,12 +191,15 @@ class Checkpointer:
         self.async_mode, self.load_step = async_mode, load_step
         self.model_weights_only, self.export_dtype = model_weights_only, _EXPORT_DTYPES[export_dtype]
         self.model_args, self.flavor, self.last_save_in_hf = model_args, flavor, last_save_in_hf
+        self.strict_verify, self.on_save_error = strict_verify, on_save_error
         self.rank = _rank()
-        self._pending: tuple[Future, Path, Path, bool] | None = None
+        self.failed_saves = 0
+        self.loaded_from: str | None = None  # what load() / initial_load() read, for the non-finite message
         self._pg = None
         if async_mode == "async" and dist.is_available() and dist.is_initialized():
             # Background writes run collectives; keep them off the training process group.
             self._pg = dist.new_group(backend="gloo")
+        self._writer = FolderWriter(self.folder, async_mode, self._pg)
 
     # -- state ---------------------------------------------------------------------------------
 
@@ -215,13 +237,25 @@ class Checkpointer:
 
         Returns the final path (in async mode it appears once the background write completes).
         """
-        self.wait()  # one write in flight at a time
-        if last and self.last_save_in_hf:
-            return self.export_hf(step)
-        if last and self.model_weights_only:
-            return self.export_weights(step)
-        state = self._full_state(step, tokens_seen)
-        return self._write(state, f"step-{step}")
+        try:
+            self.wait()  # one write in flight at a time
+            if last and self.last_save_in_hf:
+                return self.export_hf(step)
+            if last and self.model_weights_only:
+                return self.export_weights(step)
+            state = self._full_state(step, tokens_seen)
+            return self._write(state, f"step-{step}")
+        except SaveError as exc:
+            return self._save_failed(exc, last)
+
+    def _save_failed(self, exc: SaveError, last: bool) -> None:
+        """``on_save_error``: raise (stop), or log and go on without the checkpoint (continue)."""
+        self.failed_saves += 1
+        if self.on_save_error == "stop" or last:
+            hint = "" if last else " (--checkpoint.on_save_error continue trains on without it)"
+            raise CheckpointError(f"{exc}{hint}") from None
+        logger.warning("%s; training continues without this checkpoint (--checkpoint.on_save_error continue)", exc)
+        return None
 
     def save_seed(self) -> Path:
         """Write the model (initial weights) as the step-0 seed checkpoint, synchronously."""
@@ -254,7 +288,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(partial, final)
-            _fsync_dir(self.folder)
+            fsync_dir(self.folder)
             shutil.rmtree(tmp, ignore_errors=True)
             logger.info("saved Hugging Face checkpoint %s", final)
         _barrier()
@@ -266,54 +300,38 @@ class Checkpointer:
         return self._write(self._model_state(sd), name, force_sync=True, purge=False)
 
     def _write(self, state: dict[str, Any], name: str, force_sync: bool = False, purge: bool = True) -> Path:
-        final = self.folder / name
-        partial = self.folder / f".{name}.partial"
-        if self.rank == 0:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            if partial.exists():  # left by a crash
-                shutil.rmtree(partial)
-        _barrier()
-        if self.async_mode == "async" and not force_sync:
-            future = dcp.async_save(_clone_cpu_tensors(state), checkpoint_id=str(partial), process_group=self._pg)
-            self._pending = (future, partial, final, purge)
-            return final
-        dcp.save(state, checkpoint_id=str(partial))
-        self._publish(partial, final, purge)
-        _barrier()
-        return final
+        return self._writer.write(state, name, force_sync, after_publish=lambda final: self._published(final, purge))
 
-    def _publish(self, partial: Path, final: Path, purge: bool) -> None:
-        """Rank 0: rename the finished ``partial`` folder to ``final``, then drop old checkpoints."""
-        if self.rank != 0:
-            return
-        if final.exists():  # re-saving a step (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.rename(partial, final)
-        _fsync_dir(self.folder)
+    def _published(self, final: Path, purge: bool) -> None:
+        """Rank 0, after the rename: log, and drop the oldest checkpoints of this lineage beyond keep_latest_k."""
         logger.info("saved checkpoint %s", final)
-        if purge and self.keep_latest_k > 0:
-            for step in complete_steps(self.folder)[: -self.keep_latest_k]:
-                shutil.rmtree(self.folder / f"step-{step}", ignore_errors=True)
+        m = _STEP_RE.match(final.name)
+        if m:
+            signals.set_last_good(f"the last good checkpoint is {final.name} in {self.folder}")
+            if purge:
+                retain(self.folder, complete_steps(self.folder), self.keep_latest_k, int(m.group(1)))
 
     def wait(self) -> None:
         """Wait for an async write in flight, then publish it."""
-        if self._pending is None:
-            return
-        future, partial, final, purge = self._pending
-        self._pending = None
-        future.result()
-        self._publish(partial, final, purge)
+        try:
+            self._writer.wait()
+        except SaveError as exc:
+            self._save_failed(exc, last=False)
 
     def poll(self) -> None:
         """Publish an async write if it has finished (cheap; call once per step)."""
-        if self._pending is not None and self._pending[0].done():
-            self.wait()
+        try:
+            self._writer.poll()
+        except SaveError as exc:
+            self._save_failed(exc, last=False)
 
     def close(self) -> None:
-        self.wait()
-        if self._pg is not None:
-            dist.destroy_process_group(self._pg)
-            self._pg = None
+        try:
+            self.wait()
+        finally:
+            if self._pg is not None:
+                dist.destroy_process_group(self._pg)
+                self._pg = None
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -330,21 +348,72 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def load(self) -> tuple[int, int]:
-        """Restore the newest (or ``load_step``) checkpoint into the model, optimizer, scheduler and loader.
+        """Restore the newest intact (or the ``load_step``) checkpoint into the model, optimizer,
+        scheduler and loader, after verifying it against its manifest.
 
         Returns ``(step, tokens_seen)``; ``(0, 0)`` when there is nothing to resume. A seed
         checkpoint (model only) restores the model and returns step 0.
 
         A checkpoint written under another parallel layout loads too: DCP reshards the model and
-        optimizer, and the data loader states are resharded (``reshard_loader_state``).
+        optimizer, and the data loader states are resharded (``reshard_loader_state``). A newest
+        checkpoint that is damaged, truncated, unreadable or unverifiable is reported in one line,
+        moved to ``damaged/``, and the next older one is tried (the module docstring). A
+        ``load_step`` below the newest step forks the lineage (``trainer.checkpoint_lineage.fork``).
 
-        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), or the data
-        loader states cannot be resharded or belong to another dataset, tokenizer or seq_len.
+        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), the data
+        loader states cannot be resharded or belong to another dataset, tokenizer or seq_len, the
+        model does not match, or no checkpoint is intact (or, with strict_verify or an explicit
+        load_step, the chosen one is not).
         """
         step = self.resolve_load_step()
         if step is None:
             return 0, 0
-        path = self.folder / f"step-{step}"
+        if self.rank == 0:
+            remove_leftovers(self.folder)
+        candidates = [step] if self.load_step >= 0 else complete_steps(self.folder)[::-1]
+        # Checkpoints written before manifests existed load unverified (unless strict), when none has one.
+        legacy = not self.strict_verify and not any(
+            (self.folder / f"step-{s}" / "manifest.json").exists() for s in complete_steps(self.folder))
+        if legacy:
+            logger.warning("checkpoints in %s have no manifest (written by an older version): loading step-%d "
+                           "unverified", self.folder, step)
+        damaged: list[int] = []
+        for s in candidates:
+            path = self.folder / f"step-{s}"
+            problem = None if legacy else self._verify(path)
+            if problem is None:
+                try:
+                    result = self._load_step(path, s)
+                except _Unreadable as exc:
+                    problem = str(exc)
+                except CheckpointError:
+                    raise
+                except _READ_ERRORS as exc:
+                    problem = f"{path}: unreadable ({_error_line(exc)})"
+                else:
+                    self._after_load(s, damaged)
+                    return result
+            if self.strict_verify or self.load_step >= 0:
+                why = "--checkpoint.strict_verify" if self.strict_verify else f"--checkpoint.load_step {s}"
+                raise CheckpointError(f"checkpoint step-{s} is damaged: {problem} ({why}: not falling back to an "
+                                      f"older checkpoint)")
+            logger.warning("checkpoint step-%d is damaged: %s; falling back to the previous checkpoint", s, problem)
+            damaged.append(s)
+        raise CheckpointError(f"no intact checkpoint to resume from in {self.folder}: "
+                              f"{', '.join(f'step-{s}' for s in damaged)} failed verification (see above); move "
+                              f"them away to start afresh")
+
+    def _verify(self, path: Path) -> str | None:
+        """None when ``path`` matches its manifest, else one line naming the bad file (all ranks agree).
+        The ranks share the files: each checks every world_size-th."""
+        try:
+            record = read_manifest(path)
+        except ManifestError as exc:  # UnverifiedCheckpoint too
+            return str(exc)
+        problems = [p for p in _all_gather(verify_files(path, record, _rank(), _world())) if p is not None]
+        return problems[0] if problems else None
+
+    def _load_step(self, path: Path, step: int) -> tuple[int, int]:
         keys = self._checked_keys(path)
         if not _has(keys, "optimizer"):
             if step != 0:
@@ -354,14 +423,29 @@ class Checkpointer:
                 )
             self._load_model(path)
             logger.info("loaded seed checkpoint %s (model weights)", path)
+            self.loaded_from = f"the seed checkpoint {path}"
             return 0, 0
-        step, tokens = self._load_all(path, keys)
+        result = self._load_all(path, keys)
         logger.info("resumed from checkpoint %s", path)
-        return step, tokens
+        self.loaded_from = f"the checkpoint {path}"
+        return result
+
+    def _after_load(self, step: int, damaged: list[int]) -> None:
+        """Rank 0: damaged newer checkpoints are set aside; a load_step below the newest forks the lineage."""
+        if self.rank == 0:
+            for s in damaged:
+                set_aside_damaged(self.folder, s)
+            if self.load_step >= 0:
+                fork(self.folder, step, complete_steps(self.folder))
+        signals.set_last_good(f"the last good checkpoint is step-{step} in {self.folder}")
+        _barrier()
 
     def _checked_keys(self, path: Path) -> set[str]:
         """The state dict keys of the DCP checkpoint ``path``, after checking its model_args against ours."""
-        keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        try:
+            keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        except _READ_ERRORS as exc:
+            raise _Unreadable(f"{path}/.metadata: unreadable ({_error_line(exc)})") from None
         if self.model_args is not None and "model_args" in keys:
             from trainer.hf import HFCheckpointError, check_compatible
 
@@ -403,8 +487,14 @@ class Checkpointer:
             except HFCheckpointError as exc:
                 raise CheckpointError(f"checkpoint.initial_load_path: {exc}") from None
             logger.info("loaded Hugging Face checkpoint %s (%d tensors)", path, n)
+            self.loaded_from = f"the Hugging Face checkpoint {path}"
             return 0, 0
         step_dir = resolve_step_folder(path)
+        self.loaded_from = f"the checkpoint {step_dir}"
+        if (step_dir / "manifest.json").exists() or self.strict_verify:
+            problem = self._verify(step_dir)
+            if problem is not None:
+                raise CheckpointError(f"checkpoint.initial_load_path: {problem}")
         keys = self._checked_keys(step_dir)
         if not _has(keys, "model"):
             raise CheckpointError(f"checkpoint.initial_load_path: {step_dir} holds no model weights")
@@ -444,6 +534,16 @@ class Checkpointer:
                 raise CheckpointError(f"checkpoint {path}: {exc}") from None
         train_state = json.loads(state["train_state"])
         return int(train_state["step"]), int(train_state["tokens_seen"])
+
+
+def _error_line(exc: BaseException) -> str:
+    """The first line of an exception's message (DCP's CheckpointException holds every rank's traceback)."""
+    text = str(exc).strip()
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Traceback", "File ", "CheckpointException ranks")) and "ranks:" not in line:
+            return f"{type(exc).__name__}: {line[:200]}"
+    return type(exc).__name__
 
 
 def _has(keys: set[str], prefix: str) -> bool:
@@ -493,44 +593,6 @@ def resolve_step_folder(path: str | os.PathLike, what: str = "checkpoint.initial
         raise CheckpointError(f"{what}: {path} is not a DCP checkpoint (no .metadata) and "
                               f"holds no complete step-<N> folder{hint}")
     return path / f"step-{steps[-1]}"
-
-
-def reshard_loader_state(states: list[dict[str, Any]], dp_rank: int, dp_world_size: int) -> dict[str, Any]:
-    """The loader state for data-parallel rank ``dp_rank`` of ``dp_world_size`` from the states of all
-    ranks of a checkpoint (``trainer.data.loader.DataLoader.state_dict``), whatever their layout.
-
-    The same layout gets its own state back. Otherwise: the loader deals the windows of one stream
-    round-robin over the ranks, and at a step boundary rank r of D has consumed exactly the windows
-    below ``W - (D - 1 - r)``, W being the largest ``window_index``; so the windows below W were all
-    trained on and the stream position after window W - 1 (the state of the last rank) is where
-    every rank of the new layout continues, dealing from window W on. Resumed so, the union of the
-    next step's batches over the new ranks is exactly what the old layout would have read next.
-
-    Raises ValueError when the states are not from one step of one layout (then no position is
-    exact, and nothing is silently reset). Whether dataset, tokenizer and seq_len match is the
-    loader's own check (``load_state_dict``).
-    """
-    if not states:
-        raise ValueError("the checkpoint holds no data loader state")
-    old_world = states[0].get("dp_world_size")
-    by_rank = {s.get("dp_rank"): s for s in states}
-    if old_world == dp_world_size and dp_rank in by_rank:
-        return by_rank[dp_rank]
-    if sorted(by_rank) != list(range(len(states))) or len(states) != old_world or any(
-            s.get("dp_world_size") != old_world for s in states):
-        raise ValueError(
-            f"data loader states of ranks {sorted(by_rank)} do not form one layout of dp_world_size={old_world}; "
-            f"cannot reshard them to {dp_world_size} ranks"
-        )
-    last = by_rank[old_world - 1]
-    end = last["window_index"]
-    behind = [r for r, s in by_rank.items() if s["window_index"] != end - (old_world - 1 - r)]
-    if behind:
-        raise ValueError(
-            f"data loader states of ranks {behind} are not at the same step as rank {old_world - 1}; cannot reshard "
-            f"dp_world_size={old_world} -> {dp_world_size} without skipping or repeating samples"
-        )
-    return {**last, "dp_rank": dp_rank, "dp_world_size": dp_world_size}
 
 
 def load_weights(model: nn.Module, path: str | os.PathLike) -> None:

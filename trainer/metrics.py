@@ -16,7 +16,10 @@ TensorBoard tags validation/loss and validation/perplexity. Its time is left out
 interval, so tps stays the training rate.
 
 A resumed run appends to the same metrics.jsonl; the steps it logs again after the checkpoint are
-newer records of the same step (``trainer.plot`` keeps the last one of each step).
+newer records of the same step (``trainer.plot`` keeps the last one of each step). Each record is
+appended by one ``write`` of the whole line; a last line torn by a kill in the middle of a write
+(no final newline) is cut off when the next run opens the file (:func:`repair_jsonl`), so the
+resumed run's first record starts on a line of its own.
 
 MFU = tps x FLOPs/token / peak FLOP/s (torchtitan's definition; FLOPs/token from
 ``ModelArgs.flops_per_token``). Peaks are dense bf16 tensor-core figures from the vendors' data
@@ -26,6 +29,7 @@ against a made-up peak.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import pathlib
@@ -45,6 +49,39 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 }
 
 JSONL_NAME = "metrics.jsonl"
+
+logger = logging.getLogger("trainer")
+
+
+def repair_jsonl(path: str | os.PathLike) -> int:
+    """Cut a torn last line (one without its newline, left by a kill mid-write) off the file ``path``.
+
+    Returns the number of bytes removed (0 when the file is whole or absent)."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return 0
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return 0
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return 0
+        # Find the last newline, reading backwards in blocks (records are short).
+        end, keep = size, 0
+        while end > 0:
+            start = max(0, end - 65536)
+            f.seek(start)
+            block = f.read(end - start)
+            i = block.rfind(b"\n")
+            if i >= 0:
+                keep = start + i + 1
+                break
+            end = start
+        f.truncate(keep)
+    logger.warning("%s: removed a torn last line (%d bytes, from a run killed while writing it)", path, size - keep)
+    return size - keep
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -158,7 +195,9 @@ class MetricsLogger:
         if enabled:
             folder = pathlib.Path(dump_folder)
             folder.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(folder / JSONL_NAME, "a", encoding="utf-8")
+            repair_jsonl(folder / JSONL_NAME)
+            # Unbuffered: each record is one write() of the whole line (O_APPEND), never half a line.
+            self._jsonl = open(folder / JSONL_NAME, "ab", buffering=0)
             if enable_tensorboard:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -279,8 +318,7 @@ class MetricsLogger:
             + (f"  moe max/mean load {r['moe_max_load']:.2f}" if "moe_max_load" in r else "") + f"{c.reset}",
             flush=True,
         )
-        self._jsonl.write(json.dumps(r) + "\n")
-        self._jsonl.flush()
+        self._jsonl.write((json.dumps(r) + "\n").encode())
         if self._tb is not None:
             for key in ("loss", "grad_norm", "lr", "tps", "mfu", "memory_gib", "data_wait"):
                 if r[key] is not None:
@@ -307,8 +345,7 @@ class MetricsLogger:
             f"{record['val_batches']} batch(es), {record['val_time_s']:.1f}s{c.reset}",
             flush=True,
         )
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        self._jsonl.write((json.dumps(record) + "\n").encode())
         if self._tb is not None:
             self._tb.add_scalar("validation/loss", record["val_loss"], step)
             self._tb.add_scalar("validation/perplexity", record["val_perplexity"], step)

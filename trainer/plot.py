@@ -16,6 +16,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 JSONL_NAME = "metrics.jsonl"  # trainer.metrics.JSONL_NAME (not imported: that pulls in torch)
@@ -35,7 +36,8 @@ class PlotError(ValueError):
 def read_metrics(folder: str | os.PathLike) -> tuple[dict[int, dict], dict[int, dict]]:
     """``(training records, validation records)`` of ``folder/metrics.jsonl``, each by step (last wins).
 
-    Raises PlotError for a missing file or a line that is not a JSON object.
+    A line that is not valid JSON (torn by a kill in the middle of a write) is skipped with a
+    warning naming it. Raises PlotError for a missing file or a JSON line that is not a record.
     """
     path = Path(folder) / JSONL_NAME
     if not path.is_file():
@@ -48,7 +50,9 @@ def read_metrics(folder: str | os.PathLike) -> tuple[dict[int, dict], dict[int, 
         try:
             rec = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise PlotError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            warnings.warn(f"{path}:{lineno}: skipped a line that is not valid JSON (torn by a kill?): {exc}",
+                          stacklevel=2)
+            continue
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
             raise PlotError(f"{path}:{lineno}: expected a record with an integer 'step'")
         if "val_loss" in rec:

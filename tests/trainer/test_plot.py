@@ -76,7 +76,12 @@ def test_command_line(tmp_path):
     assert "no metrics.jsonl" in missing.stderr and "Traceback" not in missing.stderr
 
 
-def test_bad_metrics_file(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\nnot json\n')
-    with pytest.raises(PlotError, match=r"metrics.jsonl:2: not valid JSON"):
+def test_torn_line_is_skipped_with_a_warning_and_a_non_record_is_an_error(tmp_path):
+    # A kill in the middle of a write leaves a torn line; the records around it still plot.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo\n{"step": 3, "loss": 1.5}\n')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:2: skipped a line that is not valid JSON"):
+        train, _ = read_metrics(tmp_path)
+    assert sorted(train) == [1, 3]
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n[1, 2]\n')
+    with pytest.raises(PlotError, match=r"metrics.jsonl:2: expected a record"):
         read_metrics(tmp_path)

@@ -33,8 +33,10 @@ from trainer.config.job import JobConfig
 from trainer.config.sections import (
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Compile,
     ConfigError,
+    FaultTolerance,
     Float8,
     Job,
     Kernels,
@@ -51,7 +53,7 @@ from trainer.config.sections import (
 __all__ = [
     "CONFIG_DIR", "ConfigError", "JobConfig", "all_keys", "apply_toml", "available_flavors", "flavor_config_path",
     "help_text", "parse_args",
-    "ActivationCheckpoint", "Checkpoint", "Compile", "Float8", "Job", "Kernels", "LRScheduler", "Metrics", "Model",
+    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job", "Kernels", "LRScheduler", "Metrics", "Model",
     "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
 ]
 # _HINTS (section -> key -> type) is read by tests/test_readme.py to check the README's keys.

@@ -15,8 +15,10 @@ from trainer.config.fields import toml_value
 from trainer.config.sections import (
     ActivationCheckpoint,
     Checkpoint,
+    Comm,
     Compile,
     ConfigError,
+    FaultTolerance,
     Float8,
     Job,
     Kernels,
@@ -50,6 +52,8 @@ class JobConfig:
     compile: Compile = field(default_factory=Compile)
     kernels: Kernels = field(default_factory=Kernels)
     float8: Float8 = field(default_factory=Float8)
+    comm: Comm = field(default_factory=Comm)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The configuration as ``{section: {key: value}}`` of plain Python values."""

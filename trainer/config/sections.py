@@ -208,6 +208,23 @@ class Checkpoint:
         False, "The final save is a Hugging Face folder hf-step-<N> (in export_dtype) that transformers' "
         "from_pretrained loads (LlamaForCausalLM, Qwen3ForCausalLM or Qwen3MoeForCausalLM, by model.name)."
     )
+    strict_verify: bool = _opt(
+        False, "A damaged, truncated or unverifiable checkpoint to resume from is an error instead of a warning and "
+        "a fall back to the newest intact one (every step folder holds manifest.json: sizes and xxh3 checksums)."
+    )
+    on_save_error: str = _opt(
+        "stop", "When a save fails (e.g. a full disk; its .partial folder is removed): stop the run (exit 1), or "
+        "continue training without that checkpoint (the last step's save always stops).",
+        choices=("stop", "continue"),
+    )
+    preempt_signals: list[str] = _opt(
+        ["SIGTERM", "SIGUSR1"], "Signals that stop the run gracefully: the ranks agree on a step, save a checkpoint "
+        "there and exit with status 75 (Slurm: #SBATCH --signal=USR1@90). Empty = the default actions."
+    )
+    preempt_grace_seconds: float = _opt(
+        80.0, "After a preemption signal the run exits within this many seconds: with the checkpoint saved "
+        "(status 75) or, if the save cannot finish in time, at once with the last good one intact (status 124)."
+    )
 
 
 @dataclass
@@ -327,3 +344,33 @@ class Float8:
         False, "FSDP2 all-gathers weights in float8 (1 byte per element); tensorwise recipe only."
     )
 
+
+
+@dataclass
+class Comm:
+    """Process-group timeouts and the step watchdog (torchtitan's [comm] keys)."""
+
+    init_timeout_seconds: int = _opt(
+        300, "Timeout of the process group's collectives until the first step is done (start-up, loading)."
+    )
+    train_timeout_seconds: int = _opt(
+        100, "After the first step: the collectives' timeout, and the watchdog's: a step, validation or checkpoint "
+        "save that makes no progress for this long writes every rank's Python stacks to "
+        "<dump_folder>/stacks/ and exits 1, so that the launcher can restart the group. 0 = no watchdog."
+    )
+
+
+@dataclass
+class FaultTolerance:
+    """Replica groups that survive the loss of one another (torchft; torchtitan's experiment keys)."""
+
+    enable: bool = _opt(
+        False, "Train as one replica group of several, joined through a torchft Lighthouse (its address in "
+        "TORCHFT_LIGHTHOUSE): every step commits through the quorum, a dead group is dropped and a restarted one "
+        "recovers the live state from a peer. Needs the torchft package (pip install -e '.[ft]')."
+    )
+    replica_id: int = _opt(0, "This replica group's index, 0 .. group_size - 1.")
+    group_size: int = _opt(0, "The number of replica groups (each a torchrun of its own).")
+    min_replica_size: int = _opt(1, "The fewest replica groups that may commit a step.")
+    process_group: str = _opt("gloo", "Backend between the replica groups.", choices=("gloo", "nccl"))
+    process_group_timeout_ms: int = _opt(10000, "Timeout of a collective between replica groups, in milliseconds.")

@@ -104,6 +104,7 @@ def validate_config(config: JobConfig) -> None:
          "weights only)")
     need(config.metrics.log_freq >= 1, "metrics.log_freq", config.metrics.log_freq, "an integer >= 1")
     _validate_validation(config.validation, t, p)
+    _validate_resilience(config)
     _validate_profiling(config.profiling)
     ac = config.activation_checkpoint.selective_ac_option
     need(ac == "op" or (ac.isdigit() and int(ac) >= 1), "activation_checkpoint.selective_ac_option", ac,
@@ -150,6 +151,45 @@ def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
             f"--validation.local_batch_size: {lbs} is not a multiple of training.local_batch_size "
             f"{t.local_batch_size} (under pipeline parallel the schedule's micro-batch count is fixed)"
         )
+
+
+# Signals a preemption may arrive as; SIGINT is Ctrl-C's own (exit 130), SIGKILL cannot be caught.
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGXCPU")
+
+
+def _validate_resilience(config: JobConfig) -> None:
+    """[checkpoint] signals and grace, [comm] timeouts, [fault_tolerance] replica groups."""
+    c, cm, ft = config.checkpoint, config.comm, config.fault_tolerance
+    for name in c.preempt_signals:
+        if name not in PREEMPT_SIGNALS:
+            raise ConfigError(choice_message("checkpoint.preempt_signals", name, PREEMPT_SIGNALS))
+    if not (math.isfinite(c.preempt_grace_seconds) and c.preempt_grace_seconds > 0):
+        raise ConfigError(f"--checkpoint.preempt_grace_seconds: expected a finite value > 0, got {c.preempt_grace_seconds!r}")
+    if cm.init_timeout_seconds < 1:
+        raise ConfigError(f"--comm.init_timeout_seconds: expected an integer >= 1, got {cm.init_timeout_seconds!r}")
+    if cm.train_timeout_seconds < 0:
+        raise ConfigError(f"--comm.train_timeout_seconds: expected an integer >= 0 (0 = no watchdog), got "
+                          f"{cm.train_timeout_seconds!r}")
+    if not ft.enable:
+        return
+    if ft.group_size < 1:
+        raise ConfigError(f"--fault_tolerance.group_size: expected an integer >= 1 with --fault_tolerance.enable, "
+                          f"got {ft.group_size!r}")
+    if not 0 <= ft.replica_id < ft.group_size:
+        raise ConfigError(f"--fault_tolerance.replica_id: expected an integer in [0, group_size = {ft.group_size}), "
+                          f"got {ft.replica_id!r}")
+    if not 1 <= ft.min_replica_size <= ft.group_size:
+        raise ConfigError(f"--fault_tolerance.min_replica_size: expected an integer in [1, group_size = "
+                          f"{ft.group_size}], got {ft.min_replica_size!r}")
+    if ft.process_group_timeout_ms < 1:
+        raise ConfigError(f"--fault_tolerance.process_group_timeout_ms: expected an integer >= 1, got "
+                          f"{ft.process_group_timeout_ms!r}")
+    if config.parallelism.data_parallel_replicate_degree != 1:
+        raise ConfigError("--parallelism.data_parallel_replicate_degree: expected 1 with --fault_tolerance.enable "
+                          "(the replica groups are the replicate dimension)")
+    if config.parallelism.pipeline_parallel_degree != 1:
+        raise ConfigError("--parallelism.pipeline_parallel_degree: expected 1 with --fault_tolerance.enable "
+                          "(not supported with replica groups yet)")
 
 
 def _validate_profiling(pr: Profiling) -> None:
