@@ -69,13 +69,16 @@ def resolve_compute_dtype(config: JobConfig, device: torch.device) -> torch.dtyp
     return DTYPES[dtype]
 
 
-def init_distributed(world_size: int, rank: int, device: torch.device, single_process_group: bool) -> bool:
+def init_distributed(world_size: int, rank: int, device: torch.device, single_process_group: bool,
+                     timeout_seconds: int = 1800) -> bool:
     """Start the default process group: gloo on the CPU, NCCL for CUDA tensors (and gloo for CPU ones).
 
     Args:
         world_size, rank: this process's place (from torchrun).
         device: the training device.
         single_process_group: one process still needs a group (FSDP2 on a one-process mesh).
+        timeout_seconds: the collectives' timeout (``--comm.init_timeout_seconds``; the trainer sets
+            ``train_timeout_seconds`` after the first step, ``trainer.watchdog``).
 
     Returns whether it started one: False for one process without ``single_process_group``, or when a
     group exists already.
@@ -86,7 +89,7 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
         return False
     # NCCL for GPU tensors, gloo for CPU ones (async checkpointing needs a CPU backend too).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=30)
+    timeout = timedelta(seconds=timeout_seconds)
     if world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:

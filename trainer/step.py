@@ -200,19 +200,26 @@ class NonFiniteWatch:
         self._first_bad = torch.where(new, step, self._first_bad)
         self._values = torch.where(new, torch.stack([loss.float(), grad_norm.float()]), self._values)
 
-    def check(self, step: int, kept) -> None:
+    def check(self, step: int, kept, loaded=None) -> None:
         """Raise NonFiniteLossError if a step up to ``step`` was not finite (reads the flag: a host sync).
 
-        ``kept()`` returns the words saying which checkpoint is good, for the message.
+        ``kept()`` returns the words saying which checkpoint is good, for the message. ``loaded``:
+        ``(first_step, source)`` when the weights were loaded (a checkpoint, a Hugging Face import)
+        just before step ``first_step``; if that step is the first bad one, the message blames the
+        loaded weights, not the learning rate (no update has happened since the load).
         """
         first = int(self._first_bad)
         if first == 0:
             return
         loss, norm = self._values.tolist()
         where = f"step {first}" if first == step else f"step {first} (found at the check of step {step})"
+        if loaded is not None and loaded[0] == first:
+            advice = (f"The weights were just loaded from {loaded[1]} and no update ran since: they hold non-finite "
+                      f"or huge values (a damaged or incompatible checkpoint), not a learning rate problem")
+        else:
+            advice = "Try a lower --optimizer.lr or a longer --lr_scheduler.warmup_steps"
         raise NonFiniteLossError(
             f"{where}: non-finite loss or gradient (loss {loss}, gradient norm {norm}); stopping before "
-            f"the optimizer step of step {step}; {kept()}. Try a lower --optimizer.lr or a longer "
-            f"--lr_scheduler.warmup_steps"
+            f"the optimizer step of step {step}; {kept()}. {advice}"
         )
 

@@ -15,17 +15,13 @@ numerics of one step (the exact token-mean scaling over micro-batches and ranks,
 non-finite flag) are in ``trainer/step.py``; its setup log lines, the plot and the one-line errors of
 a failing tokenizer or data source in ``trainer/outputs.py``.
 
-Non-finite values. A step does not wait for the device to check its loss and gradient norm (that
-host synchronisation would stall every step): a device-side flag records the first step whose
-loss or gradient norm is not finite, and the flag is read at every log step (step 1, every
-``metrics.log_freq`` steps, the last step) and before every checkpoint save, before that step's
-optimizer update. A flagged run stops there (exit 1) naming the first bad step and the last good
-checkpoint, so a non-finite update is never written to a checkpoint and at most
-``log_freq - 1`` updates follow the first bad one (they are lost with the run, which restarts from
-that checkpoint).
+Non-finite values: a device-side flag records the first bad step without a host sync per step; it
+is read at every log step and before every checkpoint save, before that step's update, so a
+non-finite update never reaches a checkpoint (``trainer/step.py``, ``NonFiniteWatch``).
 
-Exit codes: 0 done; 1 the run cannot proceed (model too large for the machine, non-finite loss,
-unusable checkpoint, data errors), with a one-line (or, for memory, a short) message and no traceback.
+Exit codes: 0 done; 1 the run cannot proceed, with a one-line (or, for memory, a short) message and
+no traceback; 75 preempted after a checkpoint; 124, 130: see ``trainer/run_guard.py``, which holds
+the run's protections (dump folder lock, signals, hang watchdog, fault hooks).
 
 As a library (one process, or one rank under torchrun)::
 
@@ -61,6 +57,7 @@ import torch.distributed as dist
 
 import titan_kernels
 from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
+from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
 from trainer.estimate import Layout, detect_devices, fit_report
@@ -139,6 +136,8 @@ class Trainer:
         self._started = False  # the first step ran: data iterator, gc off, metrics clock, profiler
         self._stopped = False  # the loop's outputs are closed
         self._gc_was_enabled = False
+        self._guard = RunGuard(config, self.rank, self.world_size)
+        self._loaded = None  # (first step after a load, what was loaded): for the non-finite message
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -165,9 +164,13 @@ class Trainer:
             message = _fit_message(config, self.args, self.dims, self.compute_dtype)
             if message is not None:
                 raise ModelTooLargeError(message)
+        self._guard.before_process_group(self.device.type)
         self._setup_mesh()
+        self._guard.claim_folder()  # a read-only, file or busy dump folder stops here, before data and model
         if not seed_only:
             self._setup_data()
+            self._guard.warn_repeats(self.loader, self.grad_accum * config.training.local_batch_size * self.dims.dp_size,
+                                     config.training.seq_len, config.training.steps)
         if config.kernels.backend != "auto":
             self._backend.enter_context(titan_kernels.use_backend(config.kernels.backend))
         self._build_model()
@@ -194,6 +197,7 @@ class Trainer:
         log_outputs(config)
         self._profiler = Profiler(config.profiling, config.job.dump_folder, self.rank, self.device, self.step)
         self._watch = NonFiniteWatch(self.device)
+        self._guard.start()
         self._ready = True
         return True
 
@@ -247,7 +251,8 @@ class Trainer:
             raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
                               f"got {self.device.type}")
         self._owns_process_group = init_distributed(self.world_size, self.rank, self.device,
-                                                     single_process_group=self.use_fsdp)
+                                                     single_process_group=self.use_fsdp,
+                                                     timeout_seconds=self.config.comm.init_timeout_seconds)
         self.mesh = self.dims.build_mesh(self.device.type, single_process=self.use_fsdp)
         self.dp_rank = self.dims.dp_rank(self.mesh)
 
@@ -318,6 +323,7 @@ class Trainer:
             enable=c.enable, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode,
             load_step=c.load_step, model_weights_only=c.model_weights_only, export_dtype=c.export_dtype,
             model_args=self.args, flavor=config.model.flavor, last_save_in_hf=c.last_save_in_hf,
+            strict_verify=c.strict_verify, on_save_error=c.on_save_error,
         )
         try:
             # A run to resume wins; the initial checkpoint only starts a fresh one.
@@ -328,6 +334,8 @@ class Trainer:
                     c.initial_load_path, c.initial_load_model_only, c.initial_load_in_hf)
         except CheckpointError as exc:
             raise TrainingError(str(exc)) from None
+        if self.checkpointer.loaded_from is not None:
+            self._loaded = (self.step + 1, self.checkpointer.loaded_from)
 
     def _setup_metrics(self) -> None:
         """The metrics logger (console, metrics.jsonl, TensorBoard, Weights & Biases) on rank 0."""
@@ -400,9 +408,10 @@ class Trainer:
         reduce_partial_grads(pm.partial_grads)
         pm.scale_expert_grads()
         grad_norm = clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
+        self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
         if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):
-            self._watch.check(step, self._kept)  # the only host syncs of a step (module docstring)
+            self._watch.check(step, self._kept, self._loaded)  # the only host syncs of a step (module docstring)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -425,14 +434,16 @@ class Trainer:
     def train(self) -> None:
         """Train the steps after ``self.step`` up to ``training.steps``. After each step: validation
         (every ``validation.freq`` steps and at the last), a checkpoint (every ``checkpoint.interval``
-        steps and at the last), the profiler's window, garbage collection (every ``training.gc_freq``).
-        At the end (also on an error): the profiler stops, the last checkpoint write completes and the
-        metrics files close; then (rank 0) the summary and ``metrics.png``.
+        steps, at the last, and where the ranks agree to stop after a preemption signal), the
+        profiler's window, garbage collection (every ``training.gc_freq``). At the end (also on an
+        error): the profiler stops, the last checkpoint write completes and the metrics files close;
+        then (rank 0) the summary and ``metrics.png``.
 
         Raises:
             RuntimeError: before a :meth:`setup` that returned True, or when the run was stopped already.
             NonFiniteLossError: at the first check that finds a non-finite step (module docstring).
-            TrainingError: the data source failed.
+            TrainingError: the data source failed. CheckpointError: a save failed (on_save_error stop).
+            Preempted: stopped after a preemption signal, with a checkpoint.
         """
         cfg_t, v = self.config.training, self.config.validation
         self._check_running("train")
@@ -441,16 +452,26 @@ class Trainer:
             while self.step < cfg_t.steps:
                 self.train_step()
                 step = self.step
+                self._guard.step_done()
                 if self.validator is not None and (step % v.freq == 0 or step == cfg_t.steps):
+                    self._guard.long_phase()
                     result = self.validator.evaluate()
                     self.metrics.exclude(result["val_time_s"])
                     self.metrics.log_validation(step, result)
                 self.checkpointer.poll()
-                if self.checkpointer.should_save(step, cfg_t.steps):
+                stop = self._guard.should_stop()  # a preemption signal: every rank stops after this step
+                if self.checkpointer.should_save(step, cfg_t.steps) or (stop and self.config.checkpoint.enable):
+                    self._guard.long_phase()
                     self.checkpointer.save(step, self.tokens_seen, last=step == cfg_t.steps)
                 self._profiler.step(step)
+                if stop and step < cfg_t.steps:
+                    self.checkpointer.wait()  # an async write is published before the exit
+                    raise self._guard.stopped(step)
                 if step % cfg_t.gc_freq == 0:
                     gc.collect(1)
+        except BaseException as exc:
+            self._guard.failed(exc)
+            raise
         finally:
             self._stop(*sys.exc_info())
         self.metrics.print_summary()
@@ -497,15 +518,13 @@ class Trainer:
     def _kept(self) -> str:
         """Which checkpoint is good, for the non-finite message."""
         done = complete_steps(self._ckpt_folder) if self.config.checkpoint.enable else []
-        if not done:
-            return "no checkpoint was written"
-        return f"the last good checkpoint is step-{done[-1]} in {self._ckpt_folder}"
+        return f"the last good checkpoint is step-{done[-1]} in {self._ckpt_folder}" if done else "no checkpoint was written"
 
     # -- the end -------------------------------------------------------------------------------------
 
     def _stop(self, exc_type=None, exc=None, tb=None) -> None:
-        """The loop's outputs end: the profiler (an out-of-memory error leaves a CUDA memory snapshot),
-        the checkpointer (an async write completes), the metrics files and Weights & Biases run."""
+        """The loop's outputs end: profiler (an out-of-memory error leaves a CUDA memory snapshot),
+        checkpointer (an async write completes), metrics files and Weights & Biases run."""
         if self._stopped:
             return
         self._stopped = True
@@ -517,10 +536,11 @@ class Trainer:
             self.metrics.close()
 
     def close(self) -> None:
-        """Release the run: what :meth:`train` did not close (profiler, checkpointer, metrics files),
-        the kernel backend choice, garbage collection back on if it was, and the process group if the
-        trainer started it. Safe after a failed or partial setup and when called twice."""
+        """Release the run: what :meth:`train` did not close, the guard (lock, signal handlers, watchdog),
+        the kernel backend choice, gc back on if it was, the process group if the trainer started it.
+        Safe after a failed or partial setup and when called twice."""
         self._stop()
+        self._guard.close()
         self._backend.close()
         if self._gc_was_enabled:
             gc.enable()
@@ -552,14 +572,8 @@ def main(config: JobConfig) -> int:
             if trainer.setup():
                 trainer.train()
         return 0
-    except ModelTooLargeError as exc:
-        if rank == 0:
-            print(f"python -m trainer: error: {exc}", file=sys.stderr, flush=True)
-        return 1
-    except TrainingError as exc:
-        where = f"[rank {rank}] " if world_size > 1 else ""
-        print(f"python -m trainer: error: {where}{exc}", file=sys.stderr, flush=True)
-        return 1
+    except (TrainingError, CheckpointError, Preempted) as exc:  # one line (memory: a short report), exit code
+        return report_exit(exc, rank, world_size, same_on_all_ranks=isinstance(exc, ModelTooLargeError))
     finally:
         with rank_zero_warnings(rank):
             trainer.close()

@@ -218,6 +218,33 @@ class DataLoader:
         next(self)
         self.load_state_dict(state)
 
+    def epoch_tokens(self, limit: int) -> int | None:
+        """Tokens in one pass over the source (BOS/EOS included), if it has at most ``limit``; None if more.
+
+        Reads (and caches) documents from the start without moving the stream position."""
+        total = 0
+        for index in range(1 << 62):
+            tokens = self._tokens_of(index)
+            if tokens is None:
+                return total
+            total += tokens.size
+            if total > limit:
+                return None
+        return None
+
+    def repeat_warning(self, tokens_per_step: int, steps: int, scan_limit: int = 1 << 24) -> str | None:
+        """One line when the run would read the data more than once: the source has N tokens, a step
+        reads ``tokens_per_step`` (all ranks), so it repeats every K steps. None when the source is
+        larger than the run (or than ``scan_limit`` tokens, which is not read further)."""
+        n = self.epoch_tokens(min(scan_limit, tokens_per_step * steps))
+        if n is None or n >= tokens_per_step * steps:
+            return None
+        every = n // tokens_per_step
+        repeats = (f"it repeats every {every} step{'s' if every > 1 else ''}" if every >= 1 else
+                   "every step reads it more than once")
+        return (f"dataset {self.source.name!r} has {n:,} tokens and a step reads {tokens_per_step:,} (all ranks), so "
+                f"{repeats} over the run's {steps} steps: the model will memorize it; use more data or fewer steps")
+
     # -- state ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
