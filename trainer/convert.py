@@ -15,6 +15,11 @@ checkpoint), its MoE layers' ``expert_bias`` as the folder stores it (zero where
 MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with a warning when the
 family's Hugging Face model routes without the bias (Qwen3-MoE; ``trainer.hf``).
 
+Verification: dcp-to-hf first checks every file of the checkpoint against its ``manifest.json``
+(size and checksum, ``trainer.checkpoint_manifest``); a damaged file is a one-line error naming it,
+and a checkpoint without a manifest (written before manifests existed) converts with a warning.
+hf-to-dcp writes a manifest into its output.
+
 Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
 Exit codes: 0 done; 1 the input is not a usable checkpoint, or a model Hugging Face cannot express
@@ -31,6 +36,8 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint import CheckpointError, read_model_args, resolve_step_folder
+from trainer.checkpoint_manifest import ManifestError, UnverifiedCheckpoint, data_files, digest_files, verify_folder
+from trainer.checkpoint_manifest import write_manifest
 from trainer.hf import (
     DEFAULT_MAX_SHARD_SIZE,
     HFCheckpoint,
@@ -89,6 +96,12 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     import torch.distributed.checkpoint as dcp
 
     path = resolve_step_folder(src, what="CHECKPOINT_DIR")
+    try:
+        verify_folder(path)
+    except UnverifiedCheckpoint as exc:
+        warnings.warn(f"{exc}; converting it unverified", stacklevel=2)
+    except ManifestError as exc:
+        raise CheckpointError(f"checkpoint {path} is damaged: {exc}") from None
     tensors = _model_tensors(path)
     args = _args_for(path, tensors, flavor)
     shapes = expected_shapes(args, buffers=True)
@@ -151,6 +164,7 @@ def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     if partial.exists():
         shutil.rmtree(partial)
     dcp.save({"model": sd, "model_args": model_args_record(ckpt.args, ckpt.flavor)}, checkpoint_id=str(partial))
+    write_manifest(partial, digest_files(partial, data_files(partial)))
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.exists() and not any(out.iterdir()):
         out.rmdir()
