@@ -92,6 +92,14 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
     timeout = timedelta(seconds=timeout_seconds)
     if world_size == 1:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    elif os.environ.get("TORCHELASTIC_RESTART_COUNT") and os.environ.get("MASTER_ADDR"):
+        # A group restarted by torchrun (--max-restarts) meets on the same store as the attempt before
+        # (torch 2.13 keeps the agent's store and adds no prefix): without one of our own, a rank can
+        # read a dead rank's address of the previous attempt and fail to connect.
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                              timeout=timeout)
+        store = dist.PrefixStore(f"trainer/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return True

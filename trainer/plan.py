@@ -72,6 +72,9 @@ LINK_EFFICIENCY = 0.8
 MAX_GLOBAL_TOKENS = 2**24
 AC_CHOICES = (("none", "2"), ("selective", "op"), ("full", "2"))
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
+# torchrun restarts of a failed group (a crashed or hung rank) before giving up; each resumes from the
+# last good checkpoint.
+MAX_RESTARTS = 3
 
 
 @dataclass(frozen=True)
@@ -201,17 +204,22 @@ class Plan:
         return flags
 
     def command(self) -> str:
-        """The launch command: torchrun on one node; sbatch of scripts/slurm/train.sbatch (srun + torchrun) on several."""
+        """The launch command: torchrun on one node; sbatch of scripts/slurm/train.sbatch (srun + torchrun) on several.
+
+        torchrun restarts a group whose rank crashed or hung (``--max-restarts``), and the trainer
+        resumes from the last good checkpoint (``--checkpoint.enable``); the sbatch script does both."""
         flags = " ".join(self.trainer_flags())
         nodes = math.ceil(self.n_gpus / self.gpus_per_node)
         if nodes == 1:
-            return f"torchrun --standalone --nproc_per_node {self.n_gpus} -m trainer {flags}"
+            return (f"torchrun --standalone --nproc_per_node {self.n_gpus} --max-restarts {MAX_RESTARTS} -m trainer "
+                    f"{flags} --checkpoint.enable")
         return f"sbatch --nodes {nodes} --gpus-per-node {self.gpus_per_node} scripts/slurm/train.sbatch {flags}"
 
     def torchrun_per_node(self) -> str:
         nodes = math.ceil(self.n_gpus / self.gpus_per_node)
         return (f"torchrun --nnodes {nodes} --nproc_per_node {self.gpus_per_node} --rdzv_backend c10d "
-                f"--rdzv_endpoint $HEAD_NODE:29500 --rdzv_id $JOB_ID -m trainer {' '.join(self.trainer_flags())}")
+                f"--rdzv_endpoint $HEAD_NODE:29500 --rdzv_id $JOB_ID --max-restarts {MAX_RESTARTS} -m trainer "
+                f"{' '.join(self.trainer_flags())} --checkpoint.enable")
 
     def describe(self, rank: int | None = None) -> str:
         head = f"#{rank} " if rank is not None else ""

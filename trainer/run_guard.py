@@ -112,7 +112,7 @@ class RunGuard:
     def failed(self, exc: BaseException) -> None:
         """An unexpected error ends the loop: write the stacks too (e.g. a collective that timed out)."""
         if self.watchdog is not None and not isinstance(exc, (TrainingError, KeyboardInterrupt, Preempted)):
-            self.watchdog.dump(f"{type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc) else ''}")
+            self.watchdog.dump(exc)
 
     def close(self) -> None:
         """Undo everything, safe after a partial setup and twice: watchdog, handlers, group, lock."""

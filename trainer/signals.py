@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -158,9 +159,9 @@ class PreemptionHandler:
         if self._timer is not None:
             self._timer.cancel()
         if self._pending is not None:
-            try:
-                self._pending[0].wait()
-            except Exception:  # the group may be broken already (a rank died): nothing to agree on
+            try:  # every rank started it; after an error a peer may be gone: do not wait long
+                self._pending[0].wait(timedelta(seconds=2))
+            except Exception:  # noqa: BLE001  (a broken group: nothing left to agree on)
                 pass
             self._pending = None
         for sig, handler in self._previous.items():

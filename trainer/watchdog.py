@@ -21,6 +21,7 @@ import faulthandler
 import logging
 import os
 import time
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -94,10 +95,12 @@ class StepWatchdog:
         """A checkpoint save or a validation follows: allow ``init_timeout`` seconds for it."""
         self.arm(self.init_timeout)
 
-    def dump(self, reason: str) -> None:
-        """Write every thread's stack now (e.g. a collective raised a timeout error)."""
+    def dump(self, exc: BaseException) -> None:
+        """Write the traceback of ``exc`` (e.g. a collective that timed out, or whose peer died) and
+        every thread's stack now."""
         if self._file is not None:
-            self._file.write(f"\n# {time.strftime('%H:%M:%S')} {reason}\n")
+            self._file.write(f"\n# {time.strftime('%H:%M:%S')} the run failed:\n")
+            self._file.write("".join(traceback.format_exception(exc)))
             self._file.flush()
             faulthandler.dump_traceback(file=self._file, all_threads=True)
             self._file.flush()

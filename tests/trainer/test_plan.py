@@ -43,7 +43,7 @@ def test_cli_prints_the_best_layouts_with_memory_communication_time_and_command(
     assert out.count("\n#") == 3 and "assumptions:" in out
     for part in ("memory per GPU (GiB): params", "communication per step (GiB sent per GPU)", "step time (s): compute",
                  "tokens/s per GPU", "MFU", f"sbatch --nodes {n // 8} --gpus-per-node 8 scripts/slurm/train.sbatch",
-                 f"torchrun --nnodes {n // 8} --nproc_per_node 8 --rdzv_backend c10d"):
+                 f"torchrun --nnodes {n // 8} --nproc_per_node 8 --rdzv_backend c10d", "--max-restarts 3"):
         assert part in out, part
     plans = best(flavor_args(flavor, 8192), flavor, n, GPUS["H100"], 8192, top=3)
     for p in plans:
@@ -75,7 +75,7 @@ def test_cli_without_a_fitting_layout_names_the_smallest_count_and_one_node_uses
     assert main(["--flavor", "405B", "--ngpu", "8"]) == 1
     assert "no layout of 8 x H100 fits; the smallest power-of-two count that fits: " in capsys.readouterr().out
     assert main(["--flavor", "8B", "--ngpu", "8", "--gpu", "H200", "--top", "1"]) == 0
-    assert "torchrun --standalone --nproc_per_node 8 -m trainer --flavor 8B" in capsys.readouterr().out
+    assert "torchrun --standalone --nproc_per_node 8 --max-restarts 3 -m trainer --flavor 8B" in capsys.readouterr().out
     # python -m trainer.plan loads no torch (which is what makes it fast)
     code = "import sys, trainer.plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
