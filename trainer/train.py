@@ -35,6 +35,7 @@ As a library (one process, or one rank under torchrun)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import os
@@ -114,6 +115,9 @@ class Trainer:
 
     def __init__(self, config: JobConfig, *, world_size: int | None = None, rank: int | None = None,
                  local_rank: int | None = None) -> None:
+        if config.fault_tolerance.enable:  # each replica group writes into a folder of its own
+            config = dataclasses.replace(config, job=dataclasses.replace(
+                config.job, dump_folder=str(Path(config.job.dump_folder) / f"replica_{config.fault_tolerance.replica_id}")))
         self.config = config
         self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
         self.rank = _env_int("RANK", 0) if rank is None else rank
@@ -138,6 +142,7 @@ class Trainer:
         self._gc_was_enabled = False
         self._guard = RunGuard(config, self.rank, self.world_size)
         self._loaded = None  # (first step after a load, what was loaded): for the non-finite message
+        self._ft = None  # trainer.fault_tolerance.ReplicaGroups with --fault_tolerance.enable
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -181,6 +186,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, config.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
+        if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
+            from trainer.fault_tolerance import ReplicaGroups
+
+            self._ft = ReplicaGroups(self)
         if self.step >= config.training.steps:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
                         config.training.steps)
@@ -395,18 +404,15 @@ class Trainer:
             TrainingError: the data source failed.
         """
         self._check_running("train_step")
-        cfg_t, dims, pm = self.config.training, self.dims, self.pm
+        cfg_t, dims = self.config.training, self.dims
         if self.step >= cfg_t.steps:
             raise RuntimeError(f"Trainer.train_step: all {cfg_t.steps} training.steps are done")
         self._start()
-        step = self.step + 1
-        batches, data_wait = self._next_batches()
-        mtp_depth = getattr(self.model, "mtp_depth", 0)
-        loss = forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
-                                dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
-                                loss_context=self._loss_context, pipeline=pm.pipeline, mtp_depth=mtp_depth)
-        reduce_partial_grads(pm.partial_grads)
-        pm.scale_expert_grads()
+        if self._ft is None:
+            step = self.step + 1
+            loss, data_wait = self._forward_backward()
+        else:  # replica groups: the step repeats until the quorum commits it (trainer/fault_tolerance.py)
+            step, loss, data_wait = self._ft.run_step(self, self._forward_backward)
         grad_norm = clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
         self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
@@ -419,7 +425,7 @@ class Trainer:
         # MoE: the step's tokens per expert (over the data-parallel ranks) move the routing bias.
         moe_load = update_load_balance(self._moe_mods, self._moe_group)
         n_step_tokens = self.grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
-        self.tokens_seen += n_step_tokens * dims.dp_size
+        self.tokens_seen += n_step_tokens * dims.dp_size * (self._ft.participants if self._ft else 1)
         self.step = step
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
         extra = {}
@@ -430,6 +436,19 @@ class Trainer:
                           extra=(lambda: {**load_metrics(self._moe_mods, moe_load), **extra})
                           if self._moe_mods or extra else None)
         return loss
+
+    def _forward_backward(self) -> tuple[torch.Tensor, float]:
+        """This rank's micro-batches of the next step through forward and backward, gradient reductions
+        included; returns the mean token loss and the seconds spent waiting for data."""
+        cfg_t, pm = self.config.training, self.pm
+        batches, data_wait = self._next_batches()
+        loss = forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
+                                dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
+                                loss_context=self._loss_context, pipeline=pm.pipeline,
+                                mtp_depth=getattr(self.model, "mtp_depth", 0))
+        reduce_partial_grads(pm.partial_grads)
+        pm.scale_expert_grads()
+        return loss, data_wait
 
     def train(self) -> None:
         """Train the steps after ``self.step`` up to ``training.steps``. After each step: validation
@@ -540,6 +559,9 @@ class Trainer:
         the kernel backend choice, gc back on if it was, the process group if the trainer started it.
         Safe after a failed or partial setup and when called twice."""
         self._stop()
+        if self._ft is not None:
+            self._ft.close()
+            self._ft = None
         self._guard.close()
         self._backend.close()
         if self._gc_was_enabled:

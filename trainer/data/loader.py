@@ -205,6 +205,13 @@ class DataLoader:
             "position_ids": torch.from_numpy(np.ascontiguousarray(positions[:, :-1])),
         }
 
+    def advance_to(self, window_index: int) -> None:
+        """Skip the windows (of the other ranks) up to global window ``window_index``, so that every
+        rank's loader stands at the same position: the end of the step (replica groups, whose number
+        may change at the next step)."""
+        while self._window_index < window_index:
+            self._next_window(keep=False)
+
     def rewind(self) -> None:
         """Go back to the first token of the first epoch (tokenized documents stay cached)."""
         self._epoch = self._doc_index = self._token_offset = self._window_index = 0
