@@ -84,8 +84,7 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unav
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded or saved as asked (missing step, incompatible layout, weights-only
-    export, damaged files under strict_verify, a failed save); the message is one line."""
+    """A checkpoint cannot be loaded or saved as asked (missing step, other layout, damaged, failed save); one line."""
 
 class _Unreadable(CheckpointError):
     """A file of the checkpoint cannot be read (a reason to fall back, unlike a model that does not match)."""

@@ -46,6 +46,8 @@ from pathlib import Path
 # First: it sets the OpenMP wait policy before torch loads (trainer/environment.py says why).
 from trainer.environment import (
     DTYPES,
+    _env_int,
+    _fit_message,
     check_backend_environment,
     init_distributed,
     rank_zero_warnings,
@@ -61,7 +63,6 @@ from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
 from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
-from trainer.estimate import Layout, detect_devices, fit_report
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
 from trainer.models.registry import build_model, model_args, spec_of
@@ -461,8 +462,7 @@ class Trainer:
         Raises:
             RuntimeError: before a :meth:`setup` that returned True, or when the run was stopped already.
             NonFiniteLossError: at the first check that finds a non-finite step (module docstring).
-            TrainingError: the data source failed. CheckpointError: a save failed (on_save_error stop).
-            Preempted: stopped after a preemption signal, with a checkpoint.
+            TrainingError, CheckpointError, Preempted: data failed; a save failed; preempted (saved).
         """
         cfg_t, v = self.config.training, self.config.validation
         self._check_running("train")
@@ -559,9 +559,7 @@ class Trainer:
         the kernel backend choice, gc back on if it was, the process group if the trainer started it.
         Safe after a failed or partial setup and when called twice."""
         self._stop()
-        if self._ft is not None:
-            self._ft.close()
-            self._ft = None
+        self._ft = self._ft and self._ft.close()  # the torchft Manager (None after)
         self._guard.close()
         self._backend.close()
         if self._gc_was_enabled:
@@ -601,28 +599,3 @@ def main(config: JobConfig) -> int:
             trainer.close()
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-
-
-# ------------------------------------------------------------------------------------------------
-# Helpers
-
-
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "")
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise TrainingError(f"environment variable {name}: expected an integer, got {raw!r}") from None
-
-
-def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
-    p = config.parallelism
-    return fit_report(
-        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
-        config.training.local_batch_size, config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
-        ac_mode=config.activation_checkpoint.mode,
-        selective_ac_option=config.activation_checkpoint.selective_ac_option,
-        devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
-        microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
-        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel),
-    )
