@@ -188,9 +188,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
-            from trainer.fault_tolerance import ReplicaGroups
-
-            self._ft = ReplicaGroups(self)
+            self._ft = __import__("trainer.fault_tolerance", fromlist=["ReplicaGroups"]).ReplicaGroups(self)
         if self.step >= config.training.steps:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
                         config.training.steps)
