@@ -428,7 +428,7 @@ class Trainer:
         self.step = step
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
         extra = {}
-        if mtp_depth and self.metrics.should_log(step):  # every rank (the sum is over the dp ranks)
+        if getattr(self.model, "mtp_depth", 0) and self.metrics.should_log(step):  # every rank (sum over dp)
             extra = mtp_metrics(self.model, self._dp_group)
         self.metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                           grad_norm=grad_norm, lr=lr,
