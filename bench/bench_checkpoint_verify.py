@@ -19,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint_manifest import read_manifest, verify_files
 from trainer.checkpoint_publish import FolderWriter
-from trainer.models.llama import LLAMA3_FLAVORS, build_model
+from trainer.models.llama3.args import LLAMA3_FLAVORS
+from trainer.models.registry import build_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
