@@ -35,14 +35,24 @@ std::tuple<Tensor, Tensor> rotary_meta(const Tensor& q, const Tensor& k, const T
   return {at::empty(q.sizes(), q.options()), at::empty(k.sizes(), k.options())};
 }
 
-Tensor swiglu_fwd_meta(const Tensor& gate, const Tensor& up) {
-  check_swiglu(gate, up);
+Tensor swiglu_clamped_fwd_meta(const Tensor& gate, const Tensor& up, double alpha, std::optional<double> limit,
+                               double up_offset) {
+  check_swiglu(gate, up, nullptr, alpha, limit, up_offset);
   return at::empty(gate.sizes(), gate.options());
 }
 
-std::tuple<Tensor, Tensor> swiglu_bwd_meta(const Tensor& dy, const Tensor& gate, const Tensor& up) {
-  check_swiglu(gate, up, &dy);
+std::tuple<Tensor, Tensor> swiglu_clamped_bwd_meta(const Tensor& dy, const Tensor& gate, const Tensor& up,
+                                                   double alpha, std::optional<double> limit, double up_offset) {
+  check_swiglu(gate, up, &dy, alpha, limit, up_offset);
   return {at::empty(gate.sizes(), gate.options()), at::empty(gate.sizes(), gate.options())};
+}
+
+Tensor swiglu_fwd_meta(const Tensor& gate, const Tensor& up) {
+  return swiglu_clamped_fwd_meta(gate, up, 1.0, std::nullopt, 0.0);
+}
+
+std::tuple<Tensor, Tensor> swiglu_bwd_meta(const Tensor& dy, const Tensor& gate, const Tensor& up) {
+  return swiglu_clamped_bwd_meta(dy, gate, up, 1.0, std::nullopt, 0.0);
 }
 
 }  // namespace
@@ -54,6 +64,8 @@ TORCH_LIBRARY_IMPL(titan, Meta, m) {
   m.impl("rotary_bwd_native", &rotary_meta);
   m.impl("swiglu_fwd_native", &swiglu_fwd_meta);
   m.impl("swiglu_bwd_native", &swiglu_bwd_meta);
+  m.impl("swiglu_clamped_fwd_native", &swiglu_clamped_fwd_meta);
+  m.impl("swiglu_clamped_bwd_native", &swiglu_clamped_bwd_meta);
 }
 
 }  // namespace titan

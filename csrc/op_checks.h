@@ -97,12 +97,18 @@ inline void check_rotary(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 }
 
-// swiglu_{fwd,bwd}_native(gate, up[, dy]): gate and up (and dy) of one shape, dtype and device.
-inline void check_swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor* dy = nullptr) {
+// swiglu_[clamped_]{fwd,bwd}_native([dy,] gate, up[, alpha, limit, up_offset]): gate and up (and dy) of
+// one shape, dtype and device; alpha finite > 0, limit none or finite > 0, up_offset finite.
+inline void check_swiglu(const at::Tensor& gate, const at::Tensor& up, const at::Tensor* dy, double alpha,
+                         const std::optional<double>& limit, double up_offset) {
   check_float_tensor(gate, "gate");
   TORCH_CHECK_VALUE(gate.dim() >= 1, "gate: expected at least 1 dimension (..., hidden), got a 0-d tensor");
   check_like(up, gate, "up", "gate");
   if (dy != nullptr) check_like(*dy, gate, "dy", "gate");
+  TORCH_CHECK_VALUE(std::isfinite(alpha) && alpha > 0, "alpha: expected a finite value > 0, got ", alpha);
+  TORCH_CHECK_VALUE(!limit.has_value() || (std::isfinite(*limit) && *limit > 0),
+                    "limit: expected None (no clamp) or a finite value > 0, got ", limit.value_or(0.0));
+  TORCH_CHECK_VALUE(std::isfinite(up_offset), "up_offset: expected a finite value, got ", up_offset);
 }
 
 }  // namespace titan

@@ -21,6 +21,11 @@ TORCH_LIBRARY_FRAGMENT(titan, m) {
         " -> (Tensor dq_in, Tensor dk_in)");
   m.def("swiglu_fwd_native(Tensor gate, Tensor up) -> Tensor");
   m.def("swiglu_bwd_native(Tensor dy, Tensor gate, Tensor up) -> (Tensor dgate, Tensor dup)");
+  // GPT-OSS's clamped SwiGLU: the same kernels with alpha, limit (None: no clamp), up_offset. Separate ops
+  // rather than defaults on the two above: a schema with defaults costs every plain call ~0.2 us to parse.
+  m.def("swiglu_clamped_fwd_native(Tensor gate, Tensor up, float alpha, float? limit, float up_offset) -> Tensor");
+  m.def("swiglu_clamped_bwd_native(Tensor dy, Tensor gate, Tensor up, float alpha, float? limit, float up_offset)"
+        " -> (Tensor dgate, Tensor dup)");
 }
 
 namespace {

@@ -93,19 +93,23 @@ if torch.distributed.is_available():
     # Elementwise: gate and up (and dy) split the same way on any dim run locally, the hidden dim
     # included (tensor parallel: w1/w3 colwise give Shard(-1) outputs), and the outputs keep that
     # placement. Partial inputs are not local (silu is not linear): DTensor reduces them first.
+    # The clamped variant's scalars (alpha, limit, up_offset) change nothing: it is elementwise too.
+    # rest: backend and the scalars, as many as the call passed (none of them a tensor).
 
     @register_sharding(torch.ops.titan.swiglu.default)
-    def _swiglu_sharding(gate, up, backend=None):
-        rules = [([Replicate()], [Replicate(), Replicate(), None])]
+    def _swiglu_sharding(gate, up, *rest):
+        flags = [None] * len(rest)
+        rules = [([Replicate()], [Replicate(), Replicate(), *flags])]
         for d in range(len(gate.shape)):
-            rules.append(([Shard(d)], [Shard(d), Shard(d), None]))
+            rules.append(([Shard(d)], [Shard(d), Shard(d), *flags]))
         return rules
 
     @register_sharding(torch.ops.titan.swiglu_backward.default)
-    def _swiglu_backward_sharding(dy, gate, up, backend=None):
-        rules = [([Replicate(), Replicate()], [Replicate()] * 3 + [None])]
+    def _swiglu_backward_sharding(dy, gate, up, *rest):
+        flags = [None] * len(rest)
+        rules = [([Replicate(), Replicate()], [Replicate()] * 3 + flags)]
         for d in range(len(gate.shape)):
-            rules.append(([Shard(d), Shard(d)], [Shard(d)] * 3 + [None]))
+            rules.append(([Shard(d), Shard(d)], [Shard(d)] * 3 + flags))
         return rules
 
 

@@ -91,6 +91,8 @@ struct RotaryParams {
 
 // SwiGLU over (M, N) rows, elementwise, s = sigmoid(g) recomputed in both passes:
 // forward y = g * s * u; backward dg = dy * u * s * (1 + g * (1 - s)), du = dy * g * s.
+// The clamped variant (GPT-OSS; alpha, limit, up_offset not 1, +inf, 0): g -> min(g, limit),
+// u -> clamp(u, -limit, limit) + up_offset, s = sigmoid(alpha * g) (titan_kernels/reference/swiglu.py).
 struct SwigluParams {
   DType dtype;
   int64_t M;
@@ -104,6 +106,9 @@ struct SwigluParams {
   bool contiguous;  // every input is (M, N) contiguous: the kernel may treat it as one flat row
   void* y;          // forward: y; backward: dg. (M, N) contiguous, dtype
   void* du;         // backward: du, (M, N) contiguous, dtype; nullptr in the forward
+  float alpha;      // > 0; 1 for the plain SwiGLU
+  float limit;      // > 0; +inf: no clamp
+  float up_offset;  // 0 for the plain SwiGLU
 };
 
 struct KernelTable {

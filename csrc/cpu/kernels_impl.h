@@ -6,7 +6,7 @@
 //
 // Math: RMSNorm, Zhang & Sennrich 2019 eq. 4 (titan_kernels/reference/rms_norm.py has the forward
 // and backward formulas); rotary, Su et al. 2021 eq. 34 (titan_kernels/reference/rotary.py); SwiGLU,
-// Shazeer 2020 eq. 5 (titan_kernels/reference/swiglu.py).
+// Shazeer 2020 eq. 5, and its clamped GPT-OSS variant (titan_kernels/reference/swiglu.py).
 // All arithmetic is float32, whatever the storage dtype (float32, bfloat16, float16).
 //
 // Do not define static data that needs a dynamic initializer here: it would run instructions of
@@ -339,6 +339,58 @@ inline void swiglu_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, i
   }
 }
 
+// The clamped variant (GPT-OSS): g_c = min(g, L), u_c = clamp(u, -L, L), y = (u_c + c) * g_c * sigmoid(a g_c).
+// The clamps are selects, so NaN stays NaN (torch.clamp); the gradient passes where g <= L and where
+// -L <= u <= L, bounds included, and is 0 at NaN (torch.clamp's backward). L = +inf: no limit, no masks.
+struct ClampedGlu {
+  Vec alpha, lim, neg_lim, offset;
+  Vec no_limit;  // every bit set without a limit (the masks then pass everything), else 0
+  explicit ClampedGlu(const SwigluParams& p)
+      : alpha(p.alpha), lim(p.limit), neg_lim(-p.limit), offset(p.up_offset),
+        no_limit(std::isinf(p.limit) ? Vec(0.f) == Vec(0.f) : Vec(0.f)) {}
+
+  inline Vec clamp_g(const Vec& g) const { return Vec::blendv(g, lim, g > lim); }
+  inline Vec clamp_u(const Vec& u) const { return Vec::blendv(Vec::blendv(u, lim, u > lim), neg_lim, u < neg_lim); }
+  inline Vec fwd(const Vec& g, const Vec& u) const {
+    const Vec gc = clamp_g(g);
+    return gc * sigmoid(alpha * gc) * (clamp_u(u) + offset);
+  }
+  // dg = dy (u_c + c) s (1 + a g_c (1 - s)) where g passes, du = dy g_c s where u passes; s = sigmoid(a g_c).
+  inline void bwd(const Vec& d, const Vec& g, const Vec& u, Vec& dg, Vec& du) const {
+    const Vec zero(0.f), one(1.f);
+    const Vec gc = clamp_g(g);
+    const Vec s = sigmoid(alpha * gc);
+    du = Vec::blendv(zero, d * (gc * s), ((u >= neg_lim) & (u <= lim)) | no_limit);
+    dg = Vec::blendv(zero, d * (clamp_u(u) + offset) * (s * (one + alpha * gc * (one - s))), (g <= lim) | no_limit);
+  }
+};
+
+template <typename T>
+inline void clamped_fwd_span(const T* g, const T* u, T* y, int64_t n, const ClampedGlu& c) {
+  Vec g0, g1, u0, u1;
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t k = std::min(kStep, n - j);
+    Io<T>::load(g + j, k, g0, g1);
+    Io<T>::load(u + j, k, u0, u1);
+    Io<T>::store(y + j, k, c.fwd(g0, u0), c.fwd(g1, u1));
+  }
+}
+
+template <typename T>
+inline void clamped_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n, const ClampedGlu& c) {
+  Vec d0, d1, g0, g1, u0, u1, dg0, dg1, du0, du1;
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t k = std::min(kStep, n - j);
+    Io<T>::load(dy + j, k, d0, d1);
+    Io<T>::load(g + j, k, g0, g1);
+    Io<T>::load(u + j, k, u0, u1);
+    c.bwd(d0, g0, u0, dg0, du0);
+    c.bwd(d1, g1, u1, dg1, du1);
+    Io<T>::store(du + j, k, du0, du1);
+    Io<T>::store(dg + j, k, dg0, dg1);
+  }
+}
+
 template <typename T>
 void swiglu_impl(const SwigluParams& p, bool backward) {
   const T* G = static_cast<const T*>(p.g);
@@ -347,27 +399,29 @@ void swiglu_impl(const SwigluParams& p, bool backward) {
   T* Y = static_cast<T*>(p.y);
   T* DU = static_cast<T*>(p.du);
   const int64_t N = p.N;
+  // The plain SwiGLU keeps its own spans (bit for bit as before the variant existed).
+  const bool plain = p.alpha == 1.f && p.up_offset == 0.f && std::isinf(p.limit);
+  const ClampedGlu c(p);
+  // One span of n elements: y (forward) or dg, du (backward) from offsets into the inputs.
+  auto span = [&](const T* dy, const T* g, const T* u, T* y, T* du, int64_t n) {
+    if (backward) {
+      plain ? swiglu_bwd_span<T>(dy, g, u, y, du, n) : clamped_bwd_span<T>(dy, g, u, y, du, n, c);
+    } else {
+      plain ? swiglu_fwd_span<T>(g, u, y, n) : clamped_fwd_span<T>(g, u, y, n, c);
+    }
+  };
   if (p.contiguous) {
     // One flat row: the work splits evenly whatever N is, and short rows pay no per-row tail.
     at::parallel_for(0, p.M * N, kGrainElems, [&](int64_t b, int64_t e) {
-      if (backward) {
-        swiglu_bwd_span<T>(DY + b, G + b, U + b, Y + b, DU + b, e - b);
-      } else {
-        swiglu_fwd_span<T>(G + b, U + b, Y + b, e - b);
-      }
+      span(backward ? DY + b : nullptr, G + b, U + b, Y + b, backward ? DU + b : nullptr, e - b);
     });
     return;
   }
   const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
   at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const T* g = G + p.g_rows.offset(m);
-      const T* u = U + p.u_rows.offset(m);
-      if (backward) {
-        swiglu_bwd_span<T>(DY + p.dy_rows.offset(m), g, u, Y + m * N, DU + m * N, N);
-      } else {
-        swiglu_fwd_span<T>(g, u, Y + m * N, N);
-      }
+      const T* dy = backward ? DY + p.dy_rows.offset(m) : nullptr;
+      span(dy, G + p.g_rows.offset(m), U + p.u_rows.offset(m), Y + m * N, backward ? DU + m * N : nullptr, N);
     }
   });
 }

@@ -1,4 +1,6 @@
-"""Triton SwiGLU kernels: y = silu(gate) * up, and its backward with sigmoid recomputed from gate.
+"""Triton SwiGLU kernels: y = silu(gate) * up, and its backward with sigmoid recomputed from gate;
+and the clamped variant (GPT-OSS): y = (clamp(up, -limit, limit) + up_offset) * sw(min(gate, limit))
+with sw(x) = x * sigmoid(alpha x).
 
 Layout: the launchers view gate, up (and dy) as 2-D (M rows, N columns) with arbitrary strides, so
 slices of a fused w1/w3 projection and transposed tensors are read in place; outputs are contiguous.
@@ -9,7 +11,14 @@ column tiles on axis 1). Each element is read once and written once, all math in
 forward reads 2 and writes 1 tensor, the backward reads 3 and writes 2; nothing else is saved for
 the backward (the Liger scheme: silu is recomputed from gate, not stored).
 
-Math: titan_kernels/reference/swiglu.py (Shazeer 2020, eq. 5).
+Math: titan_kernels/reference/swiglu.py (Shazeer 2020, eq. 5; the variant after OpenAI's gpt-oss).
+
+The variant's scalars (alpha, limit, up_offset) are runtime arguments, so one compiled kernel serves
+any values; limit +inf means no limit. One constexpr, CLAMPED, keeps the plain SwiGLU on its own code
+(bit for bit the kernel it was: the variant's formula differs from it in the sign of a zero product
+and in NaN handling of the clamps' gradient masks). The clamps are selects, not tl.minimum, so NaN
+propagates as in torch.clamp; the masks pass the gradient where -limit <= x <= limit, bounds included,
+and give 0 at NaN (torch.clamp's backward).
 
 Each launcher takes an optional fixed config (``block_m``, ``block_n``, ``num_warps``); without one
 it uses ``default_config(N)``. No autotuning: the op is memory-bound and a tile of about 4k elements
@@ -22,6 +31,7 @@ import triton
 import triton.language as tl
 
 from titan_kernels.backend import triton_interpret
+from titan_kernels.reference.swiglu import is_plain
 
 MAX_BLOCK_N = 2048
 
@@ -31,15 +41,22 @@ def _swiglu_fwd_kernel(
     G, U, Y,
     M, N,
     stride_gm, stride_gn, stride_um, stride_un,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    alpha, limit, up_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
     g = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-g))
-    y = g * s * u
+    if CLAMPED:
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+        s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
+        y = g * s * (u + up_offset)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        y = g * s * u
     tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -48,7 +65,8 @@ def _swiglu_bwd_kernel(
     DY, G, U, DG, DU,
     M, N,
     stride_dym, stride_dyn, stride_gm, stride_gn, stride_um, stride_un,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    alpha, limit, up_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr,
 ):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
@@ -56,11 +74,23 @@ def _swiglu_bwd_kernel(
     dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0).to(tl.float32)
-    s = 1.0 / (1.0 + tl.exp(-g))
-    silu = g * s
-    # silu'(g) = s * (1 + g * (1 - s))
-    dg = dy * u * (s * (1.0 + g * (1.0 - s)))
-    du = dy * silu
+    if CLAMPED:
+        # Where the gradient passes each clamp; limit +inf (no limit) passes everything, NaN included.
+        no_limit = limit == float("inf")
+        pass_g = (g <= limit) | no_limit
+        pass_u = ((u >= -limit) & (u <= limit)) | no_limit
+        g = tl.where(g > limit, limit, g)
+        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+        s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
+        # sw'(g) = s * (1 + alpha * g * (1 - s)) for sw(g) = g * sigmoid(alpha * g)
+        dg = tl.where(pass_g, dy * (u + up_offset) * (s * (1.0 + alpha * g * (1.0 - s))), 0.0)
+        du = tl.where(pass_u, dy * (g * s), 0.0)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        silu = g * s
+        # silu'(g) = s * (1 + g * (1 - s))
+        dg = dy * u * (s * (1.0 + g * (1.0 - s)))
+        du = dy * silu
     out = rows[:, None] * N + cols[None, :]
     tl.store(DG + out, dg.to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + out, du.to(DU.dtype.element_ty), mask=mask)
@@ -85,12 +115,19 @@ def _config(n: int, block_m, block_n, num_warps) -> tuple[int, int, int]:
     return (block_m or cfg["block_m"], block_n or cfg["block_n"], num_warps or cfg["num_warps"])
 
 
+def _scalars(alpha: float, limit: float | None, up_offset: float) -> tuple[float, float, float, bool]:
+    """The kernels' (alpha, limit, up_offset, CLAMPED): limit +inf for none."""
+    clamped = not is_plain(alpha, limit, up_offset)
+    return float(alpha), float("inf") if limit is None else float(limit), float(up_offset), clamped
+
+
 def swiglu_fwd(
-    gate: torch.Tensor, up: torch.Tensor, *, block_m: int | None = None, block_n: int | None = None,
-    num_warps: int | None = None,
+    gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: float | None = None, up_offset: float = 0.0,
+    *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
-    """Triton forward; same contract as ``titan_kernels.reference.swiglu.swiglu_fwd``. The keyword
-    arguments fix the tile (powers of two) instead of ``default_config``."""
+    """Triton forward; same contract as ``titan_kernels.reference.swiglu.swiglu_fwd`` (plain, or the
+    clamped variant with alpha, limit, up_offset). The keyword arguments fix the tile (powers of two)
+    instead of ``default_config``."""
     n = gate.shape[-1]
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if y.numel() == 0:
@@ -99,18 +136,20 @@ def swiglu_fwd(
     m = g2.shape[0]
     bm, bn, nw = _config(n, block_m, block_n, num_warps)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    a, lim, off, clamped = _scalars(alpha, limit, up_offset)
     _swiglu_fwd_kernel[grid](
         g2, u2, y,
         m, n,
         g2.stride(0), g2.stride(1), u2.stride(0), u2.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=nw,
+        a, lim, off,
+        BLOCK_M=bm, BLOCK_N=bn, CLAMPED=clamped, num_warps=nw,
     )
     return y
 
 
 def swiglu_bwd(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, *, block_m: int | None = None,
-    block_n: int | None = None, num_warps: int | None = None,
+    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: float | None = None,
+    up_offset: float = 0.0, *, block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton backward; same contract as ``titan_kernels.reference.swiglu.swiglu_bwd``. The keyword
     arguments fix the tile instead of ``default_config``."""
@@ -123,10 +162,12 @@ def swiglu_bwd(
     m = g2.shape[0]
     bm, bn, nw = _config(n, block_m, block_n, num_warps)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+    a, lim, off, clamped = _scalars(alpha, limit, up_offset)
     _swiglu_bwd_kernel[grid](
         dy2, g2, u2, dg, du,
         m, n,
         dy2.stride(0), dy2.stride(1), g2.stride(0), g2.stride(1), u2.stride(0), u2.stride(1),
-        BLOCK_M=bm, BLOCK_N=bn, num_warps=nw,
+        a, lim, off,
+        BLOCK_M=bm, BLOCK_N=bn, CLAMPED=clamped, num_warps=nw,
     )
     return dg, du
