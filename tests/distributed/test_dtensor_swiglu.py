@@ -4,7 +4,8 @@ Checks: results and gradients equal the unsharded computation; CommDebugMode cou
 inside the op or its backward when gate and up are split the same way on any dim (batch, sequence,
 or the hidden dim as tensor parallel gives it), and the outputs keep that placement; mismatched and
 Partial inputs are redistributed, never wrong; double backward works on DTensors; a 2-D mesh
-(dp x tp) runs locally.
+(dp x tp) runs locally. The same for GPT-OSS's clamped variant (alpha, limit, up_offset), including
+gate and up as the interleaved columns of one sharded gate_up tensor.
 """
 from __future__ import annotations
 
@@ -19,12 +20,15 @@ def _backends():
     return [b for b in ("reference", "triton", "cpu") if backend.backend_status(b, "cpu").available]
 
 
-def _unsharded(gate, up, dy):
+GPT_OSS = {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
+
+
+def _unsharded(gate, up, dy, **scalars):
     import titan_kernels as tk
 
     g = gate.clone().requires_grad_()
     u = up.clone().requires_grad_()
-    y = tk.swiglu(g, u)
+    y = tk.swiglu(g, u, **scalars)
     dg, du = torch.autograd.grad(y, (g, u), dy)
     return y.detach(), dg, du
 
@@ -40,6 +44,7 @@ def _check_1d(rank: int, world: int) -> None:
     gate = torch.randn(4, 6, 34) * 2
     up = torch.randn(4, 6, 34)
     dy = torch.randn(4, 6, 34)
+    gate_up = torch.randn(4, 6, 68) * 6  # GPT-OSS's interleaved gate/up, a third beyond +-7
 
     assert _backends(), "no backend runs on the CPU"
     for be in _backends():
@@ -74,18 +79,51 @@ def _check_1d(rank: int, world: int) -> None:
             assert comm.get_total_counts() > 0
             torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-5, atol=1e-6)
 
-    # Double backward on DTensors (the second derivatives are aten ops): equals the unsharded one.
-    def hvp(g, u, d, vg, vu):
-        dg, du = torch.autograd.grad(tk.swiglu(g, u), (g, u), d, create_graph=True)
-        return torch.autograd.grad((dg * vg).sum() + (du * vu).sum(), (g, u))
+            # The clamped variant, gate and up split alike on batch, sequence or hidden (TP): local.
+            g_var, u_var = gate * 4, up * 8  # a good share beyond +-7
+            y_ref, dg_ref, du_ref = _unsharded(g_var, u_var, dy, **GPT_OSS)
+            for placement in (Shard(0), Shard(1), Shard(2)):
+                gd = distribute_tensor(g_var, mesh, [placement]).requires_grad_()
+                ud = distribute_tensor(u_var, mesh, [placement]).requires_grad_()
+                dyd = distribute_tensor(dy, mesh, [placement])
+                with CommDebugMode() as comm:
+                    y = tk.swiglu(gd, ud, **GPT_OSS)
+                    dg, du = torch.autograd.grad(y, (gd, ud), dyd)
+                assert comm.get_total_counts() == 0, (be, placement, comm.get_comm_counts())
+                assert y.placements == (placement,) and dg.placements == (placement,), (be, placement)
+                for a, b in ((y, y_ref), (dg, dg_ref), (du, du_ref)):
+                    torch.testing.assert_close(a.full_tensor(), b, rtol=1e-6, atol=1e-6)
 
+            # GPT-OSS's interleaved gate_up split on tokens: its strided column views run locally. (Split
+            # on the hidden dim, DTensor gathers a strided slice first: its slice rule, not the op's.)
+            gu = distribute_tensor(gate_up, mesh, [Shard(0)]).requires_grad_()
+            dyd = distribute_tensor(dy, mesh, [Shard(0)])
+            with CommDebugMode() as comm:
+                y = tk.swiglu(gu[..., ::2], gu[..., 1::2], **GPT_OSS)
+                (dgu,) = torch.autograd.grad(y, gu, dyd)
+            assert comm.get_total_counts() == 0, (be, comm.get_comm_counts())
+            assert y.placements == (Shard(0),) and dgu.placements == (Shard(0),), be
+            full = gate_up.clone().requires_grad_()
+            y_var = tk.swiglu(full[..., ::2], full[..., 1::2], **GPT_OSS)
+            (dgu_var,) = torch.autograd.grad(y_var, full, dy)
+            torch.testing.assert_close(y.full_tensor(), y_var, rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(dgu.full_tensor(), dgu_var, rtol=1e-6, atol=1e-6)
+
+    # Double backward on DTensors (the second derivatives are aten ops): equals the unsharded one,
+    # plain and clamped.
     vg, vu = torch.randn(4, 6, 34), torch.randn(4, 6, 34)
-    want = hvp(gate.clone().requires_grad_(), up.clone().requires_grad_(), dy, vg, vu)
     sh = [Shard(1)]
-    got = hvp(distribute_tensor(gate, mesh, sh).requires_grad_(), distribute_tensor(up, mesh, sh).requires_grad_(),
-              distribute_tensor(dy, mesh, sh), distribute_tensor(vg, mesh, sh), distribute_tensor(vu, mesh, sh))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
+    for scalars in ({}, GPT_OSS):
+        def hvp(g, u, d, vg, vu):
+            dg, du = torch.autograd.grad(tk.swiglu(g, u, **scalars), (g, u), d, create_graph=True)
+            return torch.autograd.grad((dg * vg).sum() + (du * vu).sum(), (g, u))
+
+        g_in, u_in = (gate * 4, up * 8) if scalars else (gate, up)  # values beyond +-7 for the variant
+        want = hvp(g_in.clone().requires_grad_(), u_in.clone().requires_grad_(), dy, vg, vu)
+        got = hvp(distribute_tensor(g_in, mesh, sh).requires_grad_(), distribute_tensor(u_in, mesh, sh).requires_grad_(),
+                  distribute_tensor(dy, mesh, sh), distribute_tensor(vg, mesh, sh), distribute_tensor(vu, mesh, sh))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
 
 
 def _check_2d(rank: int, world: int) -> None:
