@@ -1,17 +1,22 @@
 """SwiGLU benchmarks: forward, backward and forward+backward of ``tk.swiglu`` against eager
-``F.silu(g) * u``, torch.compile of it and Liger-Kernel's (when installed); plus the feed-forward
-question of one fused w1/w3 matmul (``w13``) against two.
+``F.silu(g) * u``, torch.compile of it and Liger-Kernel's (when installed); GPT-OSS's clamped variant
+(``test_swiglu_clamped``: alpha 1.702, limit 7, up_offset 1, gate and up the interleaved columns of
+one gate_up tensor as the model has them) against the eager torch composition Hugging Face's
+GptOssExperts runs and torch.compile of it; plus the feed-forward question of one fused w1/w3 matmul
+(``w13``) against two.
 
 Roofline: the forward must read gate and up and write y (3·M·N·bytes); the backward reads dy, gate
 and up and writes dgate and dup (5·M·N·bytes); forward+backward 8·M·N·bytes. FLOPs are negligible,
 so the ceiling is the measured copy bandwidth.
 
 CPU: the debugmodel's FFN (8·256 tokens x 768; default test run) and a quarter of Llama 3 8B's
-(4096 x 14336/4; ``-m slow``), float32 and bfloat16. CUDA: Llama 3 8B's FFN hidden 14336 at 8k and 16k tokens.
+(4096 x 14336/4; ``-m slow``), float32 and bfloat16. CUDA: Llama 3 8B's FFN hidden 14336 at 8k and 16k tokens;
+the clamped variant at GPT-OSS's expert width 2880 for 16384 tokens x top-4 (65536 rows).
 Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_swiglu.py``.
 
 ``python -m bench.bench_swiglu`` times ours and eager alternately in one process (median of
-rounds), which is what to quote from a shared machine, and the w13 variants the same way.
+rounds), which is what to quote from a shared machine, the clamped variant against its eager
+composition, and the w13 variants the same way.
 """
 from __future__ import annotations
 
@@ -42,6 +47,24 @@ def eager(g, u):
     return F.silu(g) * u
 
 
+GPT_OSS = {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
+if DEV.type == "cuda":
+    CLAMPED_SHAPES = [(65536, 2880)]
+else:
+    CLAMPED_SHAPES = [(8 * 256, 768)]
+
+
+def eager_clamped(g, u):
+    """GPT-OSS's gate as Hugging Face's GptOssExperts._apply_gate computes it, in eager torch ops."""
+    g = g.clamp(min=None, max=7.0)
+    u = u.clamp(min=-7.0, max=7.0)
+    return (u + 1) * (g * torch.sigmoid(g * 1.702))
+
+
+def titan_clamped(g, u):
+    return tk.swiglu(g, u, **GPT_OSS)
+
+
 def _liger():
     try:
         from liger_kernel.ops.swiglu import LigerSiLUMulFunction
@@ -51,6 +74,7 @@ def _liger():
 
 
 IMPLS = common.implementations(tk.swiglu, eager, backends=("triton", "cpu"), liger=_liger)
+CLAMPED_IMPLS = common.implementations(titan_clamped, eager_clamped, backends=("triton", "cpu"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -83,6 +107,32 @@ def test_swiglu(benchmark, pass_, shape, dtype, impl):
     g, u, dy = _inputs(*shape, dtype)
     call, moved = _call(IMPLS[impl], pass_, g, u, dy)
     common.run(benchmark, call, op=f"swiglu.{pass_}", impl=impl, shape=shape, dtype=dtype, bytes_moved=moved)
+
+
+@functools.lru_cache(maxsize=None)
+def _gate_up(m, n, dtype):
+    """GPT-OSS's layout: (m, 2n) with gate the even and up the odd columns; about a quarter of the values
+    beyond +-7, so both sides of each clamp are timed."""
+    gu = (torch.randn(m, 2 * n, device=DEV) * 6).to(dtype)
+    return gu[:, ::2], gu[:, 1::2], torch.randn(m, n, device=DEV, dtype=dtype)
+
+
+def _slow_on_cpu(values, keep) -> list:
+    """``values`` as pytest params, those not in ``keep`` marked slow on the CPU: the default run's smoke
+    test times float32 fwd+bwd of ours and eager only; ``-m slow`` the rest (torch.compile's C++ builds,
+    bf16 without bf16 units: seconds each)."""
+    return [pytest.param(v, marks=[pytest.mark.slow] if DEV.type == "cpu" and v not in keep else [], id=str(v))
+            for v in values]
+
+
+@pytest.mark.parametrize("impl", _slow_on_cpu(list(CLAMPED_IMPLS), keep={"titan", "eager"}))
+@pytest.mark.parametrize("dtype", _slow_on_cpu(DTYPES, keep={torch.float32}))
+@pytest.mark.parametrize("shape", [pytest.param(s, id=f"{s[0]}x{s[1]}") for s in CLAMPED_SHAPES])
+@pytest.mark.parametrize("pass_", _slow_on_cpu(["fwd", "bwd", "fwd+bwd"], keep={"fwd+bwd"}))
+def test_swiglu_clamped(benchmark, pass_, shape, dtype, impl):
+    g, u, dy = _gate_up(*shape, dtype)
+    call, moved = _call(CLAMPED_IMPLS[impl], pass_, g, u, dy)
+    common.run(benchmark, call, op=f"swiglu_clamped.{pass_}", impl=impl, shape=shape, dtype=dtype, bytes_moved=moved)
 
 
 # ----------------------------------------------------------------------------- w1/w3 fused (w13)
@@ -168,6 +218,20 @@ def main(argv) -> None:
             for pass_ in ("fwd", "bwd", "fwd+bwd"):
                 ours, moved = _call(tk.swiglu, pass_, g, u, dy)
                 base, _ = _call(eager, pass_, g, u, dy)
+                t = paired({"ours": ours, "eager": base})
+                print(f"| {pass_} | {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {t['ours'] * 1e6:.0f} | "
+                      f"{t['eager'] * 1e6:.0f} | {t['eager'] / t['ours']:.2f} | {moved / t['ours'] / 1e9:.1f} | "
+                      f"{100 * moved / t['ours'] / bw:.0f} |")
+    print("\nGPT-OSS's clamped SwiGLU (gate, up: the interleaved columns of one (M, 2N) tensor) against its"
+          " eager torch composition:")
+    print("| pass | shape | dtype | ours (us) | eager (us) | eager / ours | ours GB/s | % copy BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in CLAMPED_SHAPES:
+        for dtype in DTYPES:
+            g, u, dy = _gate_up(*shape, dtype)
+            for pass_ in ("fwd", "bwd", "fwd+bwd"):
+                ours, moved = _call(titan_clamped, pass_, g, u, dy)
+                base, _ = _call(eager_clamped, pass_, g, u, dy)
                 t = paired({"ours": ours, "eager": base})
                 print(f"| {pass_} | {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {t['ours'] * 1e6:.0f} | "
                       f"{t['eager'] * 1e6:.0f} | {t['eager'] / t['ours']:.2f} | {moved / t['ours'] / 1e9:.1f} | "

@@ -9,7 +9,8 @@ at one to three awkward shapes (odd row counts, a transposed input, GQA, Llama w
 fp32. The relative-norm tolerances are the team's (fp32 1e-5, bf16 1e-2, float8 e4m3 7e-2, e5m2
 1.2e-1). Ops: rms_norm, add_rms_norm, apply_rotary_emb (both layouts), fp8_quantize (three
 granularities), fp8_gemm (tensorwise, rowwise), fp8_linear (three recipes), flash_attn (every
-attention backend causal, the automatic choice non-causal, plus varlen), and swiglu /
+attention backend causal, the automatic choice non-causal, plus varlen), and swiglu (plain and GPT-OSS's
+clamped variant) /
 linear_cross_entropy / grouped_mm / fp8_grouped_mm / moe_permute + moe_unpermute when
 ``titan_kernels`` has them. fp8_grouped_mm is checked twice: against the unquantized float64 product
 (float8 tolerance) and against float64 on the dequantized operands (the codes of the reference
@@ -308,25 +309,38 @@ def check_flash_attn(c: Checks, dev, S) -> None:
 
 
 def check_swiglu(c: Checks, dev, S) -> None:
+    import torch
     import torch.nn.functional as F
 
     import titan_kernels as tk
 
     (m, n), dtype = S.swiglu
+    gpt_oss = {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
+
+    def clamped64(g, u):  # GPT-OSS's gate as Hugging Face's GptOssExperts._apply_gate writes it
+        g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
+        return (u + 1) * g * torch.sigmoid(g * 1.702)
+
     for be in _backends("swiglu", dev) or ["auto"]:
-        gate = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-        up = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-        g = _randn(m, n, dtype=dtype, dev=dev)
-        ctx = tk.use_backend(be) if be != "auto" else _nullcontext()
-        with ctx:
-            y = tk.swiglu(gate, up)
-            dg, du = _grad(y, (gate, up), g)
-        g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
-        y64 = F.silu(g64) * u64
-        dg64, du64 = _grad(y64, (g64, u64), g.double())
-        case = f"{m}x{n} {str(dtype)[6:]}"
-        for qn, got, want in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
-            c.add("swiglu", be, case, qn, got, want, _tol(dtype))
+        for variant in ("plain", "gpt_oss"):
+            if variant == "plain":
+                gate = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+                up = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
+            else:  # gate and up interleaved in one (m, 2n) tensor, a good share of it beyond +-7
+                gate_up = _randn(m, 2 * n, dtype=dtype, dev=dev, scale=6.0)
+                gate, up = gate_up[:, ::2].requires_grad_(), gate_up[:, 1::2].requires_grad_()
+            scalars = gpt_oss if variant == "gpt_oss" else {}
+            g = _randn(m, n, dtype=dtype, dev=dev)
+            ctx = tk.use_backend(be) if be != "auto" else _nullcontext()
+            with ctx:
+                y = tk.swiglu(gate, up, **scalars)
+                dg, du = _grad(y, (gate, up), g)
+            g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
+            y64 = F.silu(g64) * u64 if variant == "plain" else clamped64(g64, u64)
+            dg64, du64 = _grad(y64, (g64, u64), g.double())
+            case = f"{m}x{n} {str(dtype)[6:]}" + (" GPT-OSS clamped (1.702, 7, +1), interleaved" if scalars else "")
+            for qn, got, want in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
+                c.add("swiglu", be, case, qn, got, want, _tol(dtype))
 
 
 def check_linear_cross_entropy(c: Checks, dev, S) -> None:

@@ -21,6 +21,8 @@ the stage's time, and the results are saved after each group, so a time-out lose
                   titan, titan-triton vs torch._scaled_mm and bf16 torch.mm
   float8_linear   Float8Linear fwd+bwd at the 8B FFN up shape vs bf16 nn.Linear (torchao if present)
   swiglu          fwd+bwd at 16384 x 14336 (the 8B FFN) vs eager, torch.compile (bench/bench_swiglu.py)
+  swiglu.gpt_oss  GPT-OSS's clamped SwiGLU fwd+bwd, 65536 rows (16384 tokens x top-4) x 2880, gate/up
+                  interleaved: titan vs the eager composition of Hugging Face's experts, torch.compile of it
   cross_entropy   linear cross-entropy fwd+bwd, 16384 tokens x 4096 -> vocab 128256
                   (bench/bench_cross_entropy.py); these two are skipped with the reason while their
                   files are absent, and their filters are lenient while other issues shape them
@@ -62,7 +64,9 @@ GROUPS = [
      {"shape": ["8B.attn_qo", "8B.ffn_up", "8B.ffn_down"], "gran": ["tensorwise"]}, 0.12),
     ("float8_linear", "bench.bench_fp8", "test_float8_linear_fwd_bwd",
      {"shape": ["8B.ffn_up"], "recipe": ["tensorwise"]}, 0.05),
-    ("swiglu", "bench.bench_swiglu", "test_swiglu", {"pass_": ["fwd+bwd"], "shape": [(16384, 14336)]}, 0.08),
+    ("swiglu", "bench.bench_swiglu", "test_swiglu", {"pass_": ["fwd+bwd"], "shape": [(16384, 14336)]}, 0.06),
+    ("swiglu.gpt_oss", "bench.bench_swiglu", "test_swiglu_clamped",
+     {"pass_": ["fwd+bwd"], "shape": [(65536, 2880)], "impl": ["titan", "eager", "compile"]}, 0.03),
     ("cross_entropy", "bench.bench_cross_entropy", "test_cross_entropy",
      {"pass_": ["fwd+bwd"], "shape": [(16384, 4096, 128256)]}, 0.08),
     ("grouped_mm", "bench.bench_moe", "test_grouped_mm",

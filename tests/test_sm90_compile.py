@@ -143,10 +143,10 @@ def _cross_entropy(out_dtype):
     return drive
 
 
-def _swiglu(backward=False):
+def _swiglu(backward=False, n=14336, scalars=()):
     def drive(T):
-        g, u = _t(64, 14336), _t(64, 14336)
-        T.swiglu_bwd(_t(64, 14336), g, u) if backward else T.swiglu_fwd(g, u)
+        g, u = _t(64, n), _t(64, n)
+        T.swiglu_bwd(_t(64, n), g, u, *scalars) if backward else T.swiglu_fwd(g, u, *scalars)
 
     return drive
 
@@ -239,6 +239,10 @@ KERNELS: list[Row] = [
     # SwiGLU at the Llama 3 8B FFN width.
     Row("swiglu.fwd 14336", "titan_kernels.triton.swiglu", _swiglu()),
     Row("swiglu.bwd 14336", "titan_kernels.triton.swiglu", _swiglu(backward=True)),
+    # GPT-OSS's clamped variant (CLAMPED=True) at its expert width 2880.
+    Row("swiglu.fwd clamped 2880", "titan_kernels.triton.swiglu", _swiglu(n=2880, scalars=(1.702, 7.0, 1.0))),
+    Row("swiglu.bwd clamped 2880", "titan_kernels.triton.swiglu",
+        _swiglu(backward=True, n=2880, scalars=(1.702, 7.0, 1.0))),
     # Linear cross-entropy's two passes over a chunk of logits at the Llama 3 vocabulary (bf16 and fp32 g).
     Row("cross_entropy.stats+grad V128256 bf16", "titan_kernels.triton.cross_entropy", _cross_entropy("bfloat16")),
     Row("cross_entropy.stats+grad V128256 fp32", "titan_kernels.triton.cross_entropy", _cross_entropy("float32")),

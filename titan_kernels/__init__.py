@@ -3,7 +3,7 @@
 Public API (each op has a reference, a Triton and, where built, a C++/CUDA implementation):
   rms_norm, add_rms_norm            fused RMSNorm (+ residual add)
   apply_rotary_emb, rope_cos_sin    rotary position embedding (q and k in one kernel)
-  swiglu                            silu(gate) * up, forward and backward in one kernel each
+  swiglu                            silu(gate) * up (or GPT-OSS's clamped variant), fwd and bwd in one kernel each
   fp8_quantize, fp8_gemm, fp8_linear  float8 cast (tensorwise/rowwise/colwise), scaled GEMM, linear
   flash_attn, flash_attn_varlen      attention (FA3 > FA2 > Triton > SDPA; causal, GQA, varlen, LSE)
   attention_backend                 which attention backend would run, and why

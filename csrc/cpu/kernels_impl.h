@@ -391,7 +391,20 @@ inline void clamped_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, 
   }
 }
 
-template <typename T>
+// The spans of the plain SwiGLU (kClamped false: its own code, bit for bit as before the variant
+// existed) or of the clamped variant.
+template <typename T, bool kClamped>
+struct SwigluSpans {
+  const ClampedGlu c;
+  inline void fwd(const T* g, const T* u, T* y, int64_t n) const {
+    if constexpr (kClamped) clamped_fwd_span<T>(g, u, y, n, c); else swiglu_fwd_span<T>(g, u, y, n);
+  }
+  inline void bwd(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n) const {
+    if constexpr (kClamped) clamped_bwd_span<T>(dy, g, u, dg, du, n, c); else swiglu_bwd_span<T>(dy, g, u, dg, du, n);
+  }
+};
+
+template <typename T, bool kClamped>
 void swiglu_impl(const SwigluParams& p, bool backward) {
   const T* G = static_cast<const T*>(p.g);
   const T* U = static_cast<const T*>(p.u);
@@ -399,31 +412,36 @@ void swiglu_impl(const SwigluParams& p, bool backward) {
   T* Y = static_cast<T*>(p.y);
   T* DU = static_cast<T*>(p.du);
   const int64_t N = p.N;
-  // The plain SwiGLU keeps its own spans (bit for bit as before the variant existed).
-  const bool plain = p.alpha == 1.f && p.up_offset == 0.f && std::isinf(p.limit);
-  const ClampedGlu c(p);
-  // One span of n elements: y (forward) or dg, du (backward) from offsets into the inputs.
-  auto span = [&](const T* dy, const T* g, const T* u, T* y, T* du, int64_t n) {
-    if (backward) {
-      plain ? swiglu_bwd_span<T>(dy, g, u, y, du, n) : clamped_bwd_span<T>(dy, g, u, y, du, n, c);
-    } else {
-      plain ? swiglu_fwd_span<T>(g, u, y, n) : clamped_fwd_span<T>(g, u, y, n, c);
-    }
-  };
+  const SwigluSpans<T, kClamped> spans{ClampedGlu(p)};
   if (p.contiguous) {
     // One flat row: the work splits evenly whatever N is, and short rows pay no per-row tail.
     at::parallel_for(0, p.M * N, kGrainElems, [&](int64_t b, int64_t e) {
-      span(backward ? DY + b : nullptr, G + b, U + b, Y + b, backward ? DU + b : nullptr, e - b);
+      if (backward) {
+        spans.bwd(DY + b, G + b, U + b, Y + b, DU + b, e - b);
+      } else {
+        spans.fwd(G + b, U + b, Y + b, e - b);
+      }
     });
     return;
   }
   const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
   at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const T* dy = backward ? DY + p.dy_rows.offset(m) : nullptr;
-      span(dy, G + p.g_rows.offset(m), U + p.u_rows.offset(m), Y + m * N, backward ? DU + m * N : nullptr, N);
+      const T* g = G + p.g_rows.offset(m);
+      const T* u = U + p.u_rows.offset(m);
+      if (backward) {
+        spans.bwd(DY + p.dy_rows.offset(m), g, u, Y + m * N, DU + m * N, N);
+      } else {
+        spans.fwd(g, u, Y + m * N, N);
+      }
     }
   });
+}
+
+template <typename T>
+void swiglu_dispatch(const SwigluParams& p, bool backward) {
+  const bool plain = p.alpha == 1.f && p.up_offset == 0.f && std::isinf(p.limit);
+  plain ? swiglu_impl<T, false>(p, backward) : swiglu_impl<T, true>(p, backward);
 }
 
 // ------------------------------------------------------------------------------------------ table
@@ -446,17 +464,17 @@ void rms_norm_bwd(const RmsNormBwdParams& p) {
 
 void swiglu_fwd(const SwigluParams& p) {
   switch (p.dtype) {
-    case DType::Float: return swiglu_impl<float>(p, false);
-    case DType::BFloat16: return swiglu_impl<c10::BFloat16>(p, false);
-    case DType::Half: return swiglu_impl<c10::Half>(p, false);
+    case DType::Float: return swiglu_dispatch<float>(p, false);
+    case DType::BFloat16: return swiglu_dispatch<c10::BFloat16>(p, false);
+    case DType::Half: return swiglu_dispatch<c10::Half>(p, false);
   }
 }
 
 void swiglu_bwd(const SwigluParams& p) {
   switch (p.dtype) {
-    case DType::Float: return swiglu_impl<float>(p, true);
-    case DType::BFloat16: return swiglu_impl<c10::BFloat16>(p, true);
-    case DType::Half: return swiglu_impl<c10::Half>(p, true);
+    case DType::Float: return swiglu_dispatch<float>(p, true);
+    case DType::BFloat16: return swiglu_dispatch<c10::BFloat16>(p, true);
+    case DType::Half: return swiglu_dispatch<c10::Half>(p, true);
   }
 }
 

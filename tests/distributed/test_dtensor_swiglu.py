@@ -120,8 +120,8 @@ def _check_1d(rank: int, world: int) -> None:
 
         g_in, u_in = (gate * 4, up * 8) if scalars else (gate, up)  # values beyond +-7 for the variant
         want = hvp(g_in.clone().requires_grad_(), u_in.clone().requires_grad_(), dy, vg, vu)
-        got = hvp(distribute_tensor(g_in, mesh, sh).requires_grad_(), distribute_tensor(u_in, mesh, sh).requires_grad_(),
-                  distribute_tensor(dy, mesh, sh), distribute_tensor(vg, mesh, sh), distribute_tensor(vu, mesh, sh))
+        gd, ud = (distribute_tensor(t, mesh, sh).requires_grad_() for t in (g_in, u_in))
+        got = hvp(gd, ud, *(distribute_tensor(t, mesh, sh) for t in (dy, vg, vu)))
         for a, b in zip(got, want):
             torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
 

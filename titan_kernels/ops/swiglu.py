@@ -137,13 +137,18 @@ def _validate_backward(dy, gate, up) -> None:
 # The only functions that run kernels; both the op path and the eager fast path call them.
 
 
-def _forward(gate: torch.Tensor, up: torch.Tensor, backend: str | None, *scalars) -> torch.Tensor:
-    # scalars: (alpha, limit, up_offset), checked; empty for the plain SwiGLU.
-    return _impl(gate.device, backend)[0](gate, up, *scalars)
+# scalars: (alpha, limit, up_offset), checked, or () for the plain SwiGLU, whose call stays the plain
+# (gate, up) one: no argument unpacking on the eager hot path (it measurably costs there).
 
 
-def _backward_kernel(dy, gate, up, backend: str | None, *scalars) -> tuple[torch.Tensor, torch.Tensor]:
-    return _impl(gate.device, backend)[1](dy, gate, up, *scalars)
+def _forward(gate: torch.Tensor, up: torch.Tensor, backend: str | None, scalars: tuple = ()) -> torch.Tensor:
+    fwd = _impl(gate.device, backend)[0]
+    return fwd(gate, up, *scalars) if scalars else fwd(gate, up)
+
+
+def _backward_kernel(dy, gate, up, backend: str | None, scalars: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    bwd = _impl(gate.device, backend)[1]
+    return bwd(dy, gate, up, *scalars) if scalars else bwd(dy, gate, up)
 
 
 # ----------------------------------------------------------------------------- ops
@@ -160,9 +165,9 @@ def swiglu_op(
     """y = (clamp(up, -limit, limit) + up_offset) * g_c * sigmoid(alpha * g_c), g_c = min(gate, limit);
     silu(gate) * up with the defaults. gate, up: (..., H) of one dtype (float32/bf16/fp16), any
     strides. Returns a new contiguous (..., H) tensor in that dtype, computed in float32. ``backend``:
-    the implementation to run (None: the automatic choice). See ``titan_kernels.swiglu``."""
-    _validate(gate, up)
-    return _forward(gate, up, backend, *_variant(alpha, limit, up_offset))
+    the implementation to run (None: the automatic choice). See ``titan_kernels.swiglu`` (which
+    validates the tensors; the fake checks them too, the scalars are checked here)."""
+    return _forward(gate, up, backend, _variant(alpha, limit, up_offset))
 
 
 @swiglu_op.register_fake
@@ -183,7 +188,7 @@ def swiglu_backward_op(
     dy, gate, up: (..., H) of one dtype; returns new contiguous tensors in that dtype, computed in
     float32."""
     _validate_backward(dy, gate, up)
-    return _backward_kernel(dy, gate, up, backend, *_variant(alpha, limit, up_offset))
+    return _backward_kernel(dy, gate, up, backend, _variant(alpha, limit, up_offset))
 
 
 @swiglu_backward_op.register_fake
@@ -200,11 +205,11 @@ def _(dy, gate, up, backend=None, alpha=1.0, limit=None, up_offset=0.0):
 
 
 def _setup(ctx, inputs, output):
-    gate, up, backend, *scalars = inputs
+    gate, up, backend = inputs[0], inputs[1], inputs[2]
     ctx.save_for_backward(gate, up)
     # The forward's choice, handed to the backward (a direct op call with None resolves it here).
     ctx.backend = backend if backend is not None else _backend.resolve(OP, gate.device)
-    ctx.scalars = tuple(scalars)  # (alpha, limit, up_offset) as given, () on the plain fast path
+    ctx.scalars = inputs[3:]  # (alpha, limit, up_offset) as given, () on the plain fast path
 
 
 def _backward(ctx, dy):
@@ -214,9 +219,8 @@ def _backward(ctx, dy):
 
 
 def _setup_bwd(ctx, inputs, output):
-    dy, gate, up, _, *scalars = inputs
-    ctx.save_for_backward(dy, gate, up)
-    ctx.scalars = tuple(scalars)
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
+    ctx.scalars = inputs[4:]
 
 
 def _backward_bwd(ctx, ddgate, ddup):
@@ -236,8 +240,8 @@ class _SwiGLUFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, gate, up, backend, *scalars):
-        y = _forward(gate, up, backend, *scalars)
-        _setup(ctx, (gate, up, backend, *scalars), y)
+        y = _forward(gate, up, backend, scalars)
+        _setup(ctx, (gate, up, backend) + scalars, y)
         return y
 
     @staticmethod
@@ -250,8 +254,8 @@ class _SwiGLUBackwardFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, dy, gate, up, backend, *scalars):
-        out = _backward_kernel(dy, gate, up, backend, *scalars)
-        _setup_bwd(ctx, (dy, gate, up, backend, *scalars), out)
+        out = _backward_kernel(dy, gate, up, backend, scalars)
+        _setup_bwd(ctx, (dy, gate, up, backend) + scalars, out)
         return out
 
     @staticmethod
@@ -278,7 +282,7 @@ def swiglu_backward(
         _validate_backward(dy, gate, up)
         if _needs_grad(dy, gate, up):
             return _SwiGLUBackwardFn.apply(dy, gate, up, backend, *var)
-        return _backward_kernel(dy, gate, up, backend, *var)
+        return _backward_kernel(dy, gate, up, backend, var)
     return torch.ops.titan.swiglu_backward(dy, gate, up, backend, *var)
 
 
@@ -330,10 +334,12 @@ def swiglu(
     implementation (2025) and Hugging Face ``GptOssExperts._apply_gate``.
     """
     _validate(gate, up)
-    var = _variant(alpha, limit, up_offset)
+    # The plain SwiGLU's check inline (this is the eager per-call cost); _variant checks the rest.
+    plain = limit is None and alpha == 1.0 and up_offset == 0.0 and type(alpha) in _NUM and type(up_offset) in _NUM
+    var = () if plain else _variant(alpha, limit, up_offset)
     backend = _choose(gate.device.type)
     if eager_fast_path(gate, up):
         if _needs_grad(gate, up):
             return _SwiGLUFn.apply(gate, up, backend, *var)
-        return _forward(gate, up, backend, *var)
+        return _forward(gate, up, backend, var)
     return torch.ops.titan.swiglu(gate, up, backend, *var)
