@@ -340,8 +340,9 @@ inline void swiglu_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, i
 }
 
 // The clamped variant (GPT-OSS): g_c = min(g, L), u_c = clamp(u, -L, L), y = (u_c + c) * g_c * sigmoid(a g_c).
-// The clamps are selects, so NaN stays NaN (torch.clamp); the gradient passes where g <= L and where
-// -L <= u <= L, bounds included, and is 0 at NaN (torch.clamp's backward). L = +inf: no limit, no masks.
+// ATen's clamp_max / clamp keep NaN on every ISA (torch.clamp); the gradient passes where g <= L and where
+// -L <= u <= L, bounds included, and is 0 at NaN (torch.clamp's backward): a bitwise and with the
+// comparison's mask (all bits or none), cheaper than a blend. L = +inf: no limit, no masks.
 struct ClampedGlu {
   Vec alpha, lim, neg_lim, offset;
   Vec no_limit;  // every bit set without a limit (the masks then pass everything), else 0
@@ -349,24 +350,26 @@ struct ClampedGlu {
       : alpha(p.alpha), lim(p.limit), neg_lim(-p.limit), offset(p.up_offset),
         no_limit(std::isinf(p.limit) ? Vec(0.f) == Vec(0.f) : Vec(0.f)) {}
 
-  inline Vec clamp_g(const Vec& g) const { return Vec::blendv(g, lim, g > lim); }
-  inline Vec clamp_u(const Vec& u) const { return Vec::blendv(Vec::blendv(u, lim, u > lim), neg_lim, u < neg_lim); }
+  inline Vec clamp_g(const Vec& g) const { return at::vec::clamp_max(g, lim); }
+  inline Vec clamp_u(const Vec& u) const { return at::vec::clamp(u, neg_lim, lim); }
   inline Vec fwd(const Vec& g, const Vec& u) const {
     const Vec gc = clamp_g(g);
     return gc * sigmoid(alpha * gc) * (clamp_u(u) + offset);
   }
   // dg = dy (u_c + c) s (1 + a g_c (1 - s)) where g passes, du = dy g_c s where u passes; s = sigmoid(a g_c).
   inline void bwd(const Vec& d, const Vec& g, const Vec& u, Vec& dg, Vec& du) const {
-    const Vec zero(0.f), one(1.f);
+    const Vec one(1.f);
     const Vec gc = clamp_g(g);
     const Vec s = sigmoid(alpha * gc);
-    du = Vec::blendv(zero, d * (gc * s), ((u >= neg_lim) & (u <= lim)) | no_limit);
-    dg = Vec::blendv(zero, d * (clamp_u(u) + offset) * (s * (one + alpha * gc * (one - s))), (g <= lim) | no_limit);
+    du = (d * (gc * s)) & (((u >= neg_lim) & (u <= lim)) | no_limit);
+    dg = (d * (clamp_u(u) + offset) * (s * (one + alpha * gc * (one - s)))) & ((g <= lim) | no_limit);
   }
 };
 
+// The constants are copied into the span (c by value): the stores through y could alias a referenced
+// ClampedGlu, which would make the compiler reload them every step.
 template <typename T>
-inline void clamped_fwd_span(const T* g, const T* u, T* y, int64_t n, const ClampedGlu& c) {
+inline void clamped_fwd_span(const T* g, const T* u, T* y, int64_t n, const ClampedGlu c) {
   Vec g0, g1, u0, u1;
   for (int64_t j = 0; j < n; j += kStep) {
     const int64_t k = std::min(kStep, n - j);
@@ -377,7 +380,7 @@ inline void clamped_fwd_span(const T* g, const T* u, T* y, int64_t n, const Clam
 }
 
 template <typename T>
-inline void clamped_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n, const ClampedGlu& c) {
+inline void clamped_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n, const ClampedGlu c) {
   Vec d0, d1, g0, g1, u0, u1, dg0, dg1, du0, du1;
   for (int64_t j = 0; j < n; j += kStep) {
     const int64_t k = std::min(kStep, n - j);
@@ -391,20 +394,28 @@ inline void clamped_bwd_span(const T* dy, const T* g, const T* u, T* dg, T* du, 
   }
 }
 
-// The spans of the plain SwiGLU (kClamped false: its own code, bit for bit as before the variant
-// existed) or of the clamped variant.
-template <typename T, bool kClamped>
-struct SwigluSpans {
-  const ClampedGlu c;
-  inline void fwd(const T* g, const T* u, T* y, int64_t n) const {
-    if constexpr (kClamped) clamped_fwd_span<T>(g, u, y, n, c); else swiglu_fwd_span<T>(g, u, y, n);
-  }
-  inline void bwd(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n) const {
-    if constexpr (kClamped) clamped_bwd_span<T>(dy, g, u, dg, du, n, c); else swiglu_bwd_span<T>(dy, g, u, dg, du, n);
+// The spans of the plain SwiGLU (its own code, unchanged: the same results as before the variant
+// existed, but for the sign bit of a NaN) and of the clamped variant; swiglu_impl runs either over the rows.
+template <typename T>
+struct PlainSpans {
+  explicit PlainSpans(const SwigluParams&) {}
+  static inline void fwd(const T* g, const T* u, T* y, int64_t n) { swiglu_fwd_span<T>(g, u, y, n); }
+  static inline void bwd(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n) {
+    swiglu_bwd_span<T>(dy, g, u, dg, du, n);
   }
 };
 
-template <typename T, bool kClamped>
+template <typename T>
+struct ClampedSpans {
+  const ClampedGlu c;
+  explicit ClampedSpans(const SwigluParams& p) : c(p) {}
+  inline void fwd(const T* g, const T* u, T* y, int64_t n) const { clamped_fwd_span<T>(g, u, y, n, c); }
+  inline void bwd(const T* dy, const T* g, const T* u, T* dg, T* du, int64_t n) const {
+    clamped_bwd_span<T>(dy, g, u, dg, du, n, c);
+  }
+};
+
+template <typename T, typename Spans>
 void swiglu_impl(const SwigluParams& p, bool backward) {
   const T* G = static_cast<const T*>(p.g);
   const T* U = static_cast<const T*>(p.u);
@@ -412,7 +423,7 @@ void swiglu_impl(const SwigluParams& p, bool backward) {
   T* Y = static_cast<T*>(p.y);
   T* DU = static_cast<T*>(p.du);
   const int64_t N = p.N;
-  const SwigluSpans<T, kClamped> spans{ClampedGlu(p)};
+  const Spans spans(p);
   if (p.contiguous) {
     // One flat row: the work splits evenly whatever N is, and short rows pay no per-row tail.
     at::parallel_for(0, p.M * N, kGrainElems, [&](int64_t b, int64_t e) {
@@ -441,7 +452,7 @@ void swiglu_impl(const SwigluParams& p, bool backward) {
 template <typename T>
 void swiglu_dispatch(const SwigluParams& p, bool backward) {
   const bool plain = p.alpha == 1.f && p.up_offset == 0.f && std::isinf(p.limit);
-  plain ? swiglu_impl<T, false>(p, backward) : swiglu_impl<T, true>(p, backward);
+  plain ? swiglu_impl<T, PlainSpans<T>>(p, backward) : swiglu_impl<T, ClampedSpans<T>>(p, backward);
 }
 
 // ------------------------------------------------------------------------------------------ table

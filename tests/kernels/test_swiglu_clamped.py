@@ -332,6 +332,23 @@ def test_compile_fullgraph(be):
     torch._dynamo.reset()
 
 
+def test_compile_scalars_as_arguments():
+    """alpha and limit passed into the compiled function: a second value makes them symbolic floats
+    (dynamo's automatic dynamic), which the checks must take; each value gives its own result."""
+    torch._dynamo.reset()
+
+    def f(g, u, alpha, limit):
+        return tk.swiglu(g, u, alpha=alpha, limit=limit, up_offset=1.0)
+
+    g, u = straddling(4, 24), straddling(4, 24)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for alpha, limit in ((1.702, 7.0), (1.5, 7.0), (1.3, 2.0), (1.0, None)):
+        scalars = {"alpha": alpha, "limit": limit, "up_offset": 1.0}
+        y = compiled(g, u, alpha, limit)
+        assert rel_err(y, gate64(g.double(), u.double(), **scalars)) < 1e-5, (alpha, limit)
+    torch._dynamo.reset()
+
+
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -401,6 +418,15 @@ def test_native_every_isa(cap, dtype):
                 dg, du = torch.ops.titan.swiglu_clamped_bwd_native(dy, g, u, *s)
                 for a, b in zip((y, dg, du), f64(g, u, dy, scalars)):
                     assert rel_err(a, b) < TOL[dtype], (scalars, g.shape, rel_err(a, b))
+        # NaN, +-inf and the exact limits in each ISA's selects and masks: NaN and zeros where torch's are.
+        nan, inf = float("nan"), float("inf")
+        g = torch.tensor([7.0, 7.5, -7.0, nan, 1.0, inf, -inf, 1.0, 2.0, 3.0] * 3, dtype=dtype)
+        u = torch.tensor([1.0, 1.0, 1.0, 1.0, nan, 1.0, 1.0, 7.0, -7.0, -7.5] * 3, dtype=dtype)
+        dy = torch.ones_like(g)
+        y = torch.ops.titan.swiglu_clamped_fwd_native(g, u, 1.702, 7.0, 1.0)
+        dg, du = torch.ops.titan.swiglu_clamped_bwd_native(dy, g, u, 1.702, 7.0, 1.0)
+        for a, b in zip((y, dg, du), f64(g, u, dy, GPT_OSS)):
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a == 0, b == 0), (a, b)
     finally:
         _C.set_cpu_capability("auto")
 

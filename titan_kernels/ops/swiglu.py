@@ -98,10 +98,10 @@ _NUM = (float, int)
 
 
 def _finite_float(x: object, arg: str) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float)):
+    if isinstance(x, bool) or not isinstance(x, (int, float, torch.SymInt, torch.SymFloat)):
         raise TypeError(f"{arg}: expected a float, got {type(x).__name__}")
     x = float(x)
-    if not math.isfinite(x):
+    if not -math.inf < x < math.inf:  # not math.isfinite: it takes no symbolic float (torch.compile)
         raise ValueError(f"{arg}: expected a finite value, got {x}")
     return x
 
