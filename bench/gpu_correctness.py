@@ -309,34 +309,23 @@ def check_flash_attn(c: Checks, dev, S) -> None:
 
 
 def check_swiglu(c: Checks, dev, S) -> None:
-    import torch
     import torch.nn.functional as F
 
     import titan_kernels as tk
 
     (m, n), dtype = S.swiglu
-    gpt_oss = {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
-
-    def clamped64(g, u):  # GPT-OSS's gate as Hugging Face's GptOssExperts._apply_gate writes it
-        g, u = g.clamp(max=7.0), u.clamp(-7.0, 7.0)
-        return (u + 1) * g * torch.sigmoid(g * 1.702)
-
     for be in _backends("swiglu", dev) or ["auto"]:
-        for variant in ("plain", "gpt_oss"):
-            if variant == "plain":
-                gate = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-                up = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-            else:  # gate and up interleaved in one (m, 2n) tensor, a good share of it beyond +-7
-                gate_up = _randn(m, 2 * n, dtype=dtype, dev=dev, scale=6.0)
-                gate, up = gate_up[:, ::2].requires_grad_(), gate_up[:, 1::2].requires_grad_()
-            scalars = gpt_oss if variant == "gpt_oss" else {}
-            g = _randn(m, n, dtype=dtype, dev=dev)
-            ctx = tk.use_backend(be) if be != "auto" else _nullcontext()
-            with ctx:
+        # Plain; GPT-OSS's clamped variant on gate/up interleaved in one tensor, a good share beyond +-7.
+        for scalars in ({}, {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}):
+            gu = _randn(m, 2 * n, dtype=dtype, dev=dev, scale=6.0 if scalars else 1.0)
+            gate, up = (gu[:, ::2], gu[:, 1::2]) if scalars else (gu[:, :n].contiguous(), gu[:, n:].contiguous())
+            gate, up, g = gate.requires_grad_(), up.requires_grad_(), _randn(m, n, dtype=dtype, dev=dev)
+            with tk.use_backend(be) if be != "auto" else _nullcontext():
                 y = tk.swiglu(gate, up, **scalars)
                 dg, du = _grad(y, (gate, up), g)
             g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
-            y64 = F.silu(g64) * u64 if variant == "plain" else clamped64(g64, u64)
+            gc = g64.clamp(max=7.0)  # as Hugging Face's GptOssExperts._apply_gate
+            y64 = (u64.clamp(-7.0, 7.0) + 1) * gc * (gc * 1.702).sigmoid() if scalars else F.silu(g64) * u64
             dg64, du64 = _grad(y64, (g64, u64), g.double())
             case = f"{m}x{n} {str(dtype)[6:]}" + (" GPT-OSS clamped (1.702, 7, +1), interleaved" if scalars else "")
             for qn, got, want in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
