@@ -404,10 +404,37 @@ def test_rope_cos_sin_errors():
         tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, high_freq_factor=1.0))
     with pytest.raises(ValueError, match=r"scaling\['factor'\]"):
         tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, factor=0.0))
-    with pytest.raises(ValueError, match="rope_type"):
+    with pytest.raises(ValueError, match="YaRN takes keys .* got unknown .'high_freq_factor'"):
         tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, rope_type="yarn"))
+    with pytest.raises(ValueError, match="rope_type 'dynamic' is not implemented"):
+        tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, rope_type="dynamic"))
+    with pytest.raises(ValueError, match="missing .'original_max_position_embeddings'"):
+        tk.rope_cos_sin(16, 8, scaling=dict(rope_type="yarn", factor=4.0))
     with pytest.raises(TypeError, match="scaling"):
         tk.rope_cos_sin(16, 8, scaling=8.0)
+
+
+@pytest.mark.parametrize("params", [
+    dict(factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+         mscale_all_dim=1.0),  # DeepSeek-V3
+    dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, truncate=False),  # GPT-OSS
+    dict(factor=4.0, original_max_position_embeddings=64, mscale=0.707, mscale_all_dim=0.707),  # V2-Lite style
+], ids=["deepseek-v3", "gpt-oss", "mscale"])
+def test_yarn_tables_match_transformers(params):
+    transformers = pytest.importorskip("transformers", reason="the YaRN reference is transformers' implementation")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    head_dim, theta = 64, 150000.0
+    cfg = transformers.PretrainedConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
+                                         max_position_embeddings=1 << 17,
+                                         rope_parameters={"rope_type": "yarn", "rope_theta": theta, **params})
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+    pos = torch.arange(300, dtype=torch.float64)
+    want_cos = torch.outer(pos, inv_freq.double()).cos() * factor
+    cos, sin = tk.rope_cos_sin(head_dim, 300, theta, {"rope_type": "yarn", **params})
+    # transformers' inverse frequencies are float32: the angles agree to ~1e-7 relative
+    assert (cos.double() - want_cos).abs().max() < 3e-5
+    assert sin.abs().max() <= factor * (1 + 1e-6)
 
 
 # --------------------------------------------------------------------------- op contract
