@@ -55,6 +55,12 @@ std::tuple<Tensor, Tensor> swiglu_bwd_meta(const Tensor& dy, const Tensor& gate,
   return swiglu_clamped_bwd_meta(dy, gate, up, 1.0, std::nullopt, 0.0);
 }
 
+void fused_adamw_meta(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                      at::TensorList exp_avg_sqs, double, double, double, double, double, double,
+                      at::IntArrayRef keys, at::IntArrayRef offsets) {
+  check_fused_adamw(params, grads, exp_avgs, exp_avg_sqs, keys, offsets);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(titan, Meta, m) {
@@ -66,6 +72,7 @@ TORCH_LIBRARY_IMPL(titan, Meta, m) {
   m.impl("swiglu_bwd_native", &swiglu_bwd_meta);
   m.impl("swiglu_clamped_fwd_native", &swiglu_clamped_fwd_meta);
   m.impl("swiglu_clamped_bwd_native", &swiglu_clamped_bwd_meta);
+  m.impl("fused_adamw_native_", &fused_adamw_meta);
 }
 
 }  // namespace titan

@@ -111,4 +111,40 @@ inline void check_swiglu(const at::Tensor& gate, const at::Tensor& up, const at:
   TORCH_CHECK_VALUE(std::isfinite(up_offset), "up_offset: expected a finite value, got ", up_offset);
 }
 
+// fused_adamw_native_(params, grads, exp_avgs, exp_avg_sqs, ..., keys, offsets): lists of one length;
+// tensor i of each list of params[i]'s shape and device, contiguous; one dtype combination per call:
+// params float32 or bfloat16, grads float32 or bfloat16, exp_avgs and exp_avg_sqs one dtype of those.
+inline void check_fused_adamw(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                              at::TensorList exp_avg_sqs, at::IntArrayRef keys, at::IntArrayRef offsets) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && keys.size() == n &&
+                        offsets.size() == n,
+                    "fused_adamw: expected params, grads, exp_avgs, exp_avg_sqs, keys and offsets of one length, got ",
+                    n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), ", ", keys.size(), ", ",
+                    offsets.size());
+  auto ok16 = [](at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16; };
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor* ts[4] = {&params[i], &grads[i], &exp_avgs[i], &exp_avg_sqs[i]};
+    const char* names[4] = {"params", "grads", "exp_avgs", "exp_avg_sqs"};
+    for (int j = 0; j < 4; ++j) {
+      TORCH_CHECK_TYPE(ok16(ts[j]->scalar_type()), names[j], "[", i, "]: expected dtype float32 or bfloat16, got ",
+                       ts[j]->scalar_type());
+      TORCH_CHECK_VALUE(ts[j]->sizes() == params[i].sizes(), names[j], "[", i, "]: expected shape ", params[i].sizes(),
+                        " (the shape of params[", i, "]), got ", ts[j]->sizes());
+      TORCH_CHECK_VALUE(ts[j]->device() == params[i].device(), names[j], "[", i, "]: expected device ",
+                        params[i].device(), " (the device of params[", i, "]), got ", ts[j]->device());
+      TORCH_CHECK_VALUE(ts[j]->is_contiguous(), names[j], "[", i, "]: expected a contiguous tensor");
+    }
+    TORCH_CHECK_TYPE(exp_avg_sqs[i].scalar_type() == exp_avgs[i].scalar_type(), "exp_avg_sqs[", i,
+                     "]: expected dtype ", exp_avgs[i].scalar_type(), " (the dtype of exp_avgs[", i, "]), got ",
+                     exp_avg_sqs[i].scalar_type());
+    const at::TensorList lists[3] = {params, grads, exp_avgs};
+    for (int j = 0; j < 3; ++j) {
+      TORCH_CHECK_TYPE(lists[j][i].scalar_type() == lists[j][0].scalar_type(), names[j], "[", i, "]: expected dtype ",
+                       lists[j][0].scalar_type(), " (one dtype per call, as ", names[j], "[0]), got ",
+                       lists[j][i].scalar_type());
+    }
+  }
+}
+
 }  // namespace titan

@@ -26,6 +26,9 @@ TORCH_LIBRARY_FRAGMENT(titan, m) {
   m.def("swiglu_clamped_fwd_native(Tensor gate, Tensor up, float alpha, float? limit, float up_offset) -> Tensor");
   m.def("swiglu_clamped_bwd_native(Tensor dy, Tensor gate, Tensor up, float alpha, float? limit, float up_offset)"
         " -> (Tensor dgate, Tensor dup)");
+  m.def("fused_adamw_native_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs,"
+        " float beta1, float beta2, float eps, float decay, float step_size, float bc2_sqrt, int[] keys,"
+        " int[] offsets) -> ()");
 }
 
 namespace {

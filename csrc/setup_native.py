@@ -35,7 +35,8 @@ ISA_FLAGS = {
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
 }
 CPU_SOURCES = ["csrc/ops.cpp", "csrc/meta.cpp", "csrc/cpu/dispatch.cpp", "csrc/cpu/rms_norm.cpp",
-               "csrc/cpu/rotary.cpp", "csrc/cpu/swiglu.cpp", "csrc/cpu/kernels_default.cpp"]
+               "csrc/cpu/rotary.cpp", "csrc/cpu/swiglu.cpp", "csrc/cpu/fused_adamw.cpp",
+               "csrc/cpu/kernels_default.cpp"]
 CUDA_SOURCES = ["csrc/cuda/rms_norm.cu", "csrc/cuda/rotary.cu", "csrc/cuda/binding.cpp"]
 # Hopper (the target) and Ampere; compute_90a allows the sm_90a-only instructions.
 CUDA_GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]
@@ -84,7 +85,8 @@ def _extension(cpp_ext, with_cuda: bool):
             isa_sources.append((f"csrc/cpu/kernels_{isa}.cpp", flags))
     kwargs = dict(define_macros=macros, extra_link_args=link,
                   depends=[os.path.join("csrc", d) for d in ("op_checks.h", "cpu/kernels.h", "cpu/kernels_impl.h",
-                                                             "cpu/tensor_rows.h", "cuda/titan_cuda.h")])
+                                                             "cpu/optim_impl.h", "cpu/tensor_rows.h",
+                                                             "cuda/titan_cuda.h")])
     if with_cuda:
         macros.append(("TITAN_WITH_CUDA", None))
         nvcc = ["-O3", "-lineinfo", *CUDA_GENCODE]

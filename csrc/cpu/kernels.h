@@ -111,6 +111,26 @@ struct SwigluParams {
   float up_offset;  // 0 for the plain SwiGLU
 };
 
+// AdamW over a list of contiguous tensors, in place, float32 math; bfloat16 storage (parameter or
+// states) written with stochastic rounding (titan_kernels/reference/fused_adamw.py: math and bits).
+struct AdamWTensor {
+  void* p;        // parameter: float32 or bfloat16
+  const void* g;  // gradient: float32 or bfloat16
+  void* m;        // exp_avg: float32 or bfloat16 (v has the same dtype)
+  void* v;        // exp_avg_sq
+  int64_t numel;
+  int64_t offset;  // counter of element 0 in the random stream
+  uint32_t key;    // the tensor's stream key
+};
+
+struct AdamWParams {
+  DType p_dtype, g_dtype, s_dtype;  // Float or BFloat16 each
+  const AdamWTensor* tensors;
+  int64_t n_tensors;
+  float omb1, beta2, omb2, eps;  // omb = one minus beta
+  float decay, step_size, bc2_sqrt;
+};
+
 struct KernelTable {
   const char* name;
   void (*rms_norm_fwd)(const RmsNormFwdParams&);
@@ -119,6 +139,7 @@ struct KernelTable {
   void (*rotary)(const RotaryParams& q, const RotaryParams& k);
   void (*swiglu_fwd)(const SwigluParams&);
   void (*swiglu_bwd)(const SwigluParams&);
+  void (*adamw)(const AdamWParams&);
 };
 
 // One table per instruction set built into this extension (see dispatch.cpp).

@@ -1,8 +1,8 @@
-// CPU kernels for RMSNorm (+ fused residual), rotary embedding and SwiGLU, written once with ATen's
-// at::vec::Vectorized types and compiled once per instruction set. The including file defines
-// CPU_CAPABILITY (DEFAULT / AVX2 / AVX512), CPU_CAPABILITY_<ISA> and TITAN_CAPABILITY_NAME, and is
-// compiled with the matching -m flags; everything here lives in namespace titan::cpu::CPU_CAPABILITY
-// so the copies never collide.
+// CPU kernels for RMSNorm (+ fused residual), rotary embedding, SwiGLU and AdamW (optim_impl.h),
+// written once with ATen's at::vec::Vectorized types and compiled once per instruction set. The
+// including file defines CPU_CAPABILITY (DEFAULT / AVX2 / AVX512), CPU_CAPABILITY_<ISA> and
+// TITAN_CAPABILITY_NAME, and is compiled with the matching -m flags; everything here lives in
+// namespace titan::cpu::CPU_CAPABILITY so the copies never collide.
 //
 // Math: RMSNorm, Zhang & Sennrich 2019 eq. 4 (titan_kernels/reference/rms_norm.py has the forward
 // and backward formulas); rotary, Su et al. 2021 eq. 34 (titan_kernels/reference/rotary.py); SwiGLU,
@@ -22,6 +22,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "kernels.h"
 
@@ -455,6 +457,9 @@ void swiglu_dispatch(const SwigluParams& p, bool backward) {
   plain ? swiglu_impl<T, PlainSpans<T>>(p, backward) : swiglu_impl<T, ClampedSpans<T>>(p, backward);
 }
 
+// AdamW (multi-tensor, stochastic rounding): its own file, in this ISA's namespace.
+#include "optim_impl.h"
+
 // ------------------------------------------------------------------------------------------ table
 
 void rms_norm_fwd(const RmsNormFwdParams& p) {
@@ -490,7 +495,8 @@ void swiglu_bwd(const SwigluParams& p) {
 }
 
 // Constant-initialized (addresses only): no code of this ISA runs at load time.
-const KernelTable kTable = {TITAN_CAPABILITY_NAME, &rms_norm_fwd, &rms_norm_bwd, &rotary, &swiglu_fwd, &swiglu_bwd};
+const KernelTable kTable = {TITAN_CAPABILITY_NAME, &rms_norm_fwd, &rms_norm_bwd, &rotary, &swiglu_fwd, &swiglu_bwd,
+                           &adamw};
 
 }  // namespace CPU_CAPABILITY
 }  // namespace titan::cpu
