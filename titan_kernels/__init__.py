@@ -11,6 +11,8 @@ Public API (each op has a reference, a Triton and, where built, a C++/CUDA imple
   grouped_mm                        grouped GEMM over experts (MoE), forward and backward
   fp8_grouped_mm                    the same in float8 (rowwise e4m3 scaling, the MoE float8 recipe)
   moe_permute, moe_unpermute        MoE tokens to expert order (padded groups) and back, weighted by scores
+  fused_adamw_                      AdamW over a list of tensors in one pass (fp32/bf16 states, stochastic rounding)
+  newton_schulz                     Muon's orthogonalisation of (batches of) matrices
   use_backend, available_backends   choose / inspect implementations
   patch                             swap PyTorch modules in a model for ours
   nn                                drop-in modules (RMSNorm, Float8Linear + convert_to_float8, ...)
@@ -25,6 +27,8 @@ from titan_kernels.ops.cross_entropy import linear_cross_entropy  # noqa: F401
 from titan_kernels.ops.grouped_mm import grouped_mm  # noqa: F401
 from titan_kernels.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: F401
 from titan_kernels.ops.moe_permute import MoERouting, moe_permute, moe_routing, moe_unpermute  # noqa: F401
+from titan_kernels.ops.fused_adamw import fused_adamw_  # noqa: F401
+from titan_kernels.ops.newton_schulz import newton_schulz  # noqa: F401
 from titan_kernels import nn  # noqa: F401
 from titan_kernels.patch import patch  # noqa: F401
 from titan_kernels import dtensor as _dtensor  # noqa: F401,E402  (registers DTensor sharding rules)

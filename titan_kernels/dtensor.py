@@ -13,6 +13,7 @@ import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules belo
 import titan_kernels.ops.rotary  # noqa: F401
 import titan_kernels.ops.fp8  # noqa: F401
 import titan_kernels.ops.swiglu  # noqa: F401
+import titan_kernels.ops.newton_schulz  # noqa: F401
 
 import torch
 
@@ -324,3 +325,16 @@ if torch.distributed.is_available():
             # dout, and <dout, sum of shares> is the sum of the per-rank dots: dscores Partial.
             ([rep, Partial()], [rep, Partial(), rep, rep, s, *flags]),
         ]
+
+
+if torch.distributed.is_available():
+    # ------------------------------------------------------------------------- newton_schulz
+    # Each matrix of the batch is orthogonalised on its own: the leading (batch) dims, e.g. MoE
+    # experts split by expert parallel, shard freely; the two matrix dims must be whole (a matrix
+    # split there is all-gathered by DTensor; the distributed Muon gathers it on one rank instead).
+    # fused_adamw_ needs no rule: it runs on the local shards of DTensor inputs (ops/fused_adamw.py).
+
+    @register_sharding(torch.ops.titan.newton_schulz.default)
+    def _newton_schulz_sharding(g, *scalars):
+        rep, flags = Replicate(), [None] * len(scalars)
+        return [([rep], [rep, *flags])] + [([Shard(d)], [Shard(d), *flags]) for d in range(len(g.shape) - 2)]

@@ -184,7 +184,7 @@ class Trainer:
             self._save_seed_checkpoint()
             return False
         self._parallelize()
-        self.optimizer = build_optimizer(self.model, config.optimizer)
+        self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse

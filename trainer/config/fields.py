@@ -163,6 +163,7 @@ def check_value(key: str, value: Any, hint: Any, where: str) -> Any:
         hint: the field's resolved type.
         where: the start of the message: ``"<file>.toml: "`` or ``"--"``.
 
+    A list field also takes a table of inline tables (``[optimizer.groups]``), one item per entry.
     Returns the value in the field's type. Raises ConfigError naming the key.
     """
     bad = ConfigError(f"{where}{key}: expected {type_name(hint)}, got {value!r} ({type(value).__name__})")
@@ -194,5 +195,17 @@ def check_value(key: str, value: Any, hint: Any, where: str) -> Any:
             return list(value)
         if isinstance(value, str):
             return parse_str(key, value, hint)
+        if isinstance(value, dict) and all(isinstance(v, dict) for v in value.values()):
+            # A TOML table of inline tables ([optimizer.groups]): each entry NAME = {k = v, ...} is the
+            # item "NAME: k=v ...", the form the command line gives.
+            return [f"{name}: " + " ".join(f"{k}={_plain(v)}" for k, v in entries.items())
+                    for name, entries in value.items()]
         raise bad
     raise bad
+
+
+def _plain(value: Any) -> str:
+    """A TOML scalar as the command line writes it (true/false, numbers, bare strings)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)

@@ -114,9 +114,14 @@ class Training:
 
 @dataclass
 class Optimizer:
-    """AdamW settings."""
+    """The optimizer: AdamW, or Muon for the hidden matrices with AdamW for the rest (trainer/optim)."""
 
-    name: str = _opt("AdamW", "Optimizer.", choices=("AdamW",))
+    name: str = _opt(
+        "AdamW",
+        "Optimizer. adamw (AdamW is the same); muon = Muon for the 2-D hidden weights and MoE experts (per "
+        "expert), AdamW for embedding, output, norms, biases and routers (see optimizer.groups).",
+        choices=("AdamW", "adamw", "muon"),
+    )
     lr: float = _opt(8e-4, "Peak learning rate.")
     beta1: float = _opt(0.9, "Adam beta1.")
     beta2: float = _opt(0.95, "Adam beta2.")
@@ -124,8 +129,40 @@ class Optimizer:
     weight_decay: float = _opt(0.1, "Decoupled weight decay.")
     implementation: str = _opt(
         "auto",
-        "Optimizer implementation: auto = fused where available, else foreach.",
-        choices=("auto", "fused", "foreach", "for-loop"),
+        "AdamW implementation: auto = torch's fused where available (titan's fused_adamw_ when Muon, groups or "
+        "bfloat16 states need titan's optimizer), titan = titan_kernels.fused_adamw_, fused/foreach/for-loop = "
+        "torch.optim.AdamW's.",
+        choices=("auto", "titan", "fused", "foreach", "for-loop"),
+    )
+    state_dtype: str = _opt(
+        "float32",
+        "Dtype of AdamW's exp_avg/exp_avg_sq and Muon's momentum; bfloat16 halves the optimizer state "
+        "(stochastic rounding for AdamW's states).",
+        choices=("float32", "bfloat16"),
+    )
+    muon_momentum: float = _opt(0.95, "Muon momentum (an EMA of the gradients, as torch.optim.Muon).")
+    muon_nesterov: bool = _opt(True, "Muon: Nesterov momentum.")
+    muon_ns_steps: int = _opt(5, "Muon: Newton-Schulz iterations.")
+    muon_ns_dtype: str = _opt(
+        "auto", "Muon: dtype of the Newton-Schulz iteration; auto = bfloat16 on GPUs, float32 on the CPU.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    muon_rms_match: float = _opt(
+        0.2,
+        "Muon: update scale = this x sqrt(max(rows, cols)), which gives the update AdamW's RMS so lr and "
+        "weight_decay carry over (Liu et al. 2025, Moonlight).",
+    )
+    qk_clip_threshold: Optional[float] = _opt(
+        None,
+        "QK-clip (MuonClip): after each step, rescale W_q/W_k of every head whose max attention logit exceeds "
+        "this (Kimi K2 uses 100); the max logit is bounded by the attention's log-sum-exp. none = off.",
+    )
+    groups: list[str] = _opt(
+        [],
+        "Per-group rules, applied in order (later rules override earlier ones): 'SELECTOR: key=value ...' with "
+        "SELECTOR a kind (embedding, output, norm, bias, router, expert, hidden, other) or a glob over parameter names, "
+        "keys optimizer (adamw|muon), lr_multiplier, weight_decay; e.g. 'embedding: optimizer=adamw "
+        "lr_multiplier=0.5, norm: weight_decay=0'. A TOML [optimizer.groups] table maps SELECTOR to an inline table.",
     )
 
 

@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # for the annotation only: job.py imports this module
     from trainer.config.job import JobConfig
 
 COMPILE_COMPONENTS = ("model", "loss")
+# [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
+GROUP_KINDS = ("embedding", "output", "norm", "bias", "router", "expert", "hidden", "other")
+GROUP_KEYS = ("optimizer", "lr_multiplier", "weight_decay")
+GROUP_OPTIMIZERS = ("adamw", "muon")
 
 
 def validate_config(config: JobConfig) -> None:
@@ -82,6 +86,7 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(o.eps) and o.eps > 0, "optimizer.eps", o.eps, "a finite value > 0")
     need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay,
          "a finite value >= 0")
+    _validate_optimizer(o)
     need(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "an integer >= 0")
     need(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
          "none or a value in [0, 1]")
@@ -253,3 +258,64 @@ def _validate_parallelism(p: Parallelism, t: Training) -> None:
             "--parallelism.expert_parallel_degree: not supported with context_parallel_degree > 1 or "
             "data_parallel_replicate_degree > 1 yet (expert parallel borrows data_parallel_shard ranks only)"
         )
+
+
+def parse_group_rules(rules: list[str]) -> list[tuple[str, dict]]:
+    """The ``[optimizer.groups]`` rules as ``[(selector, {key: value})]``, in order.
+
+    A rule is ``"SELECTOR: key=value ..."``: SELECTOR is a kind of ``GROUP_KINDS`` or a glob over
+    parameter names (``layers.*.attention.wq.weight``); keys ``optimizer`` (adamw or muon; AdamW is
+    accepted), ``lr_multiplier`` and ``weight_decay`` (finite, >= 0).
+
+    Raises:
+        ConfigError: a rule without ':' or settings, an unknown key (with a suggestion), a bad value.
+    """
+    out = []
+    for rule in rules:
+        sel, colon, rest = rule.partition(":")
+        sel = sel.strip()
+        if not colon or not sel or not rest.strip():
+            raise ConfigError(f"--optimizer.groups: expected 'SELECTOR: key=value ...', got {rule!r}")
+        settings: dict = {}
+        for item in rest.split():
+            key, eq, value = item.partition("=")
+            if not eq or not value:
+                raise ConfigError(f"--optimizer.groups: expected key=value in rule {rule!r}, got {item!r}")
+            if key not in GROUP_KEYS:
+                raise ConfigError(f"--optimizer.groups: {choice_message('key', key, GROUP_KEYS)[2:]} in rule {rule!r}")
+            if key == "optimizer":
+                if value.lower() not in GROUP_OPTIMIZERS:
+                    raise ConfigError(f"--optimizer.groups: optimizer expected one of {', '.join(GROUP_OPTIMIZERS)}, "
+                                      f"got {value!r} in rule {rule!r}")
+                settings[key] = value.lower()
+                continue
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if not math.isfinite(number) or number < 0:
+                raise ConfigError(f"--optimizer.groups: {key} expected a finite value >= 0, got {value!r} "
+                                  f"in rule {rule!r}")
+            settings[key] = number
+        out.append((sel, settings))
+    return out
+
+
+def _validate_optimizer(o) -> None:
+    """The Muon, QK-clip, state dtype and group keys of ``[optimizer]``."""
+    def need(ok: bool, key: str, value: Any, expected: str) -> None:
+        if not ok:
+            raise ConfigError(f"--{key}: expected {expected}, got {value!r}")
+
+    need(0 <= o.muon_momentum < 1, "optimizer.muon_momentum", o.muon_momentum, "a value in [0, 1)")
+    need(o.muon_ns_steps >= 1, "optimizer.muon_ns_steps", o.muon_ns_steps, "an integer >= 1")
+    need(math.isfinite(o.muon_rms_match) and o.muon_rms_match > 0, "optimizer.muon_rms_match", o.muon_rms_match,
+         "a finite value > 0")
+    need(o.qk_clip_threshold is None or (math.isfinite(o.qk_clip_threshold) and o.qk_clip_threshold > 0),
+         "optimizer.qk_clip_threshold", o.qk_clip_threshold, "none or a finite value > 0")
+    rules = parse_group_rules(o.groups)
+    titan = o.name == "muon" or o.state_dtype != "float32" or bool(rules) or o.qk_clip_threshold is not None
+    need(not titan or o.implementation in ("auto", "titan"), "optimizer.implementation", o.implementation,
+         "auto or titan with optimizer.name muon, optimizer.groups, optimizer.qk_clip_threshold or "
+         "optimizer.state_dtype bfloat16 (titan's optimizer runs fused_adamw_ for its AdamW groups; fused, "
+         "foreach and for-loop name torch.optim.AdamW's kernels)")

@@ -1,8 +1,5 @@
-"""AdamW and the learning-rate schedule: linear warmup, then linear, cosine or WSD decay.
-
-AdamW: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (2019), as ``torch.optim.AdamW``.
-Weight decay applies to matrices and embeddings; 1-D parameters (norm weights) are not decayed, as in
-GPT-2/Megatron practice.
+"""The learning-rate schedule: linear warmup, then linear, cosine or WSD decay. It scales every
+parameter group's own base LR (``optimizer.lr`` times the group's ``lr_multiplier``).
 
 Schedule (``LRSchedule.factor(step)``, ``step`` = 1-based training step, times ``optimizer.lr``):
   warmup   steps 1..W:          step / W           (the first step's LR is already > 0)
@@ -22,11 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 if TYPE_CHECKING:
     from trainer.config import LRScheduler as LRSchedulerConfig
-    from trainer.config import Optimizer as OptimizerConfig
 
 logger = logging.getLogger("trainer")
 
@@ -136,44 +131,3 @@ def lr_schedule(cfg: "LRSchedulerConfig", steps: int) -> LRSchedule:
 
 def build_lr_scheduler(optimizer: torch.optim.Optimizer, schedule: LRSchedule) -> WarmupDecayLR:
     return WarmupDecayLR(optimizer, schedule)
-
-
-def _implementation_flags(implementation: str, params: list[torch.Tensor]) -> dict:
-    if implementation == "for-loop":
-        return {"foreach": False, "fused": False}
-    if implementation == "foreach":
-        return {"foreach": True, "fused": False}
-    fused_ok = all(p.device.type in ("cuda", "cpu") for p in params)
-    if implementation == "fused":
-        if not fused_ok:
-            kinds = sorted({p.device.type for p in params})
-            raise RuntimeError(f"optimizer.implementation: 'fused' AdamW needs cuda or cpu parameters, got {kinds}")
-        return {"fused": True}
-    if implementation == "auto":
-        return {"fused": True} if fused_ok else {"foreach": True}
-    raise ValueError(
-        f"optimizer.implementation: expected one of auto, fused, foreach, for-loop, got {implementation!r}"
-    )
-
-
-def build_optimizer(model: nn.Module, cfg: "OptimizerConfig") -> torch.optim.AdamW:
-    """AdamW over ``model``'s trainable parameters, configured from the ``[optimizer]`` section.
-
-    Two groups: weight decay ``cfg.weight_decay`` on parameters with >= 2 dims, none on 1-D ones.
-    ``cfg.implementation``: auto = fused (on cuda/cpu parameters), else foreach.
-
-    Raises ValueError for an unknown optimizer name or implementation; RuntimeError if 'fused' was
-    asked for parameters on a device without a fused kernel.
-    """
-    if cfg.name != "AdamW":
-        raise ValueError(f"optimizer.name: expected 'AdamW', got {cfg.name!r}")
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError("model: has no trainable parameters")
-    decay = [p for _, p in named if p.dim() >= 2]
-    no_decay = [p for _, p in named if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    flags = _implementation_flags(cfg.implementation, [p for _, p in named])
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)

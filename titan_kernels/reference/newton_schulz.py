@@ -1,0 +1,54 @@
+"""Newton-Schulz orthogonalisation in plain PyTorch: the ground truth of ``titan::newton_schulz``.
+
+Math (Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024; the quintic
+iteration of ``torch.optim.Muon``), for each matrix G (m x n) of a (..., m, n) batch:
+    X <- G / max(||G||_F, eps)                 (spectral norm <= 1)
+    X <- X^T if m > n                          (work on the wide side: X is r x c, r <= c)
+    repeat ``steps`` times:
+        A <- X X^T                             (r x r, symmetric)
+        B <- b A + c A A
+        X <- a X + B X
+    return X (transposed back)
+with (a, b, c) = (3.4445, -4.7750, 2.0315): the odd polynomial p(s) = a s + b s^3 + c s^5 applied to
+every singular value, which drives them into about [0.7, 1.2] in 5 steps (not exactly 1: Jordan's
+choice of a steep slope at zero). The result approximates U V^T of the SVD G = U S V^T.
+
+FLOPs per step: 2 r^2 c (A) + 2 r^3 (A A) + 2 r^2 c (B X) = 4 r^2 c + 2 r^3 (``flops``).
+"""
+from __future__ import annotations
+
+import torch
+
+COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+STEPS = 5
+EPS = 1e-7
+
+
+def flops(m: int, n: int, steps: int = STEPS, batch: int = 1) -> float:
+    """Multiply-adds x 2 of ``steps`` iterations on ``batch`` matrices of m x n (module docstring)."""
+    r, c = min(m, n), max(m, n)
+    return batch * steps * (4.0 * r * r * c + 2.0 * r ** 3)
+
+
+def normalized_wide(g: torch.Tensor, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
+    """(X, transposed): ``g`` (..., m, n) divided by its per-matrix Frobenius norm (at least eps),
+    in ``dtype``, transposed to (..., n, m) when m > n. The norm is taken in float32 (float64 input:
+    float64)."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(g.to(acc), dim=(-2, -1), keepdim=True).clamp_min(eps)
+    x = (g.to(acc) / norm).to(dtype)
+    tall = g.shape[-2] > g.shape[-1]
+    return (x.mT if tall else x), tall
+
+
+def newton_schulz(g: torch.Tensor, steps: int = STEPS, a: float = COEFFICIENTS[0], b: float = COEFFICIENTS[1],
+                  c: float = COEFFICIENTS[2], eps: float = EPS) -> torch.Tensor:
+    """The iteration of the module docstring on every matrix of ``g`` (..., m, n), in float32 (float64
+    for float64 input); returns a new contiguous tensor of g's shape and dtype."""
+    acc = torch.promote_types(g.dtype, torch.float32)
+    x, tall = normalized_wide(g, eps, acc)
+    for _ in range(steps):
+        am = x @ x.mT
+        bm = b * am + c * (am @ am)
+        x = a * x + bm @ x
+    return (x.mT if tall else x).to(g.dtype).contiguous()

@@ -1,0 +1,116 @@
+"""QK-clip (MuonClip, Kimi K2 technical report 2025, section 2.1): after each optimizer step, every
+attention head whose largest pre-softmax logit of the step exceeded tau gets its query and key
+weights scaled down so that logit becomes tau.
+
+The max logit comes from the attention itself, through one interface: a module that has a
+``max_logit`` buffer (float32, one value per local head) updates it in its forward with the running
+max, over the step's rows, of each head's log-sum-exp of the scaled logits (``flash_attn(...,
+return_lse=True)``; ``trainer.models.blocks.Attention``). We use the LSE because every attention
+backend returns it at no extra cost, and max_j s_j <= lse = log sum_j exp(s_j) <= max_j s_j + log(n):
+an upper bound, at most log(keys) (about 9 at 8k tokens) above the true max, so the clip is
+conservative: it may clip a head whose true max is a little below tau, never miss one above. The
+exact max would need the row maxima of the online softmax, which not every backend returns.
+Cost: one amax over (batch, heads, seq) floats per layer and micro-batch, and after each step an
+all-reduce (max) over the data-parallel ranks and an all-gather over tensor parallel of one float
+per head and layer, then an elementwise scale of W_q and W_k.
+
+Scales, per layer, with gamma_h = min(1, tau / max_logit_h) for query head h and GQA groups g of
+n_heads / n_kv_heads query heads sharing a key head: W_k rows of key head g times sqrt(m_g), with
+m_g = min over the group's gamma_h, and W_q rows of head h times gamma_h / sqrt(m_g). Every head's
+logits are then scaled by exactly gamma_h (the paper's sqrt(gamma) on both sides when n_kv_heads =
+n_heads). Rows of W_q/W_k are head-major (head h: rows h*head_dim .. (h+1)*head_dim - 1).
+
+Not available with QK-norm (the logits do not depend on the scale of W_q/W_k) or context parallel
+(ring attention does not report the LSE through this interface yet).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.optim.muon_dist import local_indices
+
+
+def _local(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _tp_size(w: torch.Tensor) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(w, DTensor) or w.device_mesh.mesh_dim_names is None:
+        return 1
+    names = w.device_mesh.mesh_dim_names
+    return w.device_mesh.shape[names.index("tp")] if "tp" in names else 1
+
+
+class QKClip:
+    """QK-clip over every attention module of ``model`` (module docstring); call it after each step.
+
+    Args:
+        model: this rank's model (its attention modules have wq, wk, n_heads, n_kv_heads, head_dim).
+        tau: the threshold (``optimizer.qk_clip_threshold``).
+        mesh: the world mesh or None; the max is reduced over ``dp_cp`` and gathered over ``tp``.
+
+    Raises ValueError when the model has no attention module, has QK-norm, or runs context parallel.
+    """
+
+    def __init__(self, model: nn.Module, tau: float, mesh=None) -> None:
+        self.tau = float(tau)
+        self.layers = [m for m in model.modules() if all(hasattr(m, a) for a in ("wq", "wk", "n_heads", "head_dim"))]
+        if not self.layers:
+            raise ValueError("optimizer.qk_clip_threshold: the model has no attention module with wq/wk")
+        for m in self.layers:
+            if getattr(m, "q_norm", None) is not None:
+                raise ValueError("optimizer.qk_clip_threshold: the model has QK-norm (Qwen3); the logits do not "
+                                 "depend on the scale of W_q/W_k, so QK-clip cannot bound them")
+            if getattr(m, "context_parallel", None) is not None:
+                raise ValueError("optimizer.qk_clip_threshold: not supported with context parallel yet (ring "
+                                 "attention does not record the per-head max logit)")
+        self.tp = _tp_size(self.layers[0].wq.weight)
+        self.dp_group = self.tp_group = None
+        if mesh is not None:
+            dp = _submesh(mesh, "dp_cp")  # the ranks that see different tokens
+            if dp is not None and dp.size() > 1:
+                self.dp_group = dp.get_group()
+            if self.tp > 1:
+                self.tp_group = mesh["tp"].get_group()
+        dev = _local(self.layers[0].wq.weight).device
+        for m in self.layers:
+            m.max_logit = torch.full((m.n_heads // self.tp,), float("-inf"), device=dev)
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        m = torch.stack([layer.max_logit for layer in self.layers])  # (layers, local heads)
+        if self.dp_group is not None:
+            dist.all_reduce(m, dist.ReduceOp.MAX, group=self.dp_group)
+        if self.tp_group is not None:
+            parts = torch.empty(self.tp, *m.shape, device=m.device, dtype=m.dtype)
+            dist.all_gather_into_tensor(parts, m.contiguous(), group=self.tp_group)
+            m = parts.permute(1, 0, 2).reshape(m.shape[0], -1)  # tp rank r holds heads r*H/tp ..
+        gamma = torch.where(m > self.tau, self.tau / m, torch.ones_like(m))
+        for layer, g in zip(self.layers, gamma):
+            n_kv = layer.n_kv_heads if getattr(layer, "n_kv_heads", None) else layer.n_heads
+            group = g.view(n_kv, -1)
+            k_scale = group.amin(dim=1).sqrt()
+            q_scale = (group / k_scale[:, None]).reshape(-1)
+            _scale_rows(layer.wq.weight, q_scale.repeat_interleave(layer.head_dim))
+            _scale_rows(layer.wk.weight, k_scale.repeat_interleave(layer.head_dim))
+            layer.max_logit.fill_(float("-inf"))
+
+
+def _submesh(mesh, name: str):
+    try:
+        return mesh[name]
+    except (KeyError, RuntimeError, ValueError):
+        return None
+
+
+def _scale_rows(w: torch.Tensor, scale: torch.Tensor) -> None:
+    """Multiply the rows (dim 0) of ``w``'s local shard by their entries of the full ``scale``."""
+    local = _local(w)
+    idx = local_indices(w, 0)
+    local.mul_(scale[idx].to(local.dtype).unsqueeze(1))
