@@ -205,6 +205,26 @@ def _fp8_grouped_mm(backward=False):
     return drive
 
 
+def _fused_adamw(param: str, state: str):
+    def drive(T):
+        import torch
+
+        shape = (1024, 4096)
+        T.fused_adamw_([_t(*shape, dtype=param)], [torch.randn(shape)], [_t(*shape, dtype=state)],
+                       [_t(*shape, dtype=state)], 1e-4, 0.9, 0.95, 1e-8, 0.1, 3, [7], [0])
+
+    return drive
+
+
+def _newton_schulz(dtype: str):
+    def drive(T):
+        import torch
+
+        T.newton_schulz(_t(1024, 3584), 1, 3.4445, -4.7750, 2.0315, 1e-7, getattr(torch, dtype))
+
+    return drive
+
+
 _TC = {"wgmma"}
 KERNELS: list[Row] = [
     # RMSNorm: Llama hidden sizes one pass (hot); 32k columns take the two-pass loop (reported).
@@ -266,6 +286,13 @@ KERNELS: list[Row] = [
         needs={"_fp8_gmm_kernel": _TC}),
     Row("fp8_grouped_mm.bwd 2048x768", "titan_kernels.triton.fp8_grouped_mm", _fp8_grouped_mm(backward=True),
         needs={"_fp8_gmm_kernel": _TC, "_fp8_gmm_dw_kernel": _TC}),
+    # AdamW over a tensor list (one launch): float32, bf16 states (one hash), everything bf16 (two hashes).
+    *[Row(f"fused_adamw p{p} s{s_}", "titan_kernels.triton.fused_adamw", _fused_adamw(p, s_))
+      for p, s_ in (("float32", "float32"), ("float32", "bfloat16"), ("bfloat16", "bfloat16"))],
+    # Newton-Schulz: the symmetric X X^T / A A products and the a X + B X GEMM, bf16 on the tensor cores.
+    Row("newton_schulz bf16 1024x3584", "titan_kernels.triton.newton_schulz", _newton_schulz("bfloat16"),
+        needs={"_sym_kernel": _TC, "_mm_kernel": _TC}),
+    Row("newton_schulz fp32 1024x3584", "titan_kernels.triton.newton_schulz", _newton_schulz("float32")),
 ]
 
 

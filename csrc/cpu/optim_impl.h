@@ -84,7 +84,7 @@ void adamw_span(const AdamWParams& q, const AdamWTensor& t, int64_t begin, int64
   const Vec decay(q.decay), step_size(q.step_size), bc2(q.bc2_sqrt);
   const IVec s16(16), m16(0xFFFF);
   Vec g0, g1, p0, p1, m0, m1, v0, v1;
-  IVec r1a, r1b, r2a, r2b;
+  IVec r1a(0), r1b(0), r2a(0), r2b(0);
   for (int64_t j = begin; j < end; j += kStep) {
     const int64_t n = std::min(kStep, end - j);
     Io<TG>::load(G + j, n, g0, g1);
@@ -102,12 +102,16 @@ void adamw_span(const AdamWParams& q, const AdamWTensor& t, int64_t begin, int64
     if constexpr (kBf16P || kBf16S) {
       random_words(t.key, 0u, static_cast<uint64_t>(t.offset + j), r1a, r1b);
     }
+    // The bf16 outputs of (p, m, v) in order take the words r1 low, r1 high, r2 low (one hash per
+    // element for float32 parameters with bf16 states).
     store_rounded<TP>(P + j, n, p0, p1, r1a, r1b);
-    if constexpr (kBf16S) {
-      // exp_avg takes the high half of the first word, exp_avg_sq the second stream's low half.
+    if constexpr (kBf16S && kBf16P) {
       store_rounded<TS>(M + j, n, m0, m1, (r1a >> s16) & m16, (r1b >> s16) & m16);
       random_words(t.key, 0x5BD1E995u, static_cast<uint64_t>(t.offset + j), r2a, r2b);
       store_rounded<TS>(V + j, n, v0, v1, r2a, r2b);
+    } else if constexpr (kBf16S) {
+      store_rounded<TS>(M + j, n, m0, m1, r1a, r1b);
+      store_rounded<TS>(V + j, n, v0, v1, (r1a >> s16) & m16, (r1b >> s16) & m16);
     } else {
       Io<TS>::store(M + j, n, m0, m1);
       Io<TS>::store(V + j, n, v0, v1);

@@ -16,10 +16,11 @@ probability equal to the distance from the lower one in units of their gap, so E
 
 Random bits: a counter-based hash (no state to save), so a resumed run draws the same bits. Per
 tensor, ``tensor_key(seed, step, param_key)`` (host side); per element, with c its 64-bit counter
-(``offset`` + the flat index in the tensor),
-    r1 = h(lo32(c) + h(key ^ hi32(c)))      16 bits for the parameter (low), 16 for exp_avg (high)
-    r2 = h(lo32(c) + h(key ^ hi32(c) ^ K2)) 16 bits for exp_avg_sq (low)
-with h = "lowbias32" (C. Wellons' 32-bit integer hash, bias 0.17):
+(``offset`` + the flat index in the tensor), the 16-bit words
+    w0 = low half of r1, w1 = high half of r1, w2 = low half of r2, with
+    r1 = h(lo32(c) + h(key ^ hi32(c))),  r2 = h(lo32(c) + h(key ^ hi32(c) ^ K2)),
+and the bf16 outputs among (param, exp_avg, exp_avg_sq), in that order, take w0, w1, w2: float32
+parameters with bf16 states need one hash per element, everything in bf16 two. h = "lowbias32" (C. Wellons' 32-bit integer hash, bias 0.17):
     x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16   (mod 2^32).
 Every backend (reference, Triton, csrc) computes the same bits, so they agree bit for bit.
 """
@@ -98,22 +99,21 @@ def adamw_step_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     m = m + (1.0 - beta1) * (g - m)
     v = exp_avg_sq.to(acc) * beta2 + (1.0 - beta2) * g * g
     p = p - step_size * (m / (v.sqrt() / bc2_sqrt + eps))
-    bf16 = torch.bfloat16
-    needs_bits = bf16 in (param.dtype, exp_avg.dtype, exp_avg_sq.dtype)
-    r1 = random_bits(key, offset, param.numel(), param.device).view(param.shape) if needs_bits else None
-    if param.dtype == bf16:
-        param.copy_(stochastic_round_bf16(p, r1 & 0xFFFF))
-    else:
-        param.copy_(p)
-    if exp_avg.dtype == bf16:
-        exp_avg.copy_(stochastic_round_bf16(m, r1 >> 16))
-    else:
-        exp_avg.copy_(m)
-    if exp_avg_sq.dtype == bf16:
-        r2 = random_bits(key, offset, param.numel(), param.device, second=True).view(param.shape)
-        exp_avg_sq.copy_(stochastic_round_bf16(v, r2 & 0xFFFF))
-    else:
-        exp_avg_sq.copy_(v)
+    outs = [(param, p), (exp_avg, m), (exp_avg_sq, v)]
+    rounded = [t for t, _ in outs if t.dtype == torch.bfloat16]
+    words = []
+    if rounded:
+        r1 = random_bits(key, offset, param.numel(), param.device).view(param.shape)
+        words = [r1 & 0xFFFF, r1 >> 16]
+        if len(rounded) == 3:
+            words.append(random_bits(key, offset, param.numel(), param.device, second=True).view(param.shape) & 0xFFFF)
+    j = 0
+    for t, value in outs:
+        if t.dtype == torch.bfloat16:
+            t.copy_(stochastic_round_bf16(value, words[j]))
+            j += 1
+        else:
+            t.copy_(value)
 
 
 def fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, keys, offsets):

@@ -87,17 +87,20 @@ def _adamw_kernel(
             hi = (c >> 32).to(tl.uint32)
             lo = c.to(tl.uint32)
             r1 = _hash32(lo + _hash32(key ^ hi))
+            # The bf16 outputs of (p, m, v) in order take the words r1 low, r1 high, r2 low.
             if P_DT == tl.bfloat16:
                 tl.store(p_ptr + idx, _round_bf16(p, r1), mask=mask)
+                if S_DT == tl.bfloat16:
+                    r2 = _hash32(lo + _hash32(key ^ hi ^ _u32(_K2)))
+                    tl.store(m_ptr + idx, _round_bf16(m, r1 >> 16), mask=mask)
+                    tl.store(v_ptr + idx, _round_bf16(v, r2), mask=mask)
+                else:
+                    tl.store(m_ptr + idx, m, mask=mask)
+                    tl.store(v_ptr + idx, v, mask=mask)
             else:
                 tl.store(p_ptr + idx, p, mask=mask)
-            if S_DT == tl.bfloat16:
-                r2 = _hash32(lo + _hash32(key ^ hi ^ _u32(_K2)))
-                tl.store(m_ptr + idx, _round_bf16(m, r1 >> 16), mask=mask)
-                tl.store(v_ptr + idx, _round_bf16(v, r2), mask=mask)
-            else:
-                tl.store(m_ptr + idx, m, mask=mask)
-                tl.store(v_ptr + idx, v, mask=mask)
+                tl.store(m_ptr + idx, _round_bf16(m, r1), mask=mask)
+                tl.store(v_ptr + idx, _round_bf16(v, r1 >> 16), mask=mask)
         else:
             tl.store(p_ptr + idx, p, mask=mask)
             tl.store(m_ptr + idx, m, mask=mask)
