@@ -8,7 +8,8 @@ norm and output on the last), sharded over
 ``n = dp_shard * cp`` ranks by FSDP2 and over ``tp`` by tensor parallel:
   params       P_s * master_bytes / (n * tp)            fp32 master weights
   grads        P_s * master_bytes / (n * tp)            reduced in fp32 into the sharded grads
-  optimizer    2 * P_s * master_bytes / (n * tp)        AdamW exp_avg and exp_avg_sq
+  optimizer    state values x state_bytes / (n * tp): AdamW 2 per parameter; Muon 1 on the hidden matrices and
+               experts, 2 on the rest, plus its step buffers (``trainer.estimate_optimizer``)
   working      unsharded copies under FSDP2 (when n > 1 or the compute dtype is not fp32): the root
                (embedding, output) for the whole step, two blocks at a time (current + prefetched)
                in the compute dtype, and one block's unsharded fp32 gradients before its
@@ -57,6 +58,7 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from trainer.estimate_optimizer import muon_step_bytes, state_values
 from trainer.models.args import ModelArgs, format_params
 
 GIB = 2**30
@@ -195,6 +197,7 @@ class MemoryEstimate:
     loss: float = 0.0
     grads_coexist: bool = False
     last_block: float = 0.0  # activations of the block the backward ends with (alive with all gradients)
+    optimizer_step: float = 0.0  # Muon's Newton-Schulz buffers at the step (trainer.estimate_optimizer)
 
     @property
     def total(self) -> float:
@@ -203,11 +206,13 @@ class MemoryEstimate:
             tail = transient + self.grads
         else:
             tail = max(transient, self.grads + self.last_block)
-        return self.params + self.optimizer + self.working + tail
+        step = self.params + self.optimizer + self.grads + self.optimizer_step  # at the optimizer step
+        return max(self.params + self.optimizer + self.working + tail, step)
 
     def parts(self) -> list[tuple[str, float]]:
         return [("parameters", self.params), ("gradients", self.grads), ("optimizer state", self.optimizer),
-                ("activations", self.activations), ("loss", self.loss), ("gathered weights/buffers", self.working)]
+                ("activations", self.activations), ("loss", self.loss), ("gathered weights/buffers", self.working)
+                ] + ([("optimizer step buffers", self.optimizer_step)] if self.optimizer_step else [])
 
     def describe(self) -> str:
         return ", ".join(f"{name} {b / GIB:,.1f}" for name, b in self.parts()) + f": peak {self.total / GIB:,.1f} GiB"
@@ -288,6 +293,8 @@ def estimate_memory(
     reduce_bytes: int = 4,
     fused_loss: bool = True,
     loss_chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,
+    optimizer: str = "adamw",
+    state_bytes: int | None = None,
 ) -> MemoryEstimate:
     """Estimated peak memory per device of training ``args`` on ``layout`` (see the module docstring).
 
@@ -296,7 +303,8 @@ def estimate_memory(
     ``compute_bytes``: bytes per value of the compute dtype (2 for bf16, 4 for fp32);
     ``master_bytes``: of the sharded master weights, gradients and AdamW state (4 = fp32);
     ``fused_loss``: the output projection and cross-entropy run as ``linear_cross_entropy``.
-    Returns the worst pipeline stage's estimate. Raises ValueError for sizes < 1 or an unknown schedule.
+    ``optimizer`` "adamw" or "muon", ``state_bytes`` per state value (None: ``master_bytes``).
+    Returns the worst stage's estimate. Raises ValueError for sizes < 1, an unknown schedule or optimizer.
     """
     for name, v in (("local_batch_size", local_batch_size), ("seq_len", seq_len),
                     ("dp_replicate", layout.dp_replicate), ("dp_shard", layout.dp_shard), ("tp", layout.tp),
@@ -341,7 +349,9 @@ def estimate_memory(
             else:
                 loss = 12 * seq_tokens * c.vocab_size / tp
         last_block = block_values_per_token(c, "none", tp) * tokens * compute_bytes
-        return MemoryEstimate(state, state, 2 * state, working, acts, loss, coexist, last_block)
+        opt = state_values(c, layers, p_stage, optimizer) * (master_bytes if state_bytes is None else state_bytes)
+        step = muon_step_bytes(c, layout.ep) if optimizer == "muon" else 0.0
+        return MemoryEstimate(state, state, opt / (n_shard * tp), working, acts, loss, coexist, last_block, step)
 
     emb, out = c.embedding_params, c.output_params + c.norm_params + c.extra_params
     if pp == 1:

@@ -2,7 +2,8 @@
 step time and the command that runs them.
 
     python -m trainer.plan --flavor 405B --ngpu 512 [--gpu H100|H200|A100|B200] [--seq_len 8192]
-                           [--local_batch_size N] [--top 5]
+                           [--local_batch_size N] [--top 5] [--optimizer adamw|muon]
+                           [--state_dtype float32|bfloat16] [--compare_optimizers]
 
 Search: every tensor-parallel degree inside a node that divides the heads, KV heads, FFN and
 vocabulary (and a MoE model's expert hidden size); context-parallel degrees up to seq_len / 4096 that the sequence split allows; pipeline
@@ -310,16 +311,25 @@ def step_time(costs: ModelCosts, gpu: GPU, layout: Layout, local_batch_size: int
     return StepTime(t_compute, t_tp, t_cp, t_fsdp_exposed, t_pp, bubble, t_ep), flops
 
 
+def optimizer_flags(optimizer: str, state_bytes: int) -> tuple[str, ...]:
+    """The trainer options of an optimizer choice (none for the default, AdamW with float32 states)."""
+    flags = ("--optimizer.name", "muon") if optimizer == "muon" else ()
+    return flags + (("--optimizer.state_dtype", "bfloat16") if state_bytes == 2 else ())
+
+
 def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int,
              ac_mode: str, selective_ac_option: str, schedule: str | None, gpus_per_node: int = 8,
-             fused_loss: bool = True, memory: MemoryEstimate | None = None) -> Plan:
-    """The Plan of one layout: memory, communication by dimension and its link, step time."""
+             fused_loss: bool = True, memory: MemoryEstimate | None = None, optimizer: str = "adamw",
+             state_bytes: int = 4) -> Plan:
+    """The Plan of one layout: memory, communication by dimension and its link, step time.
+    ``optimizer`` ("adamw"/"muon") and ``state_bytes`` (4 or 2) size the optimizer state."""
     costs = model_costs(args)
     sched = schedule or "1F1B"
     if memory is None:
         memory = estimate_memory(costs, layout, local_batch_size, seq_len, compute_bytes=2, master_bytes=4,
                                  ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=sched,
-                                 microbatch_size=1, fused_loss=fused_loss)
+                                 microbatch_size=1, fused_loss=fused_loss, optimizer=optimizer,
+                                 state_bytes=state_bytes)
     v = stages_per_rank(sched) if layout.pp > 1 else 1
     colls = communication_per_step(costs, layout, local_batch_size, seq_len, microbatch_size=1,
                                    stages_per_rank=v, ac_mode=ac_mode)
@@ -335,7 +345,7 @@ def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch
     t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
                          schedule, comm, links)
     family = registry.family_of(args)
-    extra = ("--model.name", family) if family != "llama3" else ()
+    extra = (("--model.name", family) if family != "llama3" else ()) + optimizer_flags(optimizer, state_bytes)
     return Plan(flavor, gpu, layout.n_devices, gpus_per_node, seq_len, layout, local_batch_size, ac_mode,
                 selective_ac_option, schedule if layout.pp > 1 else None, memory, comm,
                 {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra, costs)
@@ -351,7 +361,7 @@ def _batch_choices(pp: int, given: int | None) -> list[int]:
 
 def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, local_batch_size: int | None = None,
            gpus_per_node: int = 8, max_global_tokens: int = MAX_GLOBAL_TOKENS, fused_loss: bool = True,
-           memory_only: bool = False) -> list[Plan]:
+           memory_only: bool = False, optimizer: str = "adamw", state_bytes: int = 4) -> list[Plan]:
     """Every layout of ``n_gpus`` that fits ``gpu`` (module docstring), best first.
 
     With ``memory_only`` it stops at the first layout that fits (for the fit check's search over N).
@@ -391,11 +401,12 @@ def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, lo
                                 mem = estimate_memory(costs, layout, b, seq_len, compute_bytes=2, master_bytes=4,
                                                       ac_mode=ac, selective_ac_option=opt,
                                                       pp_schedule=sched or "1F1B", microbatch_size=1,
-                                                      fused_loss=fused_loss)
+                                                      fused_loss=fused_loss, optimizer=optimizer,
+                                                      state_bytes=state_bytes)
                                 if mem.total > usable:
                                     continue
                                 plan = evaluate(args, flavor, gpu, layout, b, seq_len, ac, opt, sched, gpus_per_node,
-                                                fused_loss, memory=mem)
+                                                fused_loss, memory=mem, optimizer=optimizer, state_bytes=state_bytes)
                                 if memory_only:
                                     return [plan]
                                 (plans if tokens <= max_global_tokens else over_cap).append(plan)
@@ -420,13 +431,15 @@ def best(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, top:
 
 
 def smallest_fit(args: ModelArgs, flavor: str, seq_len: int, gpu: str = "H100", start: int = 8,
-                 limit: int = 16384, fused_loss: bool = True) -> Plan | None:
+                 limit: int = 16384, fused_loss: bool = True, optimizer: str = "adamw",
+                 state_bytes: int = 4) -> Plan | None:
     """The best layout at the smallest GPU count (``start`` doubling up to ``limit``) where any fits; None if none."""
     spec = GPUS[gpu]
     n = start
+    kw = dict(fused_loss=fused_loss, optimizer=optimizer, state_bytes=state_bytes)
     while n <= limit:
-        if search(args, flavor, n, spec, seq_len, local_batch_size=None, fused_loss=fused_loss, memory_only=True):
-            found = best(args, flavor, n, spec, seq_len, top=1, fused_loss=fused_loss)
+        if search(args, flavor, n, spec, seq_len, local_batch_size=None, memory_only=True, **kw):
+            found = best(args, flavor, n, spec, seq_len, top=1, **kw)
             return found[0] if found else None
         n *= 2
     return None
@@ -449,12 +462,53 @@ def flavor_args(flavor: str, seq_len: int, vocab_size: int | None = None, model:
     return args.replace(max_seq_len=seq_len)
 
 
-def assumptions(gpu: GPU, gpus_per_node: int) -> str:
+OPTIMIZER_CHOICES = (("adamw", 4), ("adamw", 2), ("muon", 4), ("muon", 2))
+
+
+def optimizer_label(optimizer: str, state_bytes: int) -> str:
+    return f"{'AdamW' if optimizer == 'adamw' else 'Muon'} with {'fp32' if state_bytes == 4 else 'bf16'} states"
+
+
+def assumptions(gpu: GPU, gpus_per_node: int, optimizer: str = "adamw", state_bytes: int = 4) -> str:
     return (f"assumptions: {gpu.name} {gpu.memory / GIB:.0f} GiB ({100 * USABLE_FRACTION:.0f}% usable), "
             f"bf16 compute at {100 * COMPUTE_EFFICIENCY:.0f}% of {gpu.peak_flops / 1e12:.0f} TFLOP/s, "
             f"NVLink {gpu.nvlink / 1e9:.0f} GB/s and InfiniBand {gpu.network / 1e9:.0f} GB/s per GPU and direction "
-            f"at {100 * LINK_EFFICIENCY:.0f}%, {gpus_per_node} GPUs per node; fp32 master weights and AdamW state, "
-            f"fp32 gradient reduction (trainer/plan.py states the model)")
+            f"at {100 * LINK_EFFICIENCY:.0f}%, {gpus_per_node} GPUs per node; fp32 master weights, "
+            f"{optimizer_label(optimizer, state_bytes)}, fp32 gradient reduction (trainer/plan.py states the model)")
+
+
+def smallest_node_count(args: ModelArgs, flavor: str, seq_len: int, gpu: GPU, gpus_per_node: int = 8,
+                        **okw) -> int | None:
+    """The fewest GPUs, in whole nodes, on which any layout fits (None: none up to 16384)."""
+    p2 = smallest_fit(args, flavor, seq_len, gpu.name, start=gpus_per_node, **okw)
+    if p2 is None:
+        return None
+    for n in range(max(gpus_per_node, p2.n_gpus // 2 + gpus_per_node), p2.n_gpus, gpus_per_node):
+        if search(args, flavor, n, gpu, seq_len, gpus_per_node=gpus_per_node, memory_only=True, **okw):
+            return n
+    return p2.n_gpus
+
+
+def optimizer_comparison(args: ModelArgs, flavor: str, gpu: GPU, seq_len: int, gpus_per_node: int = 8) -> list[str]:
+    """What bf16 optimizer states or Muon buy, for each of ``OPTIMIZER_CHOICES``: the fewest GPUs
+    (whole nodes) on which any layout fits, and on the fewest for AdamW with float32 states, the
+    optimizer state per GPU, the largest local batch of any layout that fits and the best throughput."""
+    counts = {c: smallest_node_count(args, flavor, seq_len, gpu, gpus_per_node, optimizer=c[0], state_bytes=c[1])
+              for c in OPTIMIZER_CHOICES}
+    base_n = counts[OPTIMIZER_CHOICES[0]]
+    lines = [f"optimizer states: what bf16 states or Muon buy ({flavor}, seq_len {seq_len}, {gpu.name}; "
+             f"batch and speed on {base_n}, where AdamW with fp32 states just fits):"]
+    for (opt, sb), n in counts.items():
+        line = f"  {optimizer_label(opt, sb):<24} fits on {n if n else '> 16384':>5} GPUs"
+        plans = search(args, flavor, base_n, gpu, seq_len, gpus_per_node=gpus_per_node, optimizer=opt,
+                       state_bytes=sb) if base_n else []
+        if plans:
+            line += (f"; on {base_n}: optimizer state {plans[0].memory.optimizer / GIB:4.1f} GiB/GPU, largest local "
+                     f"batch {max(p.local_batch_size for p in plans):>3}, best {plans[0].tokens_per_s_per_gpu:,.0f} "
+                     f"tokens/s per GPU ({plans[0].layout.describe()}, local batch {plans[0].local_batch_size}, "
+                     f"AC {plans[0].ac_mode})")
+        lines.append(line)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,7 +527,14 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"largest global batch in tokens (default {MAX_GLOBAL_TOKENS:,})")
     parser.add_argument("--vocab_size", type=int, default=None, help="debug flavors: the tokenizer's vocabulary")
     parser.add_argument("--top", type=int, default=5)
+    parser.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                        help="the optimizer whose states are counted (default adamw)")
+    parser.add_argument("--state_dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="dtype of the optimizer states (default float32)")
+    parser.add_argument("--compare_optimizers", action="store_true",
+                        help="also show what bf16 states or Muon buy: smallest fit, throughput, largest batch")
     ns = parser.parse_args(argv)
+    okw = dict(optimizer=ns.optimizer, state_bytes=2 if ns.state_dtype == "bfloat16" else 4)
     if ns.ngpu < 1 or ns.seq_len < 1 or ns.top < 1 or ns.gpus_per_node < 1:
         parser.error("--ngpu, --seq_len, --top and --gpus_per_node must be >= 1")
     if ns.local_batch_size is not None and ns.local_batch_size < 1:
@@ -488,13 +549,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     gpu = GPUS[ns.gpu]
     plans = best(args, ns.flavor, ns.ngpu, gpu, ns.seq_len, top=ns.top, local_batch_size=ns.local_batch_size,
-                 gpus_per_node=gpus_per_node, max_global_tokens=ns.max_global_tokens)
+                 gpus_per_node=gpus_per_node, max_global_tokens=ns.max_global_tokens, **okw)
     print(f"{ns.flavor}: {format_params(args)}, seq_len {ns.seq_len}, on {ns.ngpu} x {gpu.name} "
           f"({ns.ngpu // gpus_per_node} node(s) of {gpus_per_node})")
-    print(assumptions(gpu, gpus_per_node))
+    print(assumptions(gpu, gpus_per_node, **okw))
+    if ns.compare_optimizers:
+        print("\n".join(optimizer_comparison(args, ns.flavor, gpu, ns.seq_len, gpus_per_node)))
     if not plans:
         print(f"no layout of {ns.ngpu} x {gpu.name} fits", end="")
-        found = smallest_fit(args, ns.flavor, ns.seq_len, ns.gpu, start=max(8, 2 ** math.ceil(math.log2(ns.ngpu))))
+        found = smallest_fit(args, ns.flavor, ns.seq_len, ns.gpu, start=max(8, 2 ** math.ceil(math.log2(ns.ngpu))),
+                             **okw)
         print(f"; the smallest power-of-two count that fits: {found.n_gpus} ({found.summary()})" if found
               else f"; none up to 16384 GPUs: reduce --seq_len")
         return 1

@@ -13,12 +13,13 @@ owners greedily by their Newton-Schulz cost (largest first, to the least loaded 
 exchanged in rounds (round k: the k-th matrix of every rank): an ``all_to_all_single`` sends each
 rank's piece of every matrix to its owner, the owner assembles the matrix (each piece's global
 indices come from DTensor's own split rules, so any placement order and uneven split is exact),
-orthogonalises it, and a second all-to-all sends every rank its piece of the result. All rounds'
-first exchanges are started at once (asynchronous); the Newton-Schulz of round k overlaps the
-exchanges of the later rounds, and the return of round k overlaps the work after it.
+orthogonalises it, and a second all-to-all sends every rank its piece of the result, which is
+applied at once. Asynchronous, ``WINDOW`` (2) rounds in flight: round k + 2's pieces travel while
+round k is orthogonalised, and round k's results travel back during round k + 1's.
 
-Memory: a rank receives the whole matrices it owns (about 1/W of the group's Muon parameters, the
-size of its own shards) plus one Newton-Schulz's temporaries at a time.
+Memory at the optimizer step, per rank: per round in flight about one matrix of pieces sent, the
+matrix it owns, and one matrix of results (in the iteration's dtype), plus one Newton-Schulz's
+temporaries: bounded by the largest matrix, not by the number of parameters.
 """
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ import torch.distributed as dist
 
 import titan_kernels
 from titan_kernels.reference.newton_schulz import flops as ns_flops
+
+WINDOW = 2  # exchange rounds in flight per group (double buffering)
 
 
 @dataclass
@@ -232,53 +235,81 @@ class MatrixExchange:
         return titan_kernels.newton_schulz(x, steps=self.ns_steps, dtype=self.ns_dtype)
 
     @torch.no_grad()
-    def orthogonalize(self, updates: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The Newton-Schulz result for each parameter's update (plain local tensors, in the order
-        given at construction): each a tensor of the update's local shape."""
-        out: list[torch.Tensor | None] = [None] * len(updates)
-        pos = {id(q): i for i, q in enumerate(self.plans)}
+    def run(self, make_update, apply, window: int = WINDOW) -> None:
+        """Orthogonalise every parameter's update and apply it, a few at a time (bounded memory).
+
+        ``make_update(i)`` returns parameter i's update (its local shard, a plain tensor; called once
+        per parameter, in the order it is sent); ``apply(i, o)`` receives the Newton-Schulz result of
+        that shard (same shape). Local matrices go one by one; each exchange group keeps at most
+        ``window`` rounds in flight: round k + window starts travelling while round k is
+        orthogonalised, and a round's results are applied as soon as they are back.
+        """
         for i, q in enumerate(self.plans):
             if q.group_key is None:
-                out[i] = self._ns(updates[i])
+                apply(i, self._ns(make_update(i)))
+        pos = {id(q): i for i, q in enumerate(self.plans)}
         for g in self.groups.values():
-            self._exchange(g, updates, out, pos)
-        return out
+            self._exchange(g, make_update, apply, pos, window)
 
-    def _exchange(self, g: dict, updates, out, pos) -> None:
+    def _exchange(self, g: dict, make_update, apply, pos, window: int) -> None:
         pg, dt = g["pg"], self.ns_dtype
         rounds, first = g["rounds"], g["plans"][0]
         me, w = first.my_index, len(first.members)
-        dev = updates[pos[id(first)]].device
-        sends = []
-        for rnd in rounds:  # every round's pieces start travelling now
-            parts = [updates[pos[id(q)]].reshape(-1).to(dt) if q is not None else torch.empty(0, dtype=dt, device=dev)
-                     for q in rnd]
-            in_split = [t.numel() for t in parts]
+        shapes: dict[int, torch.Size] = {}
+        dtypes: dict[int, torch.dtype] = {}
+        dev = None
+
+        def send(rnd):  # this rank's pieces of the round's matrices, to their owners
+            nonlocal dev
+            parts = []
+            for q in rnd:
+                if q is None:
+                    parts.append(None)
+                    continue
+                i = pos[id(q)]
+                u = make_update(i)
+                shapes[i], dtypes[i], dev = u.shape, u.dtype, u.device
+                parts.append(u.reshape(-1).to(dt))
+            parts = [t if t is not None else torch.empty(0, dtype=dt, device=dev) for t in parts]
             mine = rnd[me]
             out_split = [mine.piece_numel(s) if mine is not None else 0 for s in range(w)]
             recv = torch.empty(sum(out_split), dtype=dt, device=dev)
-            work = dist.all_to_all_single(recv, torch.cat(parts), out_split, in_split, group=pg, async_op=True)
-            sends.append((work, recv, out_split))
-        backs = []
-        for k, rnd in enumerate(rounds):
-            work, recv, out_split = sends[k]
-            work.wait()
-            mine = rnd[me]
-            result_parts = [torch.empty(0, dtype=dt, device=dev)] * w
-            if mine is not None:
-                full = torch.empty(mine.full_shape, dtype=dt, device=dev)
-                for s, chunk in enumerate(torch.split(recv, out_split)):
-                    _put(full, mine.index_sets[s], chunk.view(mine.piece_shapes[s]))
-                o = self._ns(full)
-                result_parts = [_take(o, mine.index_sets[s]).reshape(-1) for s in range(w)]
-            in_split = [t.numel() for t in result_parts]
-            out_split = [q.piece_numel(me) if q is not None else 0 for q in rnd]
-            back = torch.empty(sum(out_split), dtype=dt, device=dev)
-            work = dist.all_to_all_single(back, torch.cat(result_parts), out_split, in_split, group=pg, async_op=True)
-            backs.append((work, back, out_split, rnd))
-        for work, back, out_split, rnd in backs:
+            work = dist.all_to_all_single(recv, torch.cat(parts), out_split, [t.numel() for t in parts], group=pg,
+                                          async_op=True)
+            return work, recv, out_split
+
+        def finish(item):  # this rank's pieces of the results: applied
+            work, back, out_split, rnd = item
             work.wait()
             for q, chunk in zip(rnd, torch.split(back, out_split)):
                 if q is not None:
                     i = pos[id(q)]
-                    out[i] = chunk.view(updates[i].shape).to(updates[i].dtype)
+                    apply(i, chunk.view(shapes[i]).to(dtypes[i]))
+
+        inflight = [send(rounds[k]) for k in range(min(window, len(rounds)))]
+        backs = []
+        for k, rnd in enumerate(rounds):
+            work, recv, out_split = inflight.pop(0)
+            work.wait()
+            if k + window < len(rounds):
+                inflight.append(send(rounds[k + window]))
+            mine = rnd[me]
+            result = [torch.empty(0, dtype=dt, device=dev)] * w
+            if mine is not None:
+                full = torch.empty(mine.full_shape, dtype=dt, device=dev)
+                for s, chunk in enumerate(torch.split(recv, out_split)):
+                    _put(full, mine.index_sets[s], chunk.view(mine.piece_shapes[s]))
+                del recv
+                o = self._ns(full)
+                del full
+                result = [_take(o, mine.index_sets[s]).reshape(-1) for s in range(w)]
+                del o
+            out_split = [q.piece_numel(me) if q is not None else 0 for q in rnd]
+            back = torch.empty(sum(out_split), dtype=dt, device=dev)
+            work = dist.all_to_all_single(back, torch.cat(result), out_split, [t.numel() for t in result], group=pg,
+                                          async_op=True)
+            backs.append((work, back, out_split, rnd))
+            while len(backs) >= window:
+                finish(backs.pop(0))
+        for item in backs:
+            finish(item)

@@ -136,13 +136,14 @@ class TitanOptimizer(torch.optim.Optimizer):
 
     def _muon(self) -> None:
         group_of = {id(p): g for g in self.param_groups if g["optimizer"] == "muon" for p in g["params"]}
-        updates, live = [], []
-        for p in self._muon_params:
+        params = self._muon_params
+
+        def update(i: int) -> torch.Tensor:
+            """Momentum, then the (Nesterov) update of parameter i's local shard."""
+            p = params[i]
             g = group_of[id(p)]
-            if p.grad is None:  # still part of the (collective) exchange; not updated
-                updates.append(torch.zeros_like(_local(p)))
-                live.append(False)
-                continue
+            if p.grad is None:  # still part of the (collective) exchange; not applied
+                return torch.zeros_like(_local(p))
             st = self.state[p]
             grad = _local(p.grad, like=p)
             if "momentum_buffer" not in st:
@@ -155,18 +156,19 @@ class TitanOptimizer(torch.optim.Optimizer):
             else:
                 b = buf.float().lerp_(grad.float(), 1 - mu)
                 buf.copy_(b)
-            updates.append(grad.lerp(b, mu) if g["nesterov"] else b)
-            live.append(True)
-        ortho = self._exchange.orthogonalize(updates)
-        for p, o, ok in zip(self._muon_params, ortho, live):
-            if not ok:
-                continue
+            return grad.lerp(b, mu) if g["nesterov"] else b
+
+        def apply(i: int, o: torch.Tensor) -> None:
+            p = params[i]
+            if p.grad is None:
+                return
             g = group_of[id(p)]
             lr, wd = float(g["lr"]), g["weight_decay"]
-            scale = g["rms_match"] * math.sqrt(max(p.shape[-2], p.shape[-1]))
             w = _local(p)
             w.mul_(1 - lr * wd)
-            w.add_(o.to(w.dtype), alpha=-lr * scale)
+            w.add_(o.to(w.dtype), alpha=-lr * g["rms_match"] * math.sqrt(max(p.shape[-2], p.shape[-1])))
+
+        self._exchange.run(update, apply)
 
     # -- checkpoints -----------------------------------------------------------------------------
 
