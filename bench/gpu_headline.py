@@ -31,6 +31,11 @@ the stage's time, and the results are saved after each group, so a time-out lose
                   titan-fp8 (fp8_grouped_mm: rowwise float8, torch._scaled_grouped_mm) next, then
                   titan-triton, titan-fp8-triton vs torch._grouped_mm and the per-expert loop
                   (bench/bench_moe.py; the loop last, should the group's share run out)
+  adamw_step      one AdamW step of a Llama 3 8B FFN weight (4096 x 14336): titan's fused_adamw_
+                  (float32 and bf16 states) vs torch.optim.AdamW fused and foreach (bench/bench_optim.py)
+  newton_schulz   Muon's Newton-Schulz at 4096 x 4096 and 8192 x 28672 (bf16): titan (measured
+                  choice), titan-aten (cuBLAS), titan-triton (symmetric products) vs torch.optim.Muon's
+                  iteration; TFLOP/s and share of the bf16 matmul rate measured in the same run
 
 Writes the ``headline`` section of PREFIX.json (rows, the Markdown table, ceilings, notes).
 ``--dry-run``: the CPU shapes of each module (the modules' own CPU smoke sizes), Triton in the
@@ -71,6 +76,8 @@ GROUPS = [
      {"pass_": ["fwd+bwd"], "shape": [(16384, 4096, 128256)]}, 0.08),
     ("grouped_mm", "bench.bench_moe", "test_grouped_mm",
      {"pass_": ["fwd+bwd"], "shape": ["30B-A3B.w13", "30B-A3B.w2"]}, 0.10),
+    ("adamw_step", "bench.bench_optim", "test_adamw_step", {"shape": ["8B.ffn"]}, 0.04),
+    ("newton_schulz", "bench.bench_optim", "test_newton_schulz", {"shape": [(4096, 4096), (8192, 28672)]}, 0.10),
 ]
 # Groups whose modules other issues are still shaping: their filters fall back to the module's first
 # value instead of failing, and a missing function name to every timed function of the module.

@@ -3,7 +3,7 @@
 # benchmarks and the native CUDA build, in under 8 minutes on one H200 (a failed first try leaves
 # room for a rerun in a 15-minute slot).
 #
-#   bash bench/run_gpu.sh [RESULTS_DIR]            the default run: 5 stages, budgets below (~7.7 min)
+#   bash bench/run_gpu.sh [RESULTS_DIR]            the default run: 5 stages, budgets below (~7.9 min)
 #   bash bench/run_gpu.sh --full [RESULTS_DIR]     the long run: the whole kernel test suite, every
 #                                                  benchmark file and, with >= 2 GPUs, the parallel layouts
 #   bash bench/run_gpu.sh --dry-run [RESULTS_DIR]  on a CPU, no GPU: every stage's entry points and
@@ -15,8 +15,9 @@
 #   train       200   python -m trainer: the debug model, then Llama 3 8B cut to 4 layers (seq 8192,
 #                     bf16, FSDP2 on one GPU) eager, compiled and float8: tokens/s, MFU, memory, loss
 #   correctness  75   every op and backend against float64 on CUDA tensors, a few shapes each
-#   headline    115   RMSNorm, triton_op vs custom_op, rotary, attention, fp8 GEMM, Float8Linear,
-#                     SwiGLU / cross-entropy when their bench files exist; ratios to baselines
+#   headline    130   RMSNorm, triton_op vs custom_op, rotary, attention, fp8 GEMM, Float8Linear,
+#                     SwiGLU / cross-entropy when their bench files exist, grouped GEMM, the AdamW
+#                     step and Newton-Schulz (optimizers); ratios to baselines
 #   native       50   the native CUDA extension and standalone kernels (built in the background
 #                     since stage 3), their tests and ctest
 # Results: RESULTS_DIR/<date>-<gpu>.{json,md,log} (default bench/results), rewritten as each stage
@@ -40,7 +41,7 @@ for arg in "$@"; do
 done
 
 if [ "$MODE" = quick ]; then
-  STAGES=(environment:20 train:200 correctness:75 headline:115 native:50)
+  STAGES=(environment:20 train:200 correctness:75 headline:130 native:50)
 else
   STAGES=(environment:20 train:200 native-build:240 kernel-tests:150 cmake-ctest:300 benchmarks:300
           fp8-benchmarks:420 attention-benchmarks:540 layouts:1500)
