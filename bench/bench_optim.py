@@ -9,10 +9,11 @@ float32 states, 20 with bfloat16 states; the ceiling is the measured copy bandwi
 products; the Triton backend does 2/3 of them on a square matrix) against the measured matmul rate.
 
 Shapes. CUDA: AdamW and Muon on one Llama 3 8B FFN weight (4096 x 14336); Newton-Schulz at 4096 x
-4096 and 8192 x 28672 (70B's FFN) in bfloat16. CPU: AdamW at the same 8B shape and over the
-debugmodel's parameter list; Muon at 512 x 1792; Newton-Schulz at 1024 x 1024 and 1024 x 3584 (the
-GPU shapes / 4 and / 8 per side, the same aspect ratios: minutes otherwise) in float32 (no bf16 units here); torch.optim.Muon's
-bf16 iteration only at the small shape on the CPU.
+4096 and 8192 x 28672 (70B's FFN) in bfloat16. CPU (``SLOW`` ones with ``pytest -m slow`` and in
+``python -m bench.bench_optim``; the default test run times the small ones as a smoke test): AdamW at
+the same 8B shape and over the debugmodel's parameter list; Muon at 512 x 1792; Newton-Schulz at
+1024 x 1024 and 1024 x 3584 (the GPU shapes / 4 and / 8 per side, the same aspect ratios: minutes
+otherwise) in float32; torch.optim.Muon's bf16 iteration not at the largest CPU shape.
 
 ``python -m bench.bench_optim [--out PREFIX]`` times the implementations alternately in one process
 (median of rounds), which is what to quote from a shared machine, with the step time per billion
@@ -34,11 +35,18 @@ from titan_kernels.reference.newton_schulz import COEFFICIENTS, EPS, flops as ns
 
 DEV = common.device()
 CUDA = DEV.type == "cuda"
-ADAMW_SHAPES = {"8B.ffn": [(4096, 14336)]}
-if not CUDA:
-    ADAMW_SHAPES["debugmodel"] = None  # filled from the model (its whole parameter list)
-MUON_SHAPES = [(4096, 14336)] if CUDA else [(512, 1792)]
-NS_SHAPES = [(4096, 4096), (8192, 28672)] if CUDA else [(1024, 1024), (1024, 3584)]
+# name -> parameter shapes (None: the debugmodel's parameter list). On the CPU the 8B shape has its own
+# name (the GPU stage's filter then falls back to the first, small case) and is slow (pytest -m slow;
+# ``python -m bench.bench_optim`` always times it).
+SMALL_LIST = [(96, 64), (64,), (64, 176), (176, 64)] * 8  # the default test run's smoke case: 32 small tensors
+ADAMW_SHAPES = ({"8B.ffn": [(4096, 14336)]} if CUDA else
+                {"small-list": SMALL_LIST, "debugmodel": None, "8B.ffn-cpu": [(4096, 14336)]})
+MUON_SHAPES = [(4096, 14336)] if CUDA else [(256, 896), (512, 1792)]
+NS_SHAPES = [(4096, 4096), (8192, 28672)] if CUDA else [(256, 256), (1024, 1024), (1024, 3584)]
+# Seconds per call on 2 CPU cores: out of the default test run; ``python -m bench.bench_optim`` times them.
+SLOW = {"debugmodel", "8B.ffn-cpu", (512, 1792), (1024, 1024), (1024, 3584)}
+MAIN_CASES = {"adamw": ["8B.ffn", "debugmodel", "8B.ffn-cpu"], "ns": [(4096, 4096), (8192, 28672), (1024, 1024),
+                                                                    (1024, 3584)]}
 NS_DTYPE = torch.bfloat16 if CUDA else torch.float32
 ADAMW_IMPLS = ("titan", "titan-bf16-states", "torch-fused", "torch-foreach")
 NS_IMPLS = ("titan", "titan-aten", "titan-triton", "torch-muon") if CUDA else ("titan", "torch-muon")
@@ -79,8 +87,13 @@ def _adamw_bytes(impl: str, n: int) -> float:
     return (20 if impl == "titan-bf16-states" else 28) * n
 
 
+def _params(values, ids=None) -> list:
+    return [pytest.param(v, marks=[pytest.mark.slow] if v in SLOW else [], id=ids(v) if ids else str(v))
+            for v in values]
+
+
 @pytest.mark.parametrize("impl", ADAMW_IMPLS)
-@pytest.mark.parametrize("shape", list(ADAMW_SHAPES))
+@pytest.mark.parametrize("shape", _params(ADAMW_SHAPES))
 def test_adamw_step(benchmark, shape, impl):
     opt, n = _adamw_case(shape, impl)
     common.run(benchmark, opt.step, op="adamw_step", impl=impl, shape=f"{shape} ({n / 1e6:.1f}M)",
@@ -103,7 +116,7 @@ def _muon_case(shape: tuple[int, int], impl: str):
 
 
 @pytest.mark.parametrize("impl", ("titan", "torch-muon"))
-@pytest.mark.parametrize("shape", MUON_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", _params(MUON_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}"))
 def test_muon_step(benchmark, shape, impl):
     """One Muon step of one matrix (momentum, Newton-Schulz, update): ours iterates in bf16 on GPUs
     and float32 on the CPU; torch.optim.Muon always in bf16."""
@@ -122,9 +135,9 @@ def _ns_fn(impl: str):
 
 
 @pytest.mark.parametrize("impl", NS_IMPLS)
-@pytest.mark.parametrize("shape", NS_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("shape", _params(NS_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}"))
 def test_newton_schulz(benchmark, shape, impl):
-    if impl == "torch-muon" and not CUDA and shape != NS_SHAPES[0]:
+    if impl == "torch-muon" and not CUDA and shape == NS_SHAPES[-1]:
         pytest.skip("torch.optim.Muon iterates in bf16: minutes on a CPU without bf16 units")
     if impl == "titan-triton" and not tk.available_backends(DEV)["triton"].available:
         pytest.skip("triton unavailable")
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write PREFIX.json/.md (a folder: <date>-<cpu|gpu>)")
     ns = ap.parse_args(argv)
     rows = []
-    for shape in ADAMW_SHAPES:
+    for shape in [s for s in ADAMW_SHAPES if s in MAIN_CASES["adamw"]]:
         cases = {}
         for impl in ADAMW_IMPLS:
             params = [torch.nn.Parameter(torch.randn(s, device=DEV)) for s in _shapes(shape)]
@@ -191,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         del cases
     peak = common.matmul_rate(NS_DTYPE)
-    for shape in NS_SHAPES:
+    for shape in [s for s in NS_SHAPES if s in MAIN_CASES["ns"]]:
         g = torch.randn(shape, device=DEV, dtype=NS_DTYPE)
-        impls = [i for i in NS_IMPLS if not (i == "torch-muon" and not CUDA and shape != NS_SHAPES[0])]
+        impls = [i for i in NS_IMPLS if not (i == "torch-muon" and not CUDA and shape == NS_SHAPES[-1])]
         t = _alternate({i: (lambda fn=_ns_fn(i): fn(g)) for i in impls}, ns.rounds)
         f = ns_flops(*shape)
         for impl in impls:
