@@ -49,7 +49,7 @@ MAIN_CASES = {"adamw": ["8B.ffn", "debugmodel", "8B.ffn-cpu"], "ns": [(4096, 409
                                                                     (1024, 3584)]}
 NS_DTYPE = torch.bfloat16 if CUDA else torch.float32
 ADAMW_IMPLS = ("titan", "titan-bf16-states", "torch-fused", "torch-foreach")
-NS_IMPLS = ("titan", "titan-aten", "titan-triton", "torch-muon") if CUDA else ("titan", "torch-muon")
+NS_IMPLS = ("titan", "titan-aten", "titan-triton", "torch-muon") if CUDA else ("titan", "titan-bf16", "torch-muon")
 BETAS, LR, WD = (0.9, 0.95), 1e-4, 0.1
 
 
@@ -130,22 +130,28 @@ def _ns_fn(impl: str):
         from torch.optim._muon import _zeropower_via_newtonschulz
 
         return lambda g: _zeropower_via_newtonschulz(g, COEFFICIENTS, 5, EPS)
+    if impl == "titan-bf16":
+        return lambda g: tk.newton_schulz(g, dtype=torch.bfloat16)
     backend = {"titan": None, "titan-aten": "aten", "titan-triton": "triton"}[impl]
     return lambda g: tk.newton_schulz(g, dtype=NS_DTYPE, backend=backend)
+
+
+def _ns_dtype(impl: str) -> torch.dtype:
+    return torch.bfloat16 if impl in ("torch-muon", "titan-bf16") else NS_DTYPE
 
 
 @pytest.mark.parametrize("impl", NS_IMPLS)
 @pytest.mark.parametrize("shape", _params(NS_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}"))
 def test_newton_schulz(benchmark, shape, impl):
-    if impl == "torch-muon" and not CUDA and shape == NS_SHAPES[-1]:
+    if impl in ("torch-muon", "titan-bf16") and not CUDA and shape == NS_SHAPES[-1]:
         pytest.skip("torch.optim.Muon iterates in bf16: minutes on a CPU without bf16 units")
     if impl == "titan-triton" and not tk.available_backends(DEV)["triton"].available:
         pytest.skip("triton unavailable")
     g = torch.randn(shape, device=DEV, dtype=NS_DTYPE)
     fn = _ns_fn(impl)
-    dt = torch.bfloat16 if impl == "torch-muon" else NS_DTYPE
+    dt = _ns_dtype(impl)
     common.run(benchmark, lambda: fn(g), op="newton_schulz", impl=impl, shape=f"{shape[0]}x{shape[1]}",
-               dtype=str(dt).replace("torch.", ""), flops=ns_flops(*shape), flop_dtype=NS_DTYPE)
+               dtype=str(dt).replace("torch.", ""), flops=ns_flops(*shape), flop_dtype=dt)
 
 
 # ----------------------------------------------------------------------------- same-process comparison
@@ -180,9 +186,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="AdamW / Muon step and Newton-Schulz, timed alternately in one process")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default=None, help="write PREFIX.json/.md (a folder: <date>-<cpu|gpu>)")
+    ap.add_argument("--only", choices=("adamw", "ns"), default=None, help="time only the AdamW step or Newton-Schulz")
     ns = ap.parse_args(argv)
     rows = []
-    for shape in [s for s in ADAMW_SHAPES if s in MAIN_CASES["adamw"]]:
+    for shape in [s for s in ADAMW_SHAPES if s in MAIN_CASES["adamw"] and ns.only != "ns"]:
         cases = {}
         for impl in ADAMW_IMPLS:
             params = [torch.nn.Parameter(torch.randn(s, device=DEV)) for s in _shapes(shape)]
@@ -203,17 +210,25 @@ def main(argv: list[str] | None = None) -> int:
                   f"{t['torch-fused'] / t[impl]:.2f}x, torch-foreach / this {t['torch-foreach'] / t[impl]:.2f}x",
                   flush=True)
         del cases
-    peak = common.matmul_rate(NS_DTYPE)
-    for shape in [s for s in NS_SHAPES if s in MAIN_CASES["ns"]]:
+    for shape in [s for s in NS_SHAPES if s in MAIN_CASES["ns"] and ns.only != "adamw"]:
+        # The ceiling, timed in the same rounds: the iteration's largest product X X^T (r x c times c x r)
+        # in each dtype, so a loaded machine slows both alike.
+        r, c = min(shape), max(shape)
+        impls = [i for i in NS_IMPLS if not (i in ("torch-muon", "titan-bf16") and not CUDA and shape == NS_SHAPES[-1])]
+        dts = sorted({_ns_dtype(i) for i in impls}, key=str)
+        xs = {dt: torch.randn(r, c, device=DEV, dtype=dt) for dt in dts}
         g = torch.randn(shape, device=DEV, dtype=NS_DTYPE)
-        impls = [i for i in NS_IMPLS if not (i == "torch-muon" and not CUDA and shape == NS_SHAPES[-1])]
-        t = _alternate({i: (lambda fn=_ns_fn(i): fn(g)) for i in impls}, ns.rounds)
+        fns = {i: (lambda fn=_ns_fn(i): fn(g)) for i in impls}
+        fns.update({f"matmul-{dt}": (lambda x=xs[dt]: x @ x.T) for dt in dts})
+        t = _alternate(fns, ns.rounds)
         f = ns_flops(*shape)
         for impl in impls:
-            rows.append(common.Row("newton_schulz", f"{shape[0]}x{shape[1]}", str(NS_DTYPE).replace("torch.", ""), impl,
-                                   t[impl], flops=f, tflops=f / t[impl] / 1e12, flop_share=f / t[impl] / peak))
-            print(f"newton_schulz {shape} {impl}: {t[impl] * 1e3:.1f} ms, {f / t[impl] / 1e12:.3f} TFLOP/s = "
-                  f"{100 * f / t[impl] / peak:.0f}% of the measured matmul rate ({peak / 1e12:.3f} TFLOP/s)", flush=True)
+            peak = 2 * r * r * c / t[f"matmul-{_ns_dtype(impl)}"]
+            rows.append(common.Row("newton_schulz", f"{shape[0]}x{shape[1]}", str(_ns_dtype(impl)).replace("torch.", ""),
+                                   impl, t[impl], flops=f, tflops=f / t[impl] / 1e12, flop_share=f / t[impl] / peak))
+            print(f"newton_schulz {shape} {impl} ({_ns_dtype(impl)}): {t[impl] * 1e3:.1f} ms, {f / t[impl] / 1e12:.3f} "
+                  f"TFLOP/s = {100 * f / t[impl] / peak:.0f}% of the X X^T matmul measured alongside "
+                  f"({peak / 1e12:.3f} TFLOP/s)", flush=True)
     print(common.table(rows))
     if ns.out:
         print("wrote", common.save(ns.out, rows))
