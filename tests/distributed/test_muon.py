@@ -10,6 +10,7 @@ debugmodel (float32, fixed seed, tests/distributed/layouts.py).
   fsdp2_tp2   2-D shards (FSDP2 over TP's): exchange group = both dims flattened (4 ranks, slow)
   ep2_tp2     experts split over ep and on their hidden size over tp: per-expert matrices gathered
               over tp (4 ranks, slow)
+  hsdp2x2     replicas x shards: each replica exchanges over its own shard group (4 ranks, slow)
 The default run has the 2-rank layouts (about a minute on 2 cores); ``-m slow`` adds the 4-rank ones.
 """
 import pytest
@@ -37,8 +38,10 @@ LAYOUTS = {
     "ep2": (2, "moe", [*MOE, *EP2, *_lbs(2)]),
     "fsdp2_tp2": (4, "llama", [*TP2, *_lbs(2)]),
     "ep2_tp2": (4, "moe", [*MOE, *EP2, *TP2, *_lbs(2)]),
+    "hsdp2x2": (4, "llama", ["--parallelism.data_parallel_replicate_degree", "2",
+                             "--parallelism.data_parallel_shard_degree", "2", *_lbs(4)]),
 }
-SLOW = {"fsdp2_tp2", "ep2_tp2"}
+SLOW = {"fsdp2_tp2", "ep2_tp2", "hsdp2x2"}
 
 
 @pytest.fixture(scope="module")

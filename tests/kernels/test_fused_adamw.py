@@ -184,11 +184,11 @@ def test_backends_draw_the_same_bits():
 def test_counter_past_two_to_the_32():
     """A stream offset near 2^32 (an element index of a huge shard) crosses the high word correctly."""
     n = 64
-    p0 = torch.randn(n).bfloat16()
-    g = torch.randn(n)
+    p0 = torch.randn(n, device=DEV).bfloat16()
+    g = torch.randn(n, device=DEV)
     out = {}
     for be in [b.values[0] for b in BACKENDS if not b.marks]:
-        p, m, v = p0.clone(), torch.zeros(n).bfloat16(), torch.zeros(n).bfloat16()
+        p, m, v = p0.clone(), torch.zeros(n, device=DEV).bfloat16(), torch.zeros(n, device=DEV).bfloat16()
         fn = tk.backend.get_impl("fused_adamw", p.device, be)
         fn([p], [g], [m], [v], 1e-2, 0.9, 0.95, 1e-8, 0.0, 1, [12345], [2**32 - 20])
         out[be] = (p, m, v)
