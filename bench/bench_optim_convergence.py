@@ -86,30 +86,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", default=str(REPO / "bench" / "results"))
     ap.add_argument("--models", default="llama3,moe")
-    ap.add_argument("--bf16-only", default=None, help="a results .json of an earlier run: redo only the bf16 check")
+    ap.add_argument("--resume", default=None, help="a results .json of an earlier run: add only what it lacks")
+    ap.add_argument("--extra", default="", help="more runs, e.g. adamw@3e-4,muon@0.1 (the sweep's edges)")
     ns = ap.parse_args(argv)
     results: dict = {"steps": ns.steps, "config": COMMON, "models": {}}
-    if ns.bf16_only:
-        results = json.loads(pathlib.Path(ns.bf16_only).read_text())
+    if ns.resume:
+        results = json.loads(pathlib.Path(ns.resume).read_text())
+    wanted = [(opt, lr) for opt, lrs in LRS.items() for lr in lrs]
+    wanted += [(x.split("@")[0], float(x.split("@")[1])) for x in ns.extra.split(",") if x]
     with tempfile.TemporaryDirectory() as tmp:
         for model in ns.models.split(","):
-            if not ns.bf16_only:
-                res = results["models"][model] = {"runs": {}}
-                for opt, lrs in LRS.items():
-                    for lr in lrs:
-                        name = f"{opt}@{lr:g}"
-                        losses = run(pathlib.Path(tmp) / model / name, ns.steps,
-                                     [*MODELS[model], "--optimizer.name", opt, "--optimizer.lr", str(lr)])
-                        res["runs"][name] = {"final": final(losses), "curve": losses}
-                        print(f"{model} {name}: final loss {final(losses):.4f}", flush=True)
-                best = {opt: min((n for n in res["runs"] if n.startswith(opt + "@")),
-                                 key=lambda n: res["runs"][n]["final"]) for opt in LRS}
-                res["best"] = {opt: {"run": n, "final": res["runs"][n]["final"]} for opt, n in best.items()}
-                res["muon_wins"] = res["runs"][best["muon"]]["final"] < res["runs"][best["adamw"]]["final"]
-            res = results["models"][model]
-            best_adamw = res["best"]["adamw"]["run"]
-            ref = {int(k): v for k, v in res["runs"][best_adamw]["curve"].items()}
-            res["bf16_states"] = bf16_check(pathlib.Path(tmp), model, best_adamw.split("@")[1], ns.steps, ref)
+            res = results["models"].setdefault(model, {"runs": {}})
+            for opt, lr in wanted:
+                name = f"{opt}@{lr:g}"
+                if name in res["runs"]:
+                    continue
+                losses = run(pathlib.Path(tmp) / model / name, ns.steps,
+                             [*MODELS[model], "--optimizer.name", opt, "--optimizer.lr", str(lr)])
+                res["runs"][name] = {"final": final(losses), "curve": losses}
+                print(f"{model} {name}: final loss {final(losses):.4f}", flush=True)
+            best = {opt: min((n for n in res["runs"] if n.startswith(opt + "@")),
+                             key=lambda n: res["runs"][n]["final"]) for opt in LRS}
+            res["best"] = {opt: {"run": n, "final": res["runs"][n]["final"]} for opt, n in best.items()}
+            res["muon_wins"] = res["runs"][best["muon"]]["final"] < res["runs"][best["adamw"]]["final"]
+            q = res.get("bf16_states", {})
+            if "vs_fp32" not in q or q["lr"] != float(best["adamw"].split("@")[1]):
+                ref = {int(k): v for k, v in res["runs"][best["adamw"]]["curve"].items()}
+                res["bf16_states"] = bf16_check(pathlib.Path(tmp), model, best["adamw"].split("@")[1], ns.steps, ref)
     out = pathlib.Path(ns.out)
     out.mkdir(parents=True, exist_ok=True)
     prefix = out / f"{datetime.date.today().isoformat()}-cpu-optim-convergence"
