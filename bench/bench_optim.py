@@ -56,9 +56,9 @@ BETAS, LR, WD = (0.9, 0.95), 1e-4, 0.1
 def _shapes(name: str) -> list[tuple[int, ...]]:
     if ADAMW_SHAPES[name] is not None:
         return ADAMW_SHAPES[name]
-    from trainer.models.llama import build_model, model_args
+    from trainer.models.registry import build_model, model_args
 
-    return [tuple(p.shape) for p in build_model(model_args("debugmodel", 2048, 2048), device="meta").parameters()]
+    return [tuple(p.shape) for p in build_model(model_args("llama3", "debugmodel", 2048, 2048)).parameters()]
 
 
 def _optimizer(impl: str, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -8,7 +8,7 @@ import torch
 
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.estimate import Layout, estimate_memory, model_costs
-from trainer.models.common import build_model, model_args
+from trainer.models.registry import build_model, model_args
 from trainer.optim import build_optimizer
 from trainer.plan import GPUS, flavor_args, main, optimizer_comparison
 

@@ -14,7 +14,7 @@ from torch import nn
 from trainer import train
 from trainer.config import ConfigError, parse_args
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.models.llama import build_model
+from trainer.models.registry import build_model
 from trainer.optim import LRSchedule, TitanOptimizer, build_lr_scheduler, build_optimizer
 from trainer.optim.groups import param_groups, settings
 from tests.trainer.helpers import tiny_llama
@@ -47,7 +47,7 @@ def test_kinds_and_default_groups():
 
 
 def test_moe_kinds():
-    from trainer.models.common import build_model as build_any, model_args
+    from trainer.models.registry import build_model as build_any, model_args
 
     args = model_args("qwen3", "debugmodel_moe", 64, 16)
     k = _kinds(build_any(args, device="meta"))

@@ -28,23 +28,33 @@ def document_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torch.Tensor | None,
            cu_seqlens: torch.Tensor | None, mask: dict, softmax_scale: float | None = None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, max_logit: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of q (batch, seq, heads, qk_head_dim) over k/v (batch, seq, kv_heads, .) with
     the layer's ``mask`` (flash_attn's window_size / chunk_size keywords, empty for plain causal) and
     its ``sinks`` (heads,) if any: dense, or over the documents of a packed batch when
     ``position_ids`` are given (``cu_seqlens`` from ``document_cu_seqlens``, computed here when not
-    given). Returns (batch, seq, heads, v_head_dim)."""
+    given). Returns (batch, seq, heads, v_head_dim).
+
+    ``max_logit`` (QK-clip, ``trainer.optim.qk_clip``): a (heads,) float32 buffer updated in place with
+    the running max over the rows of each head's log-sum-exp, an upper bound of its max logit."""
     if sinks is not None:
         mask = {**mask, "sinks": sinks}
+    lse = max_logit is not None
     if position_ids is None:
-        return titan_kernels.flash_attn(q, k, v, causal=True, softmax_scale=softmax_scale, **mask)
-    bsz, seq = q.shape[:2]
-    if cu_seqlens is None:
-        cu_seqlens = document_cu_seqlens(position_ids)
-    # No document is longer than a row, so seq bounds max_seqlen without reading cu_seqlens.
-    out = titan_kernels.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens, cu_seqlens,
-                                          seq, seq, causal=True, softmax_scale=softmax_scale, **mask)
-    return out.view(bsz, seq, *out.shape[1:])
+        out = titan_kernels.flash_attn(q, k, v, causal=True, softmax_scale=softmax_scale, return_lse=lse, **mask)
+    else:
+        bsz, seq = q.shape[:2]
+        if cu_seqlens is None:
+            cu_seqlens = document_cu_seqlens(position_ids)
+        # No document is longer than a row, so seq bounds max_seqlen without reading cu_seqlens.
+        out = titan_kernels.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_seqlens,
+                                              cu_seqlens, seq, seq, causal=True, softmax_scale=softmax_scale,
+                                              return_lse=lse, **mask)
+    if lse:
+        out, lse = out  # (batch, heads, seq), or (heads, tokens) over the documents
+        rows = lse.detach().transpose(0, 1).flatten(1) if position_ids is None else lse.detach()
+        max_logit.copy_(torch.maximum(max_logit, rows.amax(dim=1)))
+    return out if position_ids is None else out.view(bsz, seq, *out.shape[1:])
 
 
 def layer_mask(args, layer_id: int) -> dict:
@@ -86,6 +96,8 @@ class Attention(nn.Module):
         # Set by trainer.parallel.context_parallel: this rank holds part of every sequence; it gives
         # the rotary positions of the local tokens and runs attention over the whole sequence.
         self.context_parallel = None
+        # Set by QK-clip (trainer.optim.qk_clip): (local heads,) float32 max-logit bounds (``attend``).
+        self.register_buffer("max_logit", None, persistent=False)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -102,7 +114,8 @@ class Attention(nn.Module):
             extra = {"sinks": sinks} if sinks is not None else {}
             return self.wo(self.context_parallel(q, k, v, **self.mask, **extra).reshape(bsz, seq, -1))
         q, k = rope(q, k, position_ids)
-        return self.wo(attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks).reshape(bsz, seq, -1))
+        out = attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks, max_logit=self.max_logit)
+        return self.wo(out.reshape(bsz, seq, -1))
 
     def local_sinks(self) -> torch.Tensor | None:
         """The sink logits of this rank's heads (float32): under tensor parallel a head-sharded DTensor's

@@ -84,7 +84,7 @@ class QKClip:
             if getattr(m, "context_parallel", None) is not None:
                 raise ValueError("optimizer.qk_clip_threshold: not supported with context parallel yet (ring "
                                  "attention does not record the per-head max logit)")
-        self.tp = _tp_size(self._q_weight(*self.layers[0]))
+        self.tp = _tp_size(self._q_proj(*self.layers[0]).weight)
         self.dp_group = self.tp_group = None
         if mesh is not None:
             dp = _submesh(mesh, "dp_cp")  # the ranks that see different tokens
@@ -92,15 +92,14 @@ class QKClip:
                 self.dp_group = dp.get_group()
             if self.tp > 1:
                 self.tp_group = mesh["tp"].get_group()
-        dev = _local(self._q_weight(*self.layers[0])).device
+        dev = _local(self._q_proj(*self.layers[0]).weight).device
         for m, _ in self.layers:
             m.max_logit = torch.full((m.n_heads // self.tp,), float("-inf"), device=dev)
 
     @staticmethod
-    def _q_weight(m: nn.Module, kind: str) -> torch.Tensor:
-        if kind == "mla" and getattr(m, "wq", None) is None:
-            return m.wq_b.weight
-        return m.wq.weight
+    def _q_proj(m: nn.Module, kind: str) -> nn.Module:
+        """The projection whose rows are the heads' queries (MLA with a query latent: wq_b)."""
+        return m.wq_b if kind == "mla" and getattr(m, "wq", None) is None else m.wq
 
     @torch.no_grad()
     def __call__(self) -> None:
@@ -118,15 +117,15 @@ class QKClip:
                 group = g.view(n_kv, -1)
                 k_scale = group.amin(dim=1).sqrt()
                 q_scale = (group / k_scale[:, None]).reshape(-1)
-                _scale_rows(layer.wq.weight, q_scale.repeat_interleave(layer.head_dim))
-                _scale_rows(layer.wk.weight, k_scale.repeat_interleave(layer.head_dim))
+                _scale_rows(layer.wq, q_scale.repeat_interleave(layer.head_dim))
+                _scale_rows(layer.wk, k_scale.repeat_interleave(layer.head_dim))
             else:
                 root = g.sqrt()[:, None]
                 ones = torch.ones(g.numel(), layer.v_dim, device=g.device)
                 q_rows = torch.cat([root.expand(-1, layer.qk_nope), g[:, None].expand(-1, layer.qk_rope)], dim=1)
                 kv_rows = torch.cat([root.expand(-1, layer.qk_nope), ones], dim=1)
-                _scale_rows(self._q_weight(layer, kind), q_rows.reshape(-1))
-                _scale_rows(layer.wkv_b.weight, kv_rows.reshape(-1))
+                _scale_rows(self._q_proj(layer, kind), q_rows.reshape(-1))
+                _scale_rows(layer.wkv_b, kv_rows.reshape(-1))
             layer.max_logit.fill_(float("-inf"))
 
 
@@ -137,8 +136,12 @@ def _submesh(mesh, name: str):
         return None
 
 
-def _scale_rows(w: torch.Tensor, scale: torch.Tensor) -> None:
-    """Multiply the rows (dim 0) of ``w``'s local shard by their entries of the full ``scale``."""
-    local = _local(w)
-    idx = local_indices(w, 0)
-    local.mul_(scale[idx].to(local.dtype).unsqueeze(1))
+def _scale_rows(linear: nn.Module, scale: torch.Tensor) -> None:
+    """Multiply the output rows of ``linear`` (its weight's dim 0 and its bias, if any; each through
+    its local shard) by their entries of the full ``scale``."""
+    for t in (linear.weight, getattr(linear, "bias", None)):
+        if t is None:
+            continue
+        local = _local(t)
+        s = scale[local_indices(t, 0)].to(local.dtype)
+        local.mul_(s.view(-1, *([1] * (local.dim() - 1))))

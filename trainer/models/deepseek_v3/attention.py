@@ -65,6 +65,8 @@ class MLA(nn.Module):
         self.mask = layer_mask(args, layer_id)
         # Set by trainer.parallel.context_parallel (as the shared Attention's).
         self.context_parallel = None
+        # Set by QK-clip (trainer.optim.qk_clip): (local heads,) float32 max-logit bounds (``attend``).
+        self.register_buffer("max_logit", None, persistent=False)
         # Set by tensor parallel (tp_finish): the latents are replicated, the heads split.
         self.tp_mesh = None
 
@@ -89,7 +91,8 @@ class MLA(nn.Module):
         if self.context_parallel is not None:
             out = self.context_parallel(q, k, v, softmax_scale=self.softmax_scale, **self.mask)
         else:
-            out = attend(q, k, v, position_ids, cu_seqlens, self.mask, softmax_scale=self.softmax_scale)
+            out = attend(q, k, v, position_ids, cu_seqlens, self.mask, softmax_scale=self.softmax_scale,
+                         max_logit=self.max_logit)
         return self.wo(out.reshape(bsz, seq, -1))
 
     def _replicated(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
