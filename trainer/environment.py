@@ -137,7 +137,8 @@ def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> s
         selective_ac_option=config.activation_checkpoint.selective_ac_option,
         devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
         microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
-        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel),
+        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel), optimizer=config.optimizer.name.lower(),
+        state_bytes=2 if config.optimizer.state_dtype == "bfloat16" else 4,
     )
 
 

@@ -434,6 +434,8 @@ def fit_report(
     microbatch_size: int = 1,
     grad_accum: int = 1,
     fused_loss: bool = True,
+    optimizer: str = "adamw",
+    state_bytes: int = 4,
 ) -> str | None:
     """None if the run fits ``devices``; otherwise the message explaining why not and what would fit.
 
@@ -444,7 +446,8 @@ def fit_report(
     """
     est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
                           ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=pp_schedule,
-                          microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss)
+                          microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss,
+                          optimizer=optimizer, state_bytes=state_bytes)
     if est.total <= devices.memory_per_device:
         return None
     from trainer.plan import GPUS, smallest_fit
@@ -462,14 +465,15 @@ def fit_report(
     ]
     assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu} {GPUS[gpu].memory / GIB:.0f} GiB)"
     start = max(8, layout.n_devices) if devices.kind == "cuda" else 8
-    found = smallest_fit(args, flavor, seq_len, gpu=gpu, start=start, fused_loss=fused_loss)
+    found = smallest_fit(args, flavor, seq_len, gpu=gpu, start=start, fused_loss=fused_loss, optimizer=optimizer,
+                         state_bytes=state_bytes)
     if found is None:
         lines.append(f"  no layout of up to 16384 x {gpu} fits{assumed}; reduce training.seq_len")
     else:
         lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
         lines.append(f"    {found.command()}")
         lines.append(f"  more layouts: python -m trainer.plan --flavor {flavor} --ngpu {found.n_gpus} --gpu {gpu} "
-                     f"--seq_len {seq_len}")
+                     f"--seq_len {seq_len} --optimizer {optimizer} --state_dtype {'bfloat16' if state_bytes == 2 else 'float32'}")
     return "\n".join(lines)
 
 
