@@ -72,22 +72,10 @@ from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
 from trainer.profiling import Profiler
-# The step's pieces, also importable from here (the tests patch forward_backward and clip_grad_norm_
-# on this module: the Trainer looks them up here).
-from trainer.step import (  # noqa: F401
-    IGNORE_INDEX,
-    NonFiniteLossError,
-    NonFiniteWatch,
-    TrainingError,
-    build_loss_fn,
-    clip_grad_norm_,
-    forward_backward,
-    micro_batch_loss,
-    mtp_metrics,
-)
+from trainer import step as numerics  # one step's numerics, looked up there at each call
+from trainer.run_history import settle_previous_outputs
+from trainer.step import NonFiniteWatch, TrainingError
 from trainer.validate import Validator, build_validation_loader
-
-_rank_zero_warnings = rank_zero_warnings  # the name tests/trainer/test_train.py uses
 
 logger = logging.getLogger("trainer")
 
@@ -193,6 +181,8 @@ class Trainer:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
                         config.training.steps)
             return False
+        if self.rank == 0:  # an earlier run's records never mix with this one's (trainer/run_history.py)
+            settle_previous_outputs(config.job.dump_folder, self.step, self._ckpt_folder, config.metrics.save_tb_folder)
         self._setup_metrics()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._moe_mods = moe_modules(self.model)
@@ -305,7 +295,7 @@ class Trainer:
                 convert_model_to_float8(model, config.float8)
             except RuntimeError as exc:  # --float8.impl torchao without torchao
                 raise TrainingError(str(exc)) from None
-        fused_loss, loss_fn = build_loss_fn(model, config, dims)
+        fused_loss, loss_fn = numerics.build_loss_fn(model, config, dims)
         spec = spec_of(self.args)
         parallelize = spec.load(spec.parallelize) if spec.parallelize else parallelize_decoder
         try:
@@ -375,7 +365,7 @@ class Trainer:
         model, loss_fn = self.model, self.loss_fn
         self.validator = Validator(
             self.val_loader, v.steps, self.device,
-            lambda inputs, labels, pos: micro_batch_loss(model, loss_fn, inputs, labels, pos),
+            lambda inputs, labels, pos: numerics.micro_batch_loss(model, loss_fn, inputs, labels, pos),
             dp_group=self._dp_group, distributed=self._distributed,
             document_masking=cfg_t.document_masking, shard=self._shard,
             loss_context=self._loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
@@ -412,7 +402,7 @@ class Trainer:
             loss, data_wait = self._forward_backward()
         else:  # replica groups: the step repeats until the quorum commits it (trainer/fault_tolerance.py)
             step, loss, data_wait = self._ft.run_step(self, self._forward_backward)
-        grad_norm = clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
+        grad_norm = numerics.clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
         self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
         if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):
@@ -429,7 +419,7 @@ class Trainer:
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
         extra = {}
         if getattr(self.model, "mtp_depth", 0) and self.metrics.should_log(step):  # every rank (sum over dp)
-            extra = mtp_metrics(self.model, self._dp_group)
+            extra = numerics.mtp_metrics(self.model, self._dp_group)
         self.metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                           grad_norm=grad_norm, lr=lr,
                           extra=(lambda: {**load_metrics(self._moe_mods, moe_load), **extra})
@@ -441,7 +431,7 @@ class Trainer:
         included; returns the mean token loss and the seconds spent waiting for data."""
         cfg_t, pm = self.config.training, self.pm
         batches, data_wait = self._next_batches()
-        loss = forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
+        loss = numerics.forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
                                 dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
                                 loss_context=self._loss_context, pipeline=pm.pipeline,
                                 mtp_depth=getattr(self.model, "mtp_depth", 0))

@@ -9,7 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from trainer import step as numerics
 from trainer import train
+from trainer.environment import rank_zero_warnings
 from trainer.config import ConfigError, parse_args
 from trainer.metrics import MetricsLogger, peak_flops
 from trainer.models.registry import build_model
@@ -31,7 +33,7 @@ def _batch(n, seq=11, ignore_rows=()):
     ids = torch.randint(0, TINY.vocab_size, (n, seq + 1))
     labels = ids[:, 1:].clone()
     for r, upto in ignore_rows:  # rows with some ignored labels: micro-batches get unequal token counts
-        labels[r, :upto] = train.IGNORE_INDEX
+        labels[r, :upto] = numerics.IGNORE_INDEX
     return {"input_ids": ids[:, :-1], "labels": labels, "position_ids": torch.arange(seq).expand(n, seq)}
 
 
@@ -50,11 +52,11 @@ def _rel(a, b):
 def test_accumulation_1x8_equals_4x2_and_the_big_batch_gradient():
     big = _batch(8, ignore_rows=[(1, 9), (6, 4)])
     one = _model()
-    loss1 = train.forward_backward(one, cross_entropy_loss, [big], torch.device("cpu"))
+    loss1 = numerics.forward_backward(one, cross_entropy_loss, [big], torch.device("cpu"))
     four = _model()
-    loss4 = train.forward_backward(four, cross_entropy_loss, _split(big, 4), torch.device("cpu"))
+    loss4 = numerics.forward_backward(four, cross_entropy_loss, _split(big, 4), torch.device("cpu"))
     ref = _model()
-    keep = big["labels"].flatten() != train.IGNORE_INDEX
+    keep = big["labels"].flatten() != numerics.IGNORE_INDEX
     logits = ref(big["input_ids"]).flatten(0, 1)
     ref_loss = F.cross_entropy(logits[keep].double(), big["labels"].flatten()[keep])  # mean over the big batch
     ref_loss.backward()
@@ -68,19 +70,19 @@ def test_accumulation_1x8_equals_4x2_and_the_big_batch_gradient():
 
 def test_forward_backward_rejects_a_batch_without_tokens():
     b = _batch(2)
-    b["labels"][:] = train.IGNORE_INDEX
+    b["labels"][:] = numerics.IGNORE_INDEX
     with pytest.raises(ValueError, match="no token"):
-        train.forward_backward(_model(), cross_entropy_loss, [b], torch.device("cpu"))
+        numerics.forward_backward(_model(), cross_entropy_loss, [b], torch.device("cpu"))
 
 
 def test_clip_grad_norm_matches_torch():
     a, b = _model(), _model()
     x = _batch(3)
     for m in (a, b):
-        train.forward_backward(m, cross_entropy_loss, [x], torch.device("cpu"))
+        numerics.forward_backward(m, cross_entropy_loss, [x], torch.device("cpu"))
         for p in m.parameters():
             p.grad.mul_(50)  # make clipping bite
-    norm = train.clip_grad_norm_(list(a.parameters()), 1.0)
+    norm = numerics.clip_grad_norm_(list(a.parameters()), 1.0)
     ref = torch.nn.utils.clip_grad_norm_(list(b.parameters()), 1.0)
     assert norm.item() == pytest.approx(ref.item(), rel=1e-6) and norm.item() > 1.0
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
@@ -253,13 +255,13 @@ def test_no_float_tensor_is_read_on_the_host_between_log_steps(tmp_path, monkeyp
 
     for name in ("item", "__bool__", "__float__", "__int__", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, wrap(name))
-    forward_backward = train.forward_backward
+    forward_backward = numerics.forward_backward
 
     def counting(*args, **kwargs):
         current["step"] += 1
         return forward_backward(*args, **kwargs)
 
-    monkeypatch.setattr(train, "forward_backward", counting)
+    monkeypatch.setattr(numerics, "forward_backward", counting)
     rc, recs = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "4")
     assert rc == 0 and [r["step"] for r in recs] == [1, 4, 8]
     for step in (2, 3, 5, 6, 7):
@@ -272,7 +274,7 @@ def test_no_float_tensor_is_read_on_the_host_between_log_steps(tmp_path, monkeyp
 def test_non_finite_step_is_caught_at_the_next_check_before_a_checkpoint(tmp_path, monkeypatch, capsys):
     """A non-finite gradient norm at step 4 (between checks) stops the run at the log step 5, before
     its update; the checkpoint of step 3 stays the newest, and step 6's is never written."""
-    clip = train.clip_grad_norm_
+    clip = numerics.clip_grad_norm_
     calls = []
 
     def clip_with_a_bad_step(*args, **kwargs):
@@ -280,7 +282,7 @@ def test_non_finite_step_is_caught_at_the_next_check_before_a_checkpoint(tmp_pat
         calls.append(1)
         return norm * float("nan") if len(calls) == 4 else norm
 
-    monkeypatch.setattr(train, "clip_grad_norm_", clip_with_a_bad_step)
+    monkeypatch.setattr(numerics, "clip_grad_norm_", clip_with_a_bad_step)
     rc, recs = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "5", "--checkpoint.enable",
                     "--checkpoint.interval", "3")
     err = capsys.readouterr().err
@@ -293,7 +295,7 @@ def test_non_finite_step_is_caught_at_the_next_check_before_a_checkpoint(tmp_pat
 
 
 def test_a_bad_step_before_a_checkpoint_step_is_never_saved(tmp_path, monkeypatch, capsys):
-    clip = train.clip_grad_norm_
+    clip = numerics.clip_grad_norm_
     calls = []
 
     def clip_with_a_bad_step(*args, **kwargs):
@@ -301,7 +303,7 @@ def test_a_bad_step_before_a_checkpoint_step_is_never_saved(tmp_path, monkeypatc
         norm = clip(*args, **kwargs)
         return norm * float("inf") if len(calls) == 2 else norm
 
-    monkeypatch.setattr(train, "clip_grad_norm_", clip_with_a_bad_step)
+    monkeypatch.setattr(numerics, "clip_grad_norm_", clip_with_a_bad_step)
     rc, _ = _run(tmp_path, "--training.steps", "8", "--metrics.log_freq", "10", "--checkpoint.enable",
                  "--checkpoint.interval", "3")
     assert rc == 1 and len(calls) == 3  # checked at step 3, the checkpoint step, before saving it
@@ -389,6 +391,6 @@ def test_python_warnings_print_on_rank_zero_only():
     for rank, expected in ((0, 1), (1, 0)):
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            with train._rank_zero_warnings(rank):
+            with rank_zero_warnings(rank):
                 warnings.warn("the same on every rank")
         assert len(seen) == expected, rank

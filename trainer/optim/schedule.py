@@ -13,6 +13,7 @@ is still in warmup (W = steps: the last step runs at the peak).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -103,11 +104,15 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):
         return [base * f for base in self.base_lrs]
 
     def state_dict(self) -> dict:
-        return {"last_epoch": int(self.last_epoch), "base_lrs": [float(b) for b in self.base_lrs]}
+        return {"last_epoch": int(self.last_epoch), "base_lrs": [float(b) for b in self.base_lrs],
+                "schedule": dataclasses.asdict(self.schedule)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.last_epoch = int(state_dict["last_epoch"])
         self.base_lrs = [float(b) for b in state_dict["base_lrs"]]
+        saved = state_dict.get("schedule")  # absent in checkpoints of older versions
+        if saved is not None and saved != dataclasses.asdict(self.schedule):
+            self._report_change(LRSchedule(**saved))
         lrs = self.get_lr()
         for group, lr in zip(self.optimizer.param_groups, lrs):
             if isinstance(group["lr"], torch.Tensor):
@@ -115,6 +120,17 @@ class WarmupDecayLR(torch.optim.lr_scheduler.LRScheduler):
             else:
                 group["lr"] = lr
         self._last_lr = lrs
+
+
+    def _report_change(self, old: LRSchedule) -> None:
+        """A resume under another schedule (e.g. more training.steps): say how the LR changes from here."""
+        new, step = self.schedule, self.last_epoch + 1
+        changed = [f"{k} {a} -> {b}" for k, a, b in ((f.name, getattr(old, f.name), getattr(new, f.name))
+                                                      for f in dataclasses.fields(LRSchedule)) if a != b]
+        base = self.base_lrs[0] if self.base_lrs else 1.0
+        logger.warning("lr schedule changed since the checkpoint (%s): step %d's LR is %.4g (the saved schedule's "
+                       "%.4g), and it %s over the new %d steps", "; ".join(changed), step, base * new.factor(step),
+                       base * old.factor(step), "decays" if new.decay_steps else "stays flat", new.steps)
 
 
 def lr_schedule(cfg: "LRSchedulerConfig", steps: int) -> LRSchedule:
