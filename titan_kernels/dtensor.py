@@ -167,42 +167,58 @@ if torch.distributed.is_available():
     # The rules depend only on tensor arguments (DTensor leaves the scalars out of its cache key).
 
     @register_sharding(torch.ops.titan.flash_attn.default)
-    def _flash_attn_sharding(q, k, v, cu_seqlens_q, cu_seqlens_k, *scalars):
+    def _flash_attn_sharding(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *scalars):
+        # sinks (n_heads,) follow q's heads: Shard(0) when heads are split, else replicated.
         rep, flags = Replicate(), [None] * len(scalars)
+
+        def sk(p):
+            return p if sinks is not None else None
+
         if cu_seqlens_q is None:
             rules = [
-                ([rep, rep], [rep, rep, rep, None, None, *flags]),
-                ([Shard(0), Shard(0)], [Shard(0), Shard(0), Shard(0), None, None, *flags]),
-                ([Shard(2), Shard(1)], [Shard(2), Shard(2), Shard(2), None, None, *flags]),
+                ([rep, rep], [rep, rep, rep, None, None, sk(rep), *flags]),
+                ([Shard(0), Shard(0)], [Shard(0), Shard(0), Shard(0), None, None, sk(rep), *flags]),
+                ([Shard(2), Shard(1)], [Shard(2), Shard(2), Shard(2), None, None, sk(Shard(0)), *flags]),
             ]
             if k.shape[2] == 1:
-                rules.append(([Shard(2), Shard(1)], [Shard(2), rep, rep, None, None, *flags]))
+                rules.append(([Shard(2), Shard(1)], [Shard(2), rep, rep, None, None, sk(Shard(0)), *flags]))
             return rules
         return [
-            ([rep, rep], [rep, rep, rep, rep, rep, *flags]),
-            ([Shard(1), Shard(0)], [Shard(1), Shard(1), Shard(1), rep, rep, *flags]),
+            ([rep, rep], [rep, rep, rep, rep, rep, sk(rep), *flags]),
+            ([Shard(1), Shard(0)], [Shard(1), Shard(1), Shard(1), rep, rep, sk(Shard(0)), *flags]),
         ]
 
     @register_sharding(torch.ops.titan.flash_attn_backward.default)
-    def _flash_attn_backward_sharding(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, *scalars):
+    def _flash_attn_backward_sharding(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, sinks, *scalars):
+        # dsinks sums over batch and rows: Partial when the batch is split, Shard(0) with the heads;
+        # without sinks it is an empty tensor, replicated.
         rep, flags = Replicate(), [None] * len(scalars)
 
         def dl(p):
             return p if dlse is not None else None
 
+        def sk(p):
+            return p if sinks is not None else None
+
+        def ds(p):
+            return p if sinks is not None else rep
+
         if cu_seqlens_q is None:
             rules = [
-                ([rep] * 3, [rep] * 6 + [dl(rep), None, None, *flags]),
-                ([Shard(0)] * 3, [Shard(0)] * 6 + [dl(Shard(0)), None, None, *flags]),
-                ([Shard(2)] * 3, [Shard(2)] * 5 + [Shard(1), dl(Shard(1)), None, None, *flags]),
+                ([rep] * 4, [rep] * 6 + [dl(rep), None, None, sk(rep), *flags]),
+                ([Shard(0)] * 3 + [ds(Partial())], [Shard(0)] * 6 + [dl(Shard(0)), None, None, sk(rep), *flags]),
+                ([Shard(2)] * 3 + [ds(Shard(0))],
+                 [Shard(2)] * 5 + [Shard(1), dl(Shard(1)), None, None, sk(Shard(0)), *flags]),
             ]
             if k.shape[2] == 1:
-                rules.append(([Shard(2), Partial(), Partial()],
-                              [Shard(2), Shard(2), rep, rep, Shard(2), Shard(1), dl(Shard(1)), None, None, *flags]))
+                rules.append(([Shard(2), Partial(), Partial(), ds(Shard(0))],
+                              [Shard(2), Shard(2), rep, rep, Shard(2), Shard(1), dl(Shard(1)), None, None,
+                               sk(Shard(0)), *flags]))
             return rules
         return [
-            ([rep] * 3, [rep] * 6 + [dl(rep), rep, rep, *flags]),
-            ([Shard(1)] * 3, [Shard(1)] * 5 + [Shard(0), dl(Shard(0)), rep, rep, *flags]),
+            ([rep] * 4, [rep] * 6 + [dl(rep), rep, rep, sk(rep), *flags]),
+            ([Shard(1)] * 3 + [ds(Shard(0))],
+             [Shard(1)] * 5 + [Shard(0), dl(Shard(0)), rep, rep, sk(Shard(0)), *flags]),
         ]
 
 

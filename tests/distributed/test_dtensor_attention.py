@@ -2,7 +2,8 @@
 
 Checks: q/k/v split on batch or on heads (GQA groups kept whole), and varlen split on heads with
 cu_seqlens replicated, run with no collective inside the op, forward and backward (with an LSE
-gradient), with the expected output/gradient placements, and match float64 on the full tensors;
+gradient), with the expected output/gradient placements, and match float64 on the full tensors
+(also with a sliding window, sinks and soft-capping: sinks follow q's heads);
 under MQA, k/v may stay replicated while q is split on heads, and dk/dv come out Partial; a split
 sequence has no local rule, so DTensor gathers it and the answer is still right. Both the reference
 and the Triton (interpreted) backends run. About 30 s.
@@ -19,7 +20,7 @@ def _check(rank: int, world: int) -> None:
     from torch.distributed.tensor.debug import CommDebugMode
 
     import titan_kernels as tk
-    from tests.kernels.test_attention import attention64, dense64, doc_mask, rel
+    from tests.kernels.attention_ref import attention64, dense64, doc_mask, rel
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)  # the same full tensors on every rank
@@ -33,6 +34,8 @@ def _check(rank: int, world: int) -> None:
         cotangents = [distribute_tensor(g, mesh, [o.placements[0]]) for g, o in zip(douts, outs)]
         with CommDebugMode() as comm:
             grads = torch.autograd.grad(outs, dts, cotangents)
+        # A replicated input's gradient may come out Partial: its sum over ranks is a collective of
+        # the caller's, not of the op (counted apart).
         return outs, grads, n + comm.get_total_counts()
 
     def reference_grads(fn64, inputs, douts):
@@ -53,6 +56,22 @@ def _check(rank: int, world: int) -> None:
                 assert comms == 0, where
                 assert (o.placements, l.placements) == ((po,), (pl,)), where
                 assert all(x.placements == (p,) for x in g), where
+                assert rel(o.full_tensor(), o64) < 1e-5 and rel(l.full_tensor(), l64) < 1e-5, where
+                for a, e in zip(g, g64):
+                    assert rel(a.full_tensor(), e) < 1e-5, where
+
+            # A sliding window, sinks and soft-capping: the sinks follow q's heads (replicated when the
+            # batch is split); their gradient sums over batch and rows.
+            sinks, window = torch.randn(4), (5, 0)
+            fn = lambda q, k, v, s: tk.flash_attn(q, k, v, window_size=window, sinks=s, softcap=3.0,  # noqa: E731
+                                                  return_lse=True)
+            (o64, l64), g64 = reference_grads(
+                lambda q, k, v, s: dense64(q, k, v, True, 0.25, window=window, sinks=s, softcap=3.0),
+                (q, k, v, sinks), (dout, dlse))
+            for name, p, ps in (("batch", Shard(0), R), ("heads", Shard(2), Shard(0))):
+                (o, l), g, comms = run(fn, (q, k, v, sinks), (p, p, p, ps), (dout, dlse))
+                where = (be, "variants", name)
+                assert comms == 0, where
                 assert rel(o.full_tensor(), o64) < 1e-5 and rel(l.full_tensor(), l64) < 1e-5, where
                 for a, e in zip(g, g64):
                     assert rel(a.full_tensor(), e) < 1e-5, where

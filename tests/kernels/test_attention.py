@@ -16,15 +16,20 @@ a wider sweep of sequence lengths and head dims through the Triton kernel.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import titan_kernels as tk
 from titan_kernels import backend as _backend
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.reference import attention as R
 from tests.conftest import TEST_DEVICE
+from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel  # noqa: F401
+
+
+def op_args(scale, causal=True, return_lse=False, max_q=0, max_k=0, left=-1, softcap=0.0, chunk=0):
+    """The flat arguments of torch.ops.titan.flash_attn after (q, k, v, cu_q, cu_k, sinks)."""
+    return AttentionArgs(scale, left, 0 if causal else -1, softcap, chunk, max_q, max_k, return_lse).op_args()
 
 DEV = torch.device(TEST_DEVICE)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -50,77 +55,6 @@ def _default_tiles(monkeypatch):
 SDPA_BACKENDS = ["sdpa_flash", "cpu"] if DEV.type == "cpu" else ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "cuda"]
 
 
-# ----------------------------------------------------------------------------- float64 reference
-
-
-def doc_mask(lens_q, lens_k, causal: bool) -> torch.Tensor:
-    """(total_q, total_k) bool: query i sees key j when both are in the same document and, causal,
-    j <= i + len_k - len_q within it (bottom-right alignment)."""
-    tq, tk_ = sum(lens_q), sum(lens_k)
-    m = torch.zeros(tq, tk_, dtype=torch.bool, device=DEV)
-    q0 = k0 = 0
-    for lq, lk in zip(lens_q, lens_k):
-        i = torch.arange(lq, device=DEV)[:, None]
-        j = torch.arange(lk, device=DEV)[None, :]
-        m[q0:q0 + lq, k0:k0 + lk] = (j <= i + lk - lq) if causal else True
-        q0, k0 = q0 + lq, k0 + lk
-    return m
-
-
-def attention64(q, k, v, mask, scale):
-    """Packed layout q (Tq, h, d), k/v (Tk, h_kv, d), mask (Tq, Tk) -> out (Tq, h, d), lse (h, Tq)."""
-    q, k, v = q.double(), k.double(), v.double()
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = torch.einsum("ihd,jhd->hij", q, k) * scale
-    seen = mask.any(-1)  # rows with at least one visible key
-    s = s.masked_fill(~mask, float("-inf")).masked_fill(~seen[:, None], 0.0)
-    lse_all = torch.logsumexp(s, -1)
-    p = torch.exp(s - lse_all[..., None]) * mask
-    out = torch.einsum("hij,jhd->ihd", p, v)
-    return out, torch.where(seen, lse_all, torch.full_like(lse_all, float("-inf")))
-
-
-def dense64(q, k, v, causal, scale):
-    """Dense layout through ``attention64``, batch by batch: out (b, sq, h, d), lse (b, h, sq)."""
-    outs, lses = [], []
-    mask = doc_mask([q.shape[1]], [k.shape[1]], causal)
-    for i in range(q.shape[0]):
-        o, l = attention64(q[i], k[i], v[i], mask, scale)
-        outs.append(o)
-        lses.append(l)
-    if not outs:
-        return q.new_zeros(q.shape, dtype=torch.float64), q.new_zeros((0, q.shape[2], q.shape[1]), dtype=torch.float64)
-    return torch.stack(outs), torch.stack(lses)
-
-
-def rel(a, b) -> float:
-    """Relative norm error; a reference that is exactly 0 (e.g. dq with a single key) is compared
-    against an RMS of 0.1 instead (unit-scale inputs), so rounding noise around 0 is not an infinite error."""
-    a, b = a.double(), b.double()
-    floor = 0.1 * math.sqrt(max(b.numel(), 1))
-    return ((a - b).norm() / torch.clamp(b.norm(), min=floor)).item()
-
-
-def assert_lse(lse, lse64, atol):
-    fin = torch.isfinite(lse64)
-    assert torch.equal(torch.isneginf(lse), ~fin), "rows with no visible key must have lse = -inf"
-    if fin.any():
-        assert (lse.double()[fin] - lse64[fin]).abs().max().item() < atol
-
-
-def grads(fn, inputs, cotangents):
-    inputs = [t.detach().requires_grad_(True) for t in inputs]
-    outs = fn(*inputs)
-    outs = outs if isinstance(outs, tuple) else (outs,)
-    used = [(o, c) for o, c in zip(outs, cotangents) if c is not None]
-    return outs, torch.autograd.grad([o for o, _ in used], inputs, [c for _, c in used])
-
-
-def rand(*shape, dtype=torch.float32):
-    return torch.randn(*shape, dtype=torch.float32).to(dtype).to(DEV)
-
-
 # ----------------------------------------------------------------------------- dense, every backend
 
 # (batch, seq_q, seq_k, n_heads, n_kv_heads, head_dim, causal)
@@ -140,7 +74,7 @@ DENSE_CASES = [
 def _run_dense(backend, case, dtype, dout_transposed=False):
     b, sq, sk, h, hkv, d, causal = case
     q, k, v = rand(b, sq, h, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype), rand(b, sk, hkv, d, dtype=dtype)
-    scale = 0.5 / math.sqrt(d)
+    scale = 0.5 / d ** 0.5
     if dout_transposed:
         dout = rand(b, h, sq, d, dtype=dtype).transpose(1, 2)  # non-contiguous
     else:
@@ -335,7 +269,8 @@ def test_sm90_forward_kernel(varlen, causal):
         dims = T._dims(q, k, None, 77, 50)
         out, lse = torch.empty_like(q), torch.empty(2, 4, 77, device=DEV)
         out64, lse64 = dense64(q, k, v, causal, 0.2)
-    T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, dims, causal, 0.2 * T.LOG2E, tiles=(64, 32))
+    a = AttentionArgs(0.2, right=0 if causal else -1, max_q=dims[2], max_k=dims[3])
+    T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, dims, a, tiles=(64, 32))
     assert rel(out, out64) < tol
     assert_lse(lse, lse64, 1e-4 if dtype == torch.float32 else 2e-2)
 
@@ -352,17 +287,17 @@ def test_cuda_default_tiles_interpreted(monkeypatch, varlen):
     if varlen:
         q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed([(150, 150), (0, 3), (70, 40)], 4, 2, 64)
         out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, True), 0.125)
-        args = (cu_q, cu_k, mq, mk)
+        args, a = (cu_q, cu_k), AttentionArgs(0.125, right=0, max_q=mq, max_k=mk)
     else:
         q, k, v = rand(1, 150, 4, 64), rand(1, 150, 2, 64), rand(1, 150, 2, 64)
         out64, lse64 = dense64(q, k, v, True, 0.125)
-        args = (None, None, 0, 0)
-    out, lse = T.attention_fwd(q, k, v, *args, True, 0.125)
+        args, a = (None, None), AttentionArgs(0.125, right=0)
+    out, lse = T.attention_fwd(q, k, v, *args, a)
     assert rel(out, out64) < 1e-5
     assert_lse(lse, lse64, 1e-4)
     dout = rand(*q.shape)
-    got = T.attention_bwd(dout, q, k, v, out, lse, *args, True, 0.125)
-    want = R.attention_bwd(dout, q, k, v, out, lse, *args, True, 0.125)
+    got = T.attention_bwd(dout, q, k, v, out, lse, None, *args, a)
+    want = R.attention_bwd(dout, q, k, v, out, lse, None, *args, a)
     for a, e in zip(got, want):
         assert rel(a, e) < 1e-5
 
@@ -375,16 +310,17 @@ def test_reference_gradcheck_float64():
     class Ref(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, cu_q, cu_k, causal):
-            out, lse = R.attention_fwd(q, k, v, cu_q, cu_k, 0, 0, causal, 0.7)
+            a = AttentionArgs(0.7, right=0 if causal else -1)
+            out, lse = R.attention_fwd(q, k, v, cu_q, cu_k, a)
             ctx.save_for_backward(q, k, v, out, lse)
-            ctx.meta = (cu_q, cu_k, causal)
+            ctx.meta = (cu_q, cu_k, a)
             return out, lse
 
         @staticmethod
         def backward(ctx, dout, dlse):
             q, k, v, out, lse = ctx.saved_tensors
-            cu_q, cu_k, causal = ctx.meta
-            g = R.attention_bwd(dout, q, k, v, out, lse, cu_q, cu_k, 0, 0, causal, 0.7, dlse=dlse)
+            cu_q, cu_k, a = ctx.meta
+            g = R.attention_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, a)
             return (*g, None, None, None)
 
     def finite(fn):
@@ -412,7 +348,8 @@ def test_op_path_autograd(backend):
     b, sq, sk, h, hkv, d = 1, 40, 60, 4, 2, 64
     q, k, v = rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, d)
     dout, dlse = rand(b, sq, h, d), rand(b, h, sq)
-    op = lambda q, k, v: torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.1, True, backend)  # noqa: E731
+    op = lambda q, k, v: torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.1, return_lse=True),  # noqa: E731
+                                                    backend)
     (out, lse), g = grads(op, (q, k, v), (dout, dlse))
     (out64, lse64), g64 = grads(lambda q, k, v: dense64(q, k, v, True, 0.1), (q, k, v), (dout.double(), dlse.double()))
     assert rel(out, out64) < 1e-5
@@ -425,10 +362,11 @@ def _opcheck_args(backend, varlen):
         q, k, v, cu_q, cu_k, mq, mk, _, _ = _packed([(5, 7), (0, 2), (9, 9)], 4, 2, 16)
     else:
         q, k, v, cu_q, cu_k, mq, mk = rand(2, 9, 4, 16), rand(2, 7, 2, 16), rand(2, 7, 2, 16), None, None, 0, 0
-    out, lse = torch.ops.titan.flash_attn(q, k, v, cu_q, cu_k, mq, mk, True, 0.25, True, backend)
-    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu_q, cu_k, mq, mk, True, 0.25, True, backend)
+    args = op_args(0.25, return_lse=True, max_q=mq, max_k=mk)
+    out, lse = torch.ops.titan.flash_attn(q, k, v, cu_q, cu_k, None, *args, backend)
+    fwd = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), cu_q, cu_k, None, *args, backend)
     bwd = (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse), cu_q, cu_k,
-           mq, mk, True, 0.25, True, backend)
+           None, *args, backend)
     return fwd, bwd
 
 

@@ -17,25 +17,32 @@ import torch
 
 import titan_kernels as tk
 from titan_kernels import backend as _backend
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.ops.attention import aten as AT
 from titan_kernels.ops.attention import dispatch as A
 from titan_kernels.ops.attention.flash_lib import flash_lib
 from titan_kernels.reference import attention as R
-from tests.kernels.test_attention import attention64, dense64, doc_mask, rel
+from tests.kernels.attention_ref import attention64, dense64, doc_mask, rel
+from tests.kernels.test_attention import op_args
 
 # ----------------------------------------------------------------------------- stand-in libraries
 
 
-def _fa_fwd(q, k, v, cu_q, cu_k, causal, scale):
+def _fa_args(causal, scale, left=-1, right=-1, softcap=0.0, chunk=0):
+    # FlashAttention's own reading of its arguments: causal sets the window's right side to 0.
+    return AttentionArgs(scale, left, 0 if causal else right, softcap, chunk)
+
+
+def _fa_fwd(q, k, v, cu_q, cu_k, causal, scale, *window):
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1, "FlashAttention wants unit stride on head_dim"
-    out, lse = R.attention_fwd(q, k, v, cu_q, cu_k, 0, 0, causal, scale)
+    out, lse = R.attention_fwd(q, k, v, cu_q, cu_k, _fa_args(causal, scale, *window))
     return out, lse.masked_fill(torch.isneginf(lse), float("inf"))  # FlashAttention's convention
 
 
-def _fa_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale):
+def _fa_bwd(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, causal, scale, *window):
     assert not bool(torch.isneginf(lse).any()), "FlashAttention's backward expects +inf, not -inf, for empty rows"
-    g = R.attention_bwd(dout, q, k, v, out, lse.masked_fill(torch.isposinf(lse), float("-inf")), cu_q, cu_k, 0, 0,
-                        causal, scale)
+    g = R.attention_bwd(dout, q, k, v, out, lse.masked_fill(torch.isposinf(lse), float("-inf")), None, cu_q, cu_k,
+                        _fa_args(causal, scale, *window))
     for buf, x in zip((dq, dk, dv), g):
         buf.copy_(x)
     return torch.empty(0)  # softmax_d
@@ -50,9 +57,9 @@ def make_fa3(calls: list, old_layout: bool = False) -> types.ModuleType:
                                 rotary_cos, rotary_sin, q_descale, k_descale, v_descale, softmax_scale, causal,
                                 window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, num_splits=1,
                                 pack_gqa=None, sm_margin=0):
-            assert window_size == (-1, -1) and k_new is None and page_table is None
+            assert k_new is None and page_table is None
             calls.append(("fa3.fwd", cu_seqlens_q is not None))
-            o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+            o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, *window_size, softcap)
             return o, l, None, None
     else:
         def _flash_attn_forward(q, k, v, k_new=None, v_new=None, qv=None, out_=None, cu_seqlens_q=None,
@@ -62,10 +69,10 @@ def make_fa3(calls: list, old_layout: bool = False) -> types.ModuleType:
                                 k_descale=None, v_descale=None, softmax_scale=None, causal=False, window_size_left=-1,
                                 window_size_right=-1, attention_chunk=0, softcap=0.0, rotary_interleaved=True,
                                 scheduler_metadata=None, num_splits=1, pack_gqa=None, sm_margin=0):
-            assert (window_size_left, window_size_right, softcap) == (-1, -1, 0.0)
             assert (cu_seqlens_q is None) == (max_seqlen_q is None)
             calls.append(("fa3.fwd", cu_seqlens_q is not None))
-            o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+            o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_size_left,
+                           window_size_right, softcap, attention_chunk)
             return o, l, torch.empty(0), torch.empty(0)
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q=None, cu_seqlens_k=None, sequed_q=None,
@@ -74,7 +81,7 @@ def make_fa3(calls: list, old_layout: bool = False) -> types.ModuleType:
                              softcap=0.0, deterministic=False, sm_margin=0):
         calls.append(("fa3.bwd", cu_seqlens_q is not None))
         return _fa_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, is_causal,
-                       softmax_scale)
+                       softmax_scale, window_size_left, window_size_right, softcap)
 
     m._flash_attn_forward = _flash_attn_forward
     m._flash_attn_backward = _flash_attn_backward
@@ -90,7 +97,7 @@ def make_fa2(calls: list, version: str = "2.7.4") -> tuple[types.ModuleType, typ
                             alibi_slopes, return_softmax):
         assert dropout_p == 0.0 and alibi_slopes is None and not return_softmax
         calls.append(("fa2.fwd", False))
-        o, l = _fa_fwd(q, k, v, None, None, causal, softmax_scale)
+        o, l = _fa_fwd(q, k, v, None, None, causal, softmax_scale, window_size_left, window_size_right, softcap)
         return o, l, torch.empty(0), torch.empty(2, dtype=torch.int64)
 
     def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
@@ -99,20 +106,23 @@ def make_fa2(calls: list, version: str = "2.7.4") -> tuple[types.ModuleType, typ
                                    seqused_k=None):
         assert isinstance(max_seqlen_q, int) and dropout_p == 0.0
         calls.append(("fa2.fwd", True))
-        o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        o, l = _fa_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale, window_size_left, window_size_right,
+                       softcap)
         return o, l, torch.empty(0), torch.empty(2, dtype=torch.int64)
 
     def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
                              window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
         calls.append(("fa2.bwd", False))
-        return _fa_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, None, None, causal, softmax_scale)
+        return _fa_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, None, None, causal, softmax_scale,
+                       window_size_left, window_size_right, softcap)
 
     def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
                                     max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
                                     window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
                                     zero_tensors=False):
         calls.append(("fa2.bwd", True))
-        return _fa_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale)
+        return _fa_bwd(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, softmax_scale,
+                       window_size_left, window_size_right, softcap)
 
     for f in (_flash_attn_forward, _flash_attn_varlen_forward, _flash_attn_backward, _flash_attn_varlen_backward):
         setattr(m, f.__name__, f)
@@ -166,22 +176,22 @@ def test_flash_adapters(monkeypatch, kind, varlen):
         cu_q = torch.tensor([0, 0, 7, 10, 22], dtype=torch.int32)
         cu_k = torch.tensor([0, 4, 11, 11, 16], dtype=torch.int32)
         q, k, v = torch.randn(22, 4, 16), torch.randn(16, 2, 16), torch.randn(16, 2, 16)
-        args = (cu_q, cu_k, 12, 7)
+        args, a = (cu_q, cu_k), AttentionArgs(scale, right=0, max_q=12, max_k=7)
         out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, True), scale)
     else:
         q = torch.randn(2, 24, 8, 128)[..., ::2]  # strided head_dim: the adapter makes it contiguous
         k, v = torch.randn(2, 10, 2, 64), torch.randn(2, 10, 2, 64)
-        args = (None, None, 0, 0)
+        args, a = (None, None), AttentionArgs(scale, right=0)
         out64, lse64 = dense64(q, k, v, True, scale)
-    out, lse = A.impl(name, "cuda")[0](q, k, v, *args, True, scale)
+    out, lse = A.impl(name, "cuda")[0](q, k, v, *args, a)
     assert calls == [(f"{name}.fwd", varlen)]
     assert rel(out, out64) < 1e-5
     fin = torch.isfinite(lse64)
     assert torch.equal(torch.isneginf(lse), ~fin), "+inf from FlashAttention must come back as -inf"
     dout = torch.randn_like(out)
-    dq, dk, dv = A.impl(name, "cuda")[1](dout, q, k, v, out, lse, *args, True, scale)
+    dq, dk, dv = A.impl(name, "cuda")[1](dout, q, k, v, out, lse, None, *args, a)
     assert calls[-1] == (f"{name}.bwd", varlen)
-    ref = R.attention_bwd(dout, q, k, v, out, lse, *args, True, scale)
+    ref = R.attention_bwd(dout, q, k, v, out, lse, None, *args, a)
     for a, e in zip((dq, dk, dv), ref):
         assert a.shape == e.shape and rel(a, e) < 1e-6
 
@@ -322,9 +332,10 @@ def test_aten_cuda_adapters_on_meta():
     for name in ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient"):
         fwd, bwd = AT.IMPLS[(name, "cuda")]
         kk = k if name != "sdpa_flash" else torch.empty(b, s, h, d, device="meta", dtype=torch.bfloat16)
-        out, lse = fwd(q, kk, kk, None, None, 0, 0, True, 0.125)
+        a = AttentionArgs(0.125, right=0)
+        out, lse = fwd(q, kk, kk, None, None, a)
         assert out.shape == q.shape and lse.shape == (b, h, s) and lse.dtype == torch.float32, name
-        dq, dk, dv = bwd(out, q, kk, kk, out, lse, None, None, 0, 0, True, 0.125)
+        dq, dk, dv = bwd(out, q, kk, kk, out, lse, None, None, None, a)
         assert dq.shape == q.shape and dk.shape == kk.shape and dv.shape == kk.shape, name
 
 
@@ -398,14 +409,14 @@ def test_backward_uses_the_forwards_backend():
                 if path == "fast":
                     out = tk.flash_attn(q, k, v)
                 else:
-                    out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "reference")[0]
+                    out = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25), "reference")[0]
             out.sum().backward()
             assert seen == ["reference"], path
             seen.clear()
             if path == "fast":
                 out = tk.flash_attn(q, k, v)
             else:  # what the op path is handed when nothing was requested
-                out = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, _backend.AUTO)[0]
+                out = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25), _backend.AUTO)[0]
             with tk.use_backend("reference"):
                 out.sum().backward()
             assert seen == [], path
@@ -414,13 +425,13 @@ def test_backward_uses_the_forwards_backend():
 def test_explicit_backend_refuses_lse_gradient_in_both_paths(libs, monkeypatch):
     # An explicit backend whose backward takes no LSE gradient raises, whichever path ran.
     q, k, v = (torch.randn(1, 20, 2, 16, requires_grad=True) for _ in range(3))
-    case = A.make_case(q, k, v, None, 0, 0, True, True, True, True)
+    case = A.make_case(q, k, v, None, AttentionArgs(0.25, right=0, return_lse=True), True, True)
     monkeypatch.setattr(A, "why_not", lambda name, c: "its backward takes no gradient for the LSE"
                         if c.has_dlse and name == "sdpa_flash" else None)
     out, lse = tk.flash_attn(q, k, v, return_lse=True, backend="sdpa_flash")
     with pytest.raises(RuntimeError, match="sdpa_flash.*LSE"):
         (out.sum() + lse.sum()).backward()
-    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, True, "sdpa_flash")
+    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25, return_lse=True), "sdpa_flash")
     with pytest.raises(RuntimeError, match="sdpa_flash.*LSE"):
         (out.sum() + lse.sum()).backward()
     assert case.has_dlse
@@ -429,7 +440,7 @@ def test_explicit_backend_refuses_lse_gradient_in_both_paths(libs, monkeypatch):
 def test_double_backward_is_refused():
     q, k, v = (torch.randn(1, 10, 2, 16, dtype=torch.float32, requires_grad=True) for _ in range(3))
     for fn in (lambda: tk.flash_attn(q, k, v),
-               lambda: torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, False, "")[0]):
+               lambda: torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25), "")[0]):
         out = fn()
         with pytest.raises(RuntimeError, match="titan::flash_attn: double backward"):
             torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
@@ -441,7 +452,7 @@ def test_backward_on_another_backend_is_correct():
     # around the forward only) is still right: Triton forward, reference backward, via the op path.
     q, k, v = (torch.randn(1, 30, 4, 32, requires_grad=True) for _ in range(3))
     with tk.use_backend("triton"):
-        out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.2, True, "")
+        out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.2, return_lse=True), "")
     dout = torch.randn_like(out)
     g = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import titan_kernels as tk
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.ops.attention import dispatch as A
-from tests.kernels.test_attention import (
-    KERNEL_BACKENDS, _default_tiles, _packed, assert_lse, attention64, dense64, doc_mask, grads, rand, rel,
-)
+from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel
+from tests.kernels.test_attention import KERNEL_BACKENDS, _default_tiles, _packed, op_args
 
 _ = _default_tiles  # the autouse fixture, re-exported for this module
 
@@ -72,14 +72,14 @@ def test_varlen_vs_float64(backend):
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 def test_opcheck(backend):
     q, k, v = rand(2, 9, 4, 24), rand(2, 7, 2, 24), rand(2, 7, 2, 16)
-    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, 0, 0, True, 0.25, True, backend)
+    args = op_args(0.25, return_lse=True)
+    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, None, *args, backend)
     assert out.shape == (2, 9, 4, 16)
     torch.library.opcheck(torch.ops.titan.flash_attn.default,
-                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, 0, 0, True, 0.25,
-                           True, backend))
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None, None, *args, backend))
     torch.library.opcheck(torch.ops.titan.flash_attn_backward.default,
                           (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse),
-                           None, None, 0, 0, True, 0.25, True, backend))
+                           None, None, None, *args, backend))
 
 
 def test_compile_fullgraph_matches_eager():
@@ -154,7 +154,7 @@ def test_fa3_adapter_passes_head_dim_v(monkeypatch):
     A.clear_caches()
     try:
         q, k, v = rand(1, 20, 4, 192), rand(1, 20, 2, 192), rand(1, 20, 2, 128)
-        out, lse = A.impl("fa3", "cuda")[0](q, k, v, None, None, 0, 0, True, 0.1)
+        out, lse = A.impl("fa3", "cuda")[0](q, k, v, None, None, AttentionArgs(0.1, right=0))
         out64, lse64 = dense64(q, k, v, True, 0.1)
         assert calls == [("fa3.fwd", False)] and out.shape == (1, 20, 4, 128) and rel(out, out64) < 1e-5
     finally:
@@ -170,7 +170,7 @@ def test_sm90_forward_kernel_head_dim_v():
         pytest.skip("Triton cannot run on CPU tensors without TRITON_INTERPRET=1")
     q, k, v = rand(1, 40, 2, 128), rand(1, 40, 1, 128), rand(1, 40, 1, 64)
     out, lse = torch.empty(1, 40, 2, 64), torch.empty(1, 2, 40)
-    T._launch_fwd_sm90(q, k, v, out, lse, None, None, T._dims(q, k, None, 40, 40), True, 0.1 * T.LOG2E,
+    T._launch_fwd_sm90(q, k, v, out, lse, None, None, T._dims(q, k, None, 40, 40), AttentionArgs(0.1, right=0),
                        tiles=(32, 16))
     out64, lse64 = dense64(q, k, v, True, 0.1)
     assert rel(out, out64) < 1e-5

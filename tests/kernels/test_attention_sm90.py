@@ -6,9 +6,10 @@ constructs on the compiled path, tensor-core (wgmma) and TMA use, shared memory 
 limit, and register spills. It runs in a subprocess because the test session sets
 ``TRITON_INTERPRET=1``, under which ``@triton.jit`` functions cannot be compiled.
 
-Default run (~20 s): one autotuning config of each kernel at head_dim 128, dense and varlen, with no
-spills on the configs expected to win. ``pytest -m slow tests/kernels/test_attention_sm90.py``
-compiles every config at head_dim 64 and 128. What this does not show: speed, and whether the
+Default run (~20 s): one autotuning config of each kernel at head_dim 128, dense and varlen, causal
+and a sliding window with soft-capping, with no spills on the configs expected to win.
+``pytest -m slow tests/kernels/test_attention_sm90.py`` compiles every config at head_dim 64 and 128
+and DeepSeek-V3's 192 / 128, with chunks too. What this does not show: speed, and whether the
 kernels run correctly on the device (the interpreter tests cover the semantics).
 
 Run by hand: ``TRITON_INTERPRET=0 python -m tests.kernels.test_attention_sm90 [--all]``.
@@ -80,6 +81,7 @@ def _cases(all_configs: bool):
     """Yield (kernel name, config kwargs, summary) for the attention kernels on sm_90a."""
     import torch
 
+    from titan_kernels.attention_mask import AttentionArgs
     from titan_kernels.triton import flash_attn as T
 
     class Capture:
@@ -95,19 +97,28 @@ def _cases(all_configs: bool):
     T._fwd_sm90_tuned = lambda: caps["sm90"]
     T._bwd_delta_kernel = Capture()  # launched directly; compiled below
     T.triton_interpret = lambda: False
-    for d in ((64, 128) if all_configs else (128,)):
+    # Causal, and a sliding window with soft-capping (the masked lower-edge pass, the tanh); with
+    # --all also chunks, and DeepSeek-V3's q/k 192 with v 128 (head_dim 192 runs in 256-wide tiles).
+    variants = [AttentionArgs(0.1, right=0, max_q=156, max_k=156),
+                AttentionArgs(0.1, left=127, right=0, softcap=30.0, max_q=156, max_k=156)]
+    if all_configs:
+        variants.append(AttentionArgs(0.1, right=0, chunk=64, max_q=156, max_k=156))
+    for d, dv in (((64, 64), (128, 128), (192, 128)) if all_configs else ((128, 128),)):
         b, s, h, hkv = 2, 256, 8, 2
         q = torch.randn(b, s, h, d, dtype=torch.bfloat16)
-        k, v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16), torch.randn(b, s, hkv, d, dtype=torch.bfloat16)
+        k, v = torch.randn(b, s, hkv, d, dtype=torch.bfloat16), torch.randn(b, s, hkv, dv, dtype=torch.bfloat16)
         cu = torch.tensor([0, 100, 256], dtype=torch.int32)
         for varlen in (False, True):
             qq, kk, vv = (q[0], k[0], v[0]) if varlen else (q, k, v)
             dims = T._dims(qq, kk, cu if varlen else None, 156, 156)
             cq = cu if varlen else None
             lse = torch.empty(h, s) if varlen else torch.empty(b, h, s)
-            T._launch_fwd_portable(qq, kk, vv, torch.empty_like(qq), lse, cq, cq, dims, True, 0.1)
-            T._launch_fwd_sm90(qq, kk, vv, torch.empty_like(qq), lse, cq, cq, dims, True, 0.1)
-            T.attention_bwd(qq, qq, kk, vv, qq, lse, cq, cq, 156, 156, True, 0.1)
+            out = torch.empty((*qq.shape[:-1], dv), dtype=qq.dtype)
+            for a in variants:
+                T._launch_fwd_portable(qq, kk, vv, out, lse, cq, cq, dims, a)
+                if d in (64, 128, 256):  # the Hopper kernel's tiles are powers of two (sm90_eligible)
+                    T._launch_fwd_sm90(qq, kk, vv, out, lse, cq, cq, dims, a)
+                T.attention_bwd(out, qq, kk, vv, out, lse, None, cq, cq, a)
     for name, tuner in tuned.items():
         kernel = tuner.fn
         for args, kw in caps[name].calls:
@@ -120,9 +131,10 @@ def _cases(all_configs: bool):
                     nargs = dict(zip(kernel.arg_names, args), **ce)
                     cfg.pre_hook(nargs)
                 summary = _compile(kernel, args, ce, cfg.num_warps, cfg.num_stages)
-                head_dim = args[0].shape[-1] if hasattr(args[0], "shape") else ce.get("HEAD_DIM")
+                head_dim = ce.get("HEAD_DIM") or ce["BLOCK_D"]
                 yield name, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                             "varlen": kw["IS_VARLEN"], "head_dim": int(head_dim)}, summary
+                             "varlen": kw["IS_VARLEN"], "head_dim": int(head_dim), "window": kw["HAS_LEFT"],
+                             "chunk": kw["HAS_CHUNK"], "softcap": kw["SOFTCAP"]}, summary
     args, kw = T._bwd_delta_kernel.calls[0]
     yield "delta", {"varlen": kw["IS_VARLEN"]}, _compile(T._bwd_delta_kernel_fn, args, kw, 4, 1)
 
@@ -165,7 +177,8 @@ def _check(rows, all_configs):
         if not all_configs:
             assert fits and row["spills"] == 0, where
         elif not fits:
-            # Autotuning skips a config over the limit; only the head_dim 256 tiles should hit it.
+            # Autotuning skips a config over the limit; only the 256-wide head_dim tiles (head_dim 192
+            # or 256) should hit it.
             assert row["config"].get("head_dim") == 256, where
 
 

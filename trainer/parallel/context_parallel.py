@@ -1,31 +1,34 @@
 """Context parallel: every sequence is split over the ``cp`` ranks; attention is ring attention.
 
 Load balancing (the "zigzag" split, as in Llama 3's context parallel and torchtitan): the sequence
-is cut into ``2 * cp`` equal chunks and rank r holds chunks ``r`` and ``2*cp - 1 - r``, one from
-each end. Under a causal mask the early chunks attend to little and the late ones to much, so every
-rank gets the same attention work. ``ContextParallel.shard`` splits a (batch, seq) tensor this way;
-the tokens, labels and the rotary positions of a rank all come from the same two chunks
+is cut into ``2 * cp`` equal chunks of c tokens and rank r holds chunks ``r`` and ``2*cp - 1 - r``,
+one from each end. Under a causal mask the early chunks attend to little and the late ones to much,
+so every rank gets the same attention work. ``ContextParallel.shard`` splits a (batch, seq) tensor
+this way; the tokens, labels and the rotary positions of a rank all come from the same two chunks
 (``position_ids``: the global positions of the local tokens).
 
 Ring attention (Liu et al., "Ring Attention with Blockwise Transformers", 2023; the causal zigzag
-schedule of Zhu's ring-flash-attention): the K/V block of each rank travels once around the ring
-(point-to-point to the next rank, overlapped with the block computation). With local chunks
-(a, b) = (r, 2cp-1-r) and the visiting block of rank j holding chunks (j, 2cp-1-j):
-
-  j == r   causal attention of (a, b) on (a, b) (the chunks are in order, so one causal call);
-  j <  r   all local queries on chunk j only (chunk j < a; chunk 2cp-1-j > b is masked);
-  j >  r   queries of chunk b only, on both chunks (both < b; chunk a sees neither).
-
-Each block is one ``titan_kernels.flash_attn`` call returning its log-sum-exp; the partial outputs
+schedule of Zhu's ring-flash-attention): at step s = 0 .. cp-1 each rank attends its queries to the
+K/V block of rank r - s (mod cp), received point-to-point while the previous step computes. Each
+(query chunk, key chunk) pair is one ``titan_kernels.flash_attn`` call returning its log-sum-exp,
+with the layer's mask moved into the pair's frame (``_pair``): a chunk pair at distance D = Q0 - K0
+sees key j from query i when ``D - left <= j - i <= D + right`` (window, causal = right 0), which
+is a window of the call after trimming the rows and keys that see nothing. Pairs that see nothing
+are skipped, and a K/V block that no pair of its receiver sees is neither sent nor computed on (a
+sliding window shorter than the chunk distance, or the causal upper triangle). The partial outputs
 merge exactly through the LSEs (Milakov & Gimelshein 2018: out = sum_i exp(lse_i - lse) out_i,
-lse = logsumexp_i lse_i). The backward sends the K/V blocks around again with their gradient
-accumulators: each rank adds the gradient of the block it holds, computed by the
-``titan::flash_attn_backward`` op from the final output and LSE (FlashAttention-2's backward needs
-only those), and after ``cp`` hops each accumulator is back at its owner.
+lse = logsumexp_i lse_i). Sinks join each row's softmax once, after the merge (the epilogue of
+``titan_kernels.ops.attention.sinks``); soft-capping applies per score in every call; chunked
+attention needs the attention chunk to be a multiple of c or to divide it (``_pair``).
 
-Communication per attention call (forward): ``cp - 1`` hops of this rank's K and V,
-batch * (seq / cp) * n_kv_heads * (head_dim + head_dim_v) values each way; the backward twice that (K/V again
-plus their gradients, which travel in float32). See trainer/parallel/README.md.
+The backward receives the K/V blocks again and sends each block's gradient back to its owner
+(point-to-point, float32): each pair's gradients come from the ``titan::flash_attn_backward`` op
+given the final output and LSE (FlashAttention-2's backward needs only those; with sinks, out' and
+lse', which make it exact), and the sinks' gradient is computed once from them.
+
+Communication per attention call (forward): at most ``cp - 1`` blocks of this rank's K and V,
+batch * (seq / cp) * n_kv_heads * (head_dim + head_dim_v) values each, one per step whose receiver
+sees it; the backward twice that (K/V again plus their gradients). See trainer/parallel/README.md.
 """
 from __future__ import annotations
 
@@ -37,6 +40,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import titan_kernels
+from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_softcap, check_window
+from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -62,9 +67,7 @@ class ContextParallel:
         self.group = cp_mesh.get_group()
         self.size = cp_mesh.size()
         self.rank = cp_mesh.get_local_rank()
-        ranks = dist.get_process_group_ranks(self.group)
-        self.next_rank = ranks[(self.rank + 1) % self.size]
-        self.prev_rank = ranks[(self.rank - 1) % self.size]
+        self.ranks = dist.get_process_group_ranks(self.group)
 
     def shard(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's load-balanced part of ``t`` along ``dim`` (the sequence): (..., seq, ...) -> (..., seq/cp, ...)."""
@@ -75,21 +78,33 @@ class ContextParallel:
         """Rotary positions (int64, (local_seq,)) of the local tokens of a sequence of ``local_seq * cp``."""
         return zigzag_indices(local_seq * self.size, self.size, self.rank, device)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 softmax_scale: float | None = None) -> torch.Tensor:
-        """Causal attention of the local queries over the whole sequence.
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
+                 softmax_scale: float | None = None, window_size=(-1, -1), sinks: torch.Tensor | None = None,
+                 softcap: float = 0.0, chunk_size: int | None = None) -> torch.Tensor:
+        """Attention of the local queries over the whole sequence, with ``titan_kernels.flash_attn``'s
+        mask and options (positions are the global ones).
 
         q (batch, seq/cp, n_heads, head_dim), k (batch, seq/cp, n_kv_heads, head_dim), v (batch,
         seq/cp, n_kv_heads, head_dim_v), this rank's zigzag part (v's head_dim may differ from q/k's);
-        ``softmax_scale`` None = 1 / sqrt(head_dim). Returns (batch, seq/cp, n_heads, head_dim_v) in
-        q.dtype. Differentiable.
+        sinks (n_heads,) or None. Returns (batch, seq/cp, n_heads, head_dim_v) in q.dtype.
+        Differentiable (q, k, v, sinks). Raises ValueError for a chunk_size that is neither a multiple
+        nor a divisor of the zigzag chunk (seq / (2 cp)), and as ``flash_attn`` for bad arguments.
         """
-        return _ring_apply(q, k, v, self, softmax_scale)
+        left, right = check_window(window_size, bool(causal))
+        c = q.shape[1] // 2
+        chunk = check_chunk(chunk_size)
+        if chunk and chunk % c and c % chunk:
+            raise ValueError(f"chunk_size: context parallel needs a multiple or a divisor of the zigzag chunk "
+                             f"(seq / (2 cp) = {c}), got {chunk}")
+        scale = 1.0 / math.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        a = AttentionArgs(scale, left, right, check_softcap(softcap), chunk)
+        return _ring_apply(q, k, v, sinks, a, self)
 
-    def _exchange(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        ops = [dist.P2POp(dist.isend, send, self.next_rank, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev_rank, self.group)]
-        return dist.batch_isend_irecv(ops)
+    def _p2p(self, sends: list, recvs: list) -> list:
+        """Post point-to-point sends [(tensor, group rank)] and receives [(buffer, group rank)]."""
+        ops = [dist.P2POp(dist.isend, t, self.ranks[p], self.group) for t, p in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.ranks[p], self.group) for t, p in recvs]
+        return dist.batch_isend_irecv(ops) if ops else []
 
 
 def _wait(works) -> None:
@@ -97,87 +112,146 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _block(r: int, j: int, c: int) -> tuple[slice, slice, bool]:
-    """(query rows, key rows, causal) of the local queries against the K/V block of rank j."""
-    full = slice(None)
-    if j == r:
-        return full, full, True
-    if j < r:
-        return full, slice(0, c), False
-    return slice(c, None), full, False
+def _pair(q0: int, k0: int, c: int, a: AttentionArgs):
+    """The call of query chunk [q0, q0 + c) on key chunk [k0, k0 + c) (global starts), or None when
+    it sees nothing: (rows, keys, window (left, right), chunk) in the chunks' local indices.
+
+    Query i sees key j when ``e <= j - i <= f`` with e = D - left, f = D + right, D = q0 - k0 (and
+    the attention chunk). A call on q[:i1], k[:j1] sees ``j - i`` in [Δ - left', Δ + right'] with
+    Δ = j1 - i1 (bottom-right alignment), so Δ is clamped into [e, f] and the rows / keys past
+    i1 / j1 (which see nothing) are trimmed.
+    """
+    big = 4 * c  # farther than any j - i in the pair: an unbounded side
+    e = q0 - k0 - a.left if a.left >= 0 else -big
+    f = q0 - k0 + a.right if a.right >= 0 else big
+    if max(e, -(c - 1)) > min(f, c - 1):
+        return None
+    chunk = 0
+    if a.chunk:
+        if (a.chunk % c == 0 and q0 // a.chunk != k0 // a.chunk) or (c % a.chunk == 0 and q0 != k0):
+            return None  # different attention chunks
+        chunk = a.chunk if c % a.chunk == 0 else 0  # a.chunk % c == 0: both chunks in one attention chunk
+    delta = min(max(0, e), f)
+    i1, j1 = c - max(delta, 0), c + min(delta, 0)
+    left = delta - e if a.left >= 0 else -1
+    right = f - delta if a.right >= 0 else -1
+    return slice(0, i1), slice(0, j1), (left, right), chunk
+
+
+def _calls(r: int, j: int, n: int, c: int, a: AttentionArgs) -> list:
+    """The calls of rank r's queries on rank j's K/V block: [(local rows, local keys, args)]."""
+    out = []
+    for qi, qc in enumerate((r, 2 * n - 1 - r)):
+        for ki, kc in enumerate((j, 2 * n - 1 - j)):
+            p = _pair(qc * c, kc * c, c, a)
+            if p is not None:
+                rows, keys, (left, right), chunk = p
+                out.append((slice(qi * c + rows.start, qi * c + rows.stop), slice(ki * c + keys.start, ki * c + keys.stop),
+                            AttentionArgs(a.scale, left, right, a.softcap, chunk)))
+    return out
 
 
 @torch._dynamo.disable  # point-to-point communication inside: runs eagerly between compiled regions
-def _ring_apply(q, k, v, cp, softmax_scale=None):
-    return _RingAttention.apply(q, k, v, cp, softmax_scale)
+def _ring_apply(q, k, v, sinks, a, cp):
+    return _RingAttention.apply(q, k, v, sinks, a, cp)
+
+
+def _schedule(cp: ContextParallel, c: int, a: AttentionArgs):
+    """Per step s: (source rank, calls on its block, whether this rank sends its block to r + s)."""
+    n, r = cp.size, cp.rank
+    steps = []
+    for s in range(n):
+        src, dst = (r - s) % n, (r + s) % n
+        steps.append((src, _calls(r, src, n, c, a), s == 0 or bool(_calls(dst, r, n, c, a))))
+    return steps
+
+
+def _exchange(cp, steps, s, kv):
+    """Post step s's transfers (s >= 1): this rank's block to r + s if it needs it, the block of
+    r - s if this rank needs it. Returns (works, receive buffer or None)."""
+    n, r = cp.size, cp.rank
+    src, calls, send = steps[s]
+    buf = torch.empty_like(kv) if calls else None
+    works = cp._p2p([(kv, (r + s) % n)] if send else [], [(buf, src)] if calls else [])
+    return works, buf
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, softmax_scale):
-        n, r = cp.size, cp.rank
-        b, s, h, d = q.shape
+    def forward(ctx, q, k, v, sinks, a: AttentionArgs, cp: ContextParallel):
+        b, s, h, _ = q.shape
         dk = k.shape[-1]
         c = s // 2
-        scale = 1.0 / math.sqrt(d) if softmax_scale is None else softmax_scale
         out = torch.zeros(b, s, h, v.shape[-1], dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, s), -math.inf, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], -1)  # one buffer travels; v's head_dim may differ from k's (MLA)
-        for step in range(n):
-            works, nxt = [], None
-            if step < n - 1:
-                nxt = torch.empty_like(kv)
-                works = cp._exchange(kv, nxt)
-            rows, cols, causal = _block(r, (r - step) % n, c)
-            o_blk, l_blk = titan_kernels.flash_attn(
-                q[:, rows], kv[:, cols, :, :dk], kv[:, cols, :, dk:], causal=causal, softmax_scale=scale,
-                return_lse=True
-            )
-            l_old = lse[:, :, rows]
-            l_new = torch.logaddexp(l_old, l_blk)
-            w_old = torch.exp(l_old - l_new).transpose(1, 2).unsqueeze(-1)
-            w_blk = torch.exp(l_blk - l_new).transpose(1, 2).unsqueeze(-1)
-            out[:, rows] = out[:, rows] * w_old + o_blk.float() * w_blk
-            lse[:, :, rows] = l_new
-            _wait(works)
-            if nxt is not None:
-                kv = nxt
+        steps = _schedule(cp, c, a)
+        pending = _exchange(cp, steps, 1, kv) if cp.size > 1 else ([], None)
+        for step in range(cp.size):
+            if step == 0:
+                blk = kv
+            else:
+                _wait(pending[0])
+                blk = pending[1]
+                pending = _exchange(cp, steps, step + 1, kv) if step + 1 < cp.size else ([], None)
+            for rows, keys, pa in steps[step][1]:
+                o_blk, l_blk = titan_kernels.flash_attn(
+                    q[:, rows], blk[:, keys, :, :dk], blk[:, keys, :, dk:], causal=False, softmax_scale=pa.scale,
+                    window_size=(pa.left, pa.right), softcap=pa.softcap, chunk_size=pa.chunk or None,
+                    return_lse=True)
+                l_old = lse[:, :, rows]
+                l_new = torch.logaddexp(l_old, l_blk)
+                # Rows that saw nothing yet and nothing now stay -inf (weights 0, not nan).
+                safe = torch.where(torch.isinf(l_new), torch.zeros_like(l_new), l_new)
+                w_old = torch.exp(l_old - safe).transpose(1, 2).unsqueeze(-1)
+                w_blk = torch.exp(l_blk - safe).transpose(1, 2).unsqueeze(-1)
+                out[:, rows] = out[:, rows] * w_old + o_blk.float() * w_blk
+                lse[:, :, rows] = l_new
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks, False)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.scale = cp, scale
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.cp, ctx.a = cp, a
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        cp, a = ctx.cp, ctx.a
         n, r = cp.size, cp.rank
         c = q.shape[1] // 2
         dk = k.shape[-1]
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.cat([k, v], -1)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with its K/V block
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)
+        steps = _schedule(cp, c, a)
+        pending = _exchange(cp, steps, 1, kv) if n > 1 else ([], None)
         for step in range(n):
-            works, nxt = [], None
-            if step < n - 1:
-                nxt = torch.empty_like(kv)
-                works = cp._exchange(kv, nxt)
-            rows, cols, causal = _block(r, (r - step) % n, c)
-            dq_b, dk_b, dv_b = torch.ops.titan.flash_attn_backward(
-                dout[:, rows], q[:, rows], kv[:, cols, :, :dk], kv[:, cols, :, dk:], out[:, rows], lse[:, :, rows],
-                None, None, None, 0, 0, causal, scale, False, "",
-            )
-            dq[:, rows] += dq_b
-            dkv[:, cols, :, :dk] += dk_b
-            dkv[:, cols, :, dk:] += dv_b
-            # The block's gradient moves on with it; after n hops each one is back at its owner.
-            dkv_next = torch.empty_like(dkv)
-            _wait(works + cp._exchange(dkv, dkv_next))
-            dkv = dkv_next
-            if nxt is not None:
-                kv = nxt
-        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), None, None
+            if step == 0:
+                blk = kv
+            else:
+                _wait(pending[0])
+                blk = pending[1]
+                pending = _exchange(cp, steps, step + 1, kv) if step + 1 < n else ([], None)
+            part = dkv if step == 0 else (torch.zeros_like(dkv) if steps[step][1] else None)
+            for rows, keys, pa in steps[step][1]:
+                dq_b, dk_b, dv_b, _ = torch.ops.titan.flash_attn_backward(
+                    dout[:, rows], q[:, rows], blk[:, keys, :, :dk], blk[:, keys, :, dk:], out[:, rows],
+                    lse[:, :, rows], None, None, None, None, *pa.op_args(), "")
+                dq[:, rows] += dq_b
+                part[:, keys, :, :dk] += dk_b
+                part[:, keys, :, dk:] += dv_b
+            if step:  # the block's gradient goes back to its owner; this rank's comes from r + step
+                src, calls, send = steps[step]
+                back = torch.empty_like(dkv) if send else None
+                _wait(cp._p2p([(part, src)] if calls else [], [(back, (r + step) % n)] if send else []))
+                if back is not None:
+                    dkv += back
+        dsinks = None
+        if sinks is not None:
+            dsinks = sinks_grad(dout, out, lse, None, sinks, False)
+        return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), dsinks, None, None
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh) -> ContextParallel:

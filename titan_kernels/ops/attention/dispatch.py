@@ -34,16 +34,18 @@ from dataclasses import dataclass, field
 import torch
 
 from titan_kernels import backend as _backend
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.ops.attention import aten as _aten
+from titan_kernels.ops.attention import blockwise as _blockwise
 from titan_kernels.ops.attention.flash_lib import flash_bwd, flash_fwd, flash_lib
 from titan_kernels.reference import attention as _ref
 
 OP = "flash_attn"
-ATTENTION_BACKENDS = ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient", "reference")
+ATTENTION_BACKENDS = ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient", "blockwise", "reference")
 
 AUTO_ORDER = {
     "cuda": ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient"),
-    "cpu": ("sdpa_flash",),
+    "cpu": ("sdpa_flash", "blockwise"),
 }
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -53,7 +55,8 @@ _HALF = (torch.float16, torch.bfloat16)
 
 @dataclass(eq=False)
 class AttentionCase:
-    """What a backend must take: shapes, dtype and device of one call (seq_* are the maxima)."""
+    """What a backend must take: shapes, dtype, device and mask of one call (seq_* are the maxima).
+    The mask fields follow ``titan_kernels.attention_mask`` (right None: 0 when causal, else -1)."""
 
     device: torch.device
     dtype: torch.dtype
@@ -70,42 +73,51 @@ class AttentionCase:
     has_dlse: bool = False
     tensors: tuple = field(default=(), repr=False)  # (q, k, v): torch's own SDPA checks, once per key
     head_dim_v: int | None = None  # v's head_dim; None: the same as q/k's
+    left: int = -1
+    right: int | None = None
+    softcap: float = 0.0
+    chunk: int = 0
 
     def __post_init__(self):
         if self.head_dim_v is None:
             self.head_dim_v = self.head_dim
+        if self.right is None:
+            self.right = 0 if self.causal else -1
+        self.causal = self.right == 0
+
+    @property
+    def args(self) -> AttentionArgs:
+        return AttentionArgs(1.0, self.left, self.right, self.softcap, self.chunk, self.seq_q, self.seq_k,
+                             self.need_lse)
 
     def key(self) -> tuple:
         """Everything a capability answer depends on (not the batch or the exact lengths)."""
-        return _key(self.device, self.dtype, self.head_dim, self.head_dim_v, self.causal, self.seq_q, self.seq_k,
-                    self.varlen, self.need_lse, self.backward, self.has_dlse, self.n_heads != self.n_kv_heads)
+        return (self.device, self.dtype, self.head_dim, self.head_dim_v, self.args.kind(),
+                (self.seq_q > self.seq_k) - (self.seq_q < self.seq_k), self.varlen, self.need_lse, self.backward,
+                self.has_dlse, self.n_heads != self.n_kv_heads)
 
 
-def _key(device, dtype, head_dim, head_dim_v, causal, seq_q, seq_k, varlen, need_lse, backward, has_dlse, gqa):
-    shape = (seq_q > seq_k) - (seq_q < seq_k)  # -1, 0, 1
-    return (device, dtype, head_dim, head_dim_v, causal, shape, varlen, need_lse, backward, has_dlse, gqa)
-
-
-def case_key(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
+def case_key(q, k, v, cu_seqlens_q, a: AttentionArgs, backward=False, has_dlse=False) -> tuple:
     """``make_case(...).key()`` without building the case (it runs on every call: kept to one read of
     each tensor attribute)."""
     qs, ks = q.shape, k.shape
     if cu_seqlens_q is not None:
-        seq_q, seq_k = int(max_seqlen_q), int(max_seqlen_k)
+        seq_q, seq_k = int(a.max_q), int(a.max_k)
     else:
         seq_q, seq_k = qs[1], ks[1]
-    return (q.device, q.dtype, qs[-1], v.shape[-1], causal, (seq_q > seq_k) - (seq_q < seq_k),
-            cu_seqlens_q is not None, need_lse, backward, has_dlse, qs[-2] != ks[-2])
+    return (q.device, q.dtype, qs[-1], v.shape[-1], a.kind(), (seq_q > seq_k) - (seq_q < seq_k),
+            cu_seqlens_q is not None, a.return_lse, backward, has_dlse, qs[-2] != ks[-2])
 
 
-def make_case(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k, causal, need_lse, backward=False, has_dlse=False):
+def make_case(q, k, v, cu_seqlens_q, a: AttentionArgs, backward=False, has_dlse=False) -> AttentionCase:
     if cu_seqlens_q is not None:
-        batch, seq_q, seq_k = cu_seqlens_q.shape[0] - 1, int(max_seqlen_q), int(max_seqlen_k)
+        batch, seq_q, seq_k = cu_seqlens_q.shape[0] - 1, int(a.max_q), int(a.max_k)
     else:
         batch, seq_q, seq_k = q.shape[0], q.shape[1], k.shape[1]
     return AttentionCase(
-        q.device, q.dtype, batch, seq_q, seq_k, q.shape[-2], k.shape[-2], q.shape[-1], bool(causal),
-        cu_seqlens_q is not None, bool(need_lse), backward, has_dlse, (q, k, v), v.shape[-1],
+        q.device, q.dtype, batch, seq_q, seq_k, q.shape[-2], k.shape[-2], q.shape[-1], a.causal,
+        cu_seqlens_q is not None, a.return_lse, backward, has_dlse, (q, k, v), v.shape[-1], a.left, a.right,
+        a.softcap, a.chunk,
     )
 
 
@@ -139,8 +151,26 @@ def _why_not_flash_lib(kind: str, case: AttentionCase) -> str | None:
         why = _why_not_flash_lib_head_dim_v(kind, case)
         if why:
             return why
+    if case.chunk > 0:
+        why = _why_not_flash_lib_chunk(kind, case, lib)
+        if why:
+            return why
     if case.has_dlse:
         return "its backward takes no gradient for the LSE"
+    return None  # windows and soft-capping: both libraries take them natively, forward and backward
+
+
+def _why_not_flash_lib_chunk(kind: str, case: AttentionCase, lib) -> str | None:
+    # FlashAttention-3's forward takes attention_chunk (hopper/flash_api.cpp); its backward has no such
+    # argument, and its chunk alignment is ours only when seq_q == seq_k (dense).
+    if kind == "fa2":
+        return "FlashAttention-2 has no chunked attention"
+    if case.backward:
+        return "FlashAttention-3's backward takes no attention_chunk"
+    if case.varlen or case.seq_q != case.seq_k:
+        return "chunked attention on FlashAttention-3 only with seq_q == seq_k (dense), where its alignment is ours"
+    if not lib.has_chunk:
+        return "this FlashAttention-3 release takes no attention_chunk"
     return None
 
 
@@ -182,10 +212,15 @@ def _why_not_aten(name: str, case: AttentionCase) -> str | None:
     dev = case.device.type
     if (name, dev) not in _aten.IMPLS:
         return f"aten has no {name.removeprefix('sdpa_')} attention kernel for {dev} tensors"
+    if case.softcap > 0:
+        return "aten's attention kernels have no soft-capping"
     if dev == "cpu":
-        # The CPU kernel takes every case we validate (any head_dim, GQA, varlen, dlse); v's head_dim
-        # different from q/k's by zero-padding v (its only way; see aten.py).
+        # The CPU kernel takes every other case we validate (any head_dim, GQA, varlen, dlse); v's
+        # head_dim different from q/k's by zero-padding (its only way), windows and chunks by
+        # query-block decomposition (see aten.py).
         return None
+    if case.left >= 0 or case.right > 0 or case.chunk > 0:
+        return "aten's CUDA kernels take only full or causal masks (windows and chunks run on FlashAttention or Triton)"
     if case.varlen:
         return "aten's CUDA kernels are wired for dense batches only (varlen runs on triton or FlashAttention)"
     if case.causal and case.seq_q != case.seq_k:
@@ -222,6 +257,8 @@ def _compute_why_not(name: str, case: AttentionCase) -> str | None:
         return None
     if name == "triton":
         return _why_not_triton(case)
+    if name == "blockwise":
+        return None if case.device.type == "cpu" else f"runs on CPU tensors, not {case.device.type}"
     if name in ("fa3", "fa2"):
         return _why_not_flash_lib(name, case)
     return _why_not_aten(name, case)
@@ -263,6 +300,7 @@ def _register() -> None:
         reg(OP, "cuda", (flash_fwd(name), flash_bwd(name)), name=name, why_not=ask(name))
     for (name, dev), fns in _aten.IMPLS.items():
         reg(OP, dev, fns, name=name, why_not=ask(name))
+    reg(OP, "cpu", (_blockwise.attention_fwd, _blockwise.attention_bwd), name="blockwise", why_not=ask("blockwise"))
     _backend.set_order(OP, AUTO_ORDER, hint="backend='reference' runs anything, with O(seq_q * seq_k) memory")
 
 

@@ -3,6 +3,9 @@ attention backends: their private forward/backward functions, bound by name agai
 
 FlashAttention writes lse = +inf for a row with no visible key; our convention (log 0) is -inf, converted
 both ways here. The libraries' backward takes no LSE gradient (``dispatch.why_not`` skips them then).
+Windows (bottom-right aligned, as ours) and soft-capping pass natively, forward and backward; FA3's
+attention_chunk in its forward only. Sinks are applied to their output (``sinks.py``), as for every
+backend: the backward takes (out', lse') as it is.
 """
 from __future__ import annotations
 
@@ -12,6 +15,8 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+
+from titan_kernels.attention_mask import AttentionArgs
 
 # Arguments of flash-attn's private forward/backward functions that we leave off; their names differ
 # across releases, so calls are bound by name against the installed signature (``_bind``).
@@ -54,12 +59,17 @@ def _bind(fn, values: dict) -> dict:
     return kwargs
 
 
-def _fa_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale) -> dict:
+def _fa_values(q, k, v, cu_q, cu_k, a: AttentionArgs) -> dict:
+    # FlashAttention's window is ours (bottom-right aligned, -1 unbounded, causal = right 0), by
+    # whichever name the release uses (a pair, or left / right); soft-capping and FA3's
+    # attention_chunk likewise (dispatch.why_not says which release and pass take which).
     varlen = cu_q is not None
     return {
-        "q": q, "k": k, "v": v, "softmax_scale": scale, "causal": causal, "is_causal": causal,
+        "q": q, "k": k, "v": v, "softmax_scale": a.scale, "causal": a.causal, "is_causal": a.causal,
         "cu_seqlens_q": cu_q, "cu_seqlens_k": cu_k,
-        "max_seqlen_q": int(max_q) if varlen else None, "max_seqlen_k": int(max_k) if varlen else None,
+        "max_seqlen_q": int(a.max_q) if varlen else None, "max_seqlen_k": int(a.max_k) if varlen else None,
+        "window_size": (a.left, a.right), "window_size_left": a.left, "window_size_right": a.right,
+        "softcap": a.softcap, "attention_chunk": a.chunk,
     }
 
 
@@ -71,6 +81,11 @@ class _FlashLib:
     bwd: object
     varlen_fwd: object
     varlen_bwd: object
+
+    @property
+    def has_chunk(self) -> bool:
+        """The forward takes ``attention_chunk`` (FlashAttention-3's chunked attention)."""
+        return "attention_chunk" in _signature(self.fwd).parameters
 
 
 def _probe(fns: dict) -> None:
@@ -120,11 +135,11 @@ def _fix_lse_bwd(lse: torch.Tensor) -> torch.Tensor:
 
 
 def flash_fwd(kind):
-    def fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    def fwd(q, k, v, cu_q, cu_k, a: AttentionArgs):
         lib = flash_lib(kind)[0]
         fn = lib.varlen_fwd if cu_q is not None else lib.fwd
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        res = fn(**_bind(fn, _fa_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)))
+        res = fn(**_bind(fn, _fa_values(q, k, v, cu_q, cu_k, a)))
         out, lse = res[0], res[1]
         return out.contiguous(), _fix_lse_fwd(lse.contiguous())
 
@@ -132,12 +147,13 @@ def flash_fwd(kind):
 
 
 def flash_bwd(kind):
-    def bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale):
+    def bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, a: AttentionArgs):
+        # dlse is always None here: dispatch.why_not skips the libraries when there is one.
         lib = flash_lib(kind)[0]
         fn = lib.varlen_bwd if cu_q is not None else lib.bwd
         dout, q, k, v, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (dout, q, k, v, out))
         dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
-        values = _fa_values(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale)
+        values = _fa_values(q, k, v, cu_q, cu_k, a)
         values.update(dout=dout, out=out, softmax_lse=_fix_lse_bwd(lse), dq=dq, dk=dk, dv=dv)
         fn(**_bind(fn, values))  # writes dq, dk, dv
         return dq, dk, dv

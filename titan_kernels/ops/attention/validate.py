@@ -128,3 +128,15 @@ def validate_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         _check_cu_values(cu_seqlens_k, "cu_seqlens_k", k.shape[0], max_seqlen_k, "max_seqlen_k")
     return check_scale(softmax_scale, q.shape[-1]), max_seqlen_q, max_seqlen_k
 
+
+
+def check_sinks(sinks, q) -> None:
+    """sinks: None or a float tensor of shape (n_heads,) on q's device (any float dtype; math in float32)."""
+    if sinks is None:
+        return
+    check_float(sinks, "sinks")
+    h = q.shape[-2]
+    if sinks.shape != (h,):
+        raise ValueError(f"sinks: expected shape (n_heads,) = ({h},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks: expected device {q.device} (the device of q), got {sinks.device}")

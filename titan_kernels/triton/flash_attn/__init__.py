@@ -33,6 +33,7 @@ import warnings
 import torch
 import triton
 
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.backend import triton_interpret
 from titan_kernels.triton.flash_attn.bwd import (
     _bwd_delta_kernel,
@@ -129,42 +130,52 @@ def sm90_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return all(_aligned16(t) for t in (q, k, v))
 
 
-def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale, tiles=None):
+def _mask_args(a: AttentionArgs) -> tuple[tuple, dict]:
+    """The kernels' runtime mask / scale arguments (qk_scale, sm_scale, softcap, left, right, chunk)
+    and constexprs (IS_CAUSAL: a right bound, ``right`` 0 being causal; HAS_LEFT; HAS_CHUNK; SOFTCAP)."""
+    runtime = (a.scale * LOG2E, a.scale, a.softcap if a.softcap > 0 else 1.0, max(a.left, 0), max(a.right, 0),
+               max(a.chunk, 1))
+    return runtime, dict(IS_CAUSAL=a.right >= 0, HAS_LEFT=a.left >= 0, HAS_CHUNK=a.chunk > 0, SOFTCAP=a.softcap > 0)
+
+
+def _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, a: AttentionArgs, tiles=None):
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
     dv = v.shape[-1]
     so, sl = _strides4(out, varlen), _lse_strides(lse, varlen)
+    runtime, mask_meta = _mask_args(a)
     args = (
         out, lse, _dummy_cu(lse, cu_seqlens_q), _dummy_cu(lse, cu_seqlens_k), *so, *sl,
-        seq_q, seq_k, h, h // hkv, qk_scale, _seq_bucket(seq_q),
+        seq_q, seq_k, h, h // hkv, *runtime, _seq_bucket(seq_q),
     )
     if tiles is not None:  # fixed tiles (the interpreter, in tests)
         bm, bn = tiles
         ws = _tl_range_has_warp_specialize()
         descs = (_descriptor(q, varlen, bm, d), _descriptor(k, varlen, bn, d), _descriptor(v, varlen, bn, dv))
         _fwd_kernel_sm90[(triton.cdiv(seq_q, bm), batch * h)](
-            *descs, *args, IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HEAD_DIM_V=dv,
+            *descs, *args, IS_VARLEN=varlen, **mask_meta, BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=d, HEAD_DIM_V=dv,
             WARP_SPECIALIZE=ws)
         return
     descs = (_descriptor(q, varlen, 64, d), _descriptor(k, varlen, 64, d), _descriptor(v, varlen, 64, dv))
     grid = lambda meta: (triton.cdiv(seq_q, meta["BLOCK_M"]), batch * h)  # noqa: E731
     _launch(_fwd_sm90_tuned(), grid, (*descs, *args),
-            dict(IS_VARLEN=varlen, IS_CAUSAL=causal, HEAD_DIM=d, HEAD_DIM_V=dv))
+            dict(IS_VARLEN=varlen, **mask_meta, HEAD_DIM=d, HEAD_DIM_V=dv))
 
 
 # ----------------------------------------------------------------------------- launchers
 
 
-def _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale):
+def _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, a: AttentionArgs):
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
     dv = v.shape[-1]
     block_d, block_dv = _block_d(d), _block_d(dv)
+    runtime, mask_meta = _mask_args(a)
     args = (
         q, k, v, out, lse, _dummy_cu(q, cu_seqlens_q), _dummy_cu(q, cu_seqlens_k),
         *_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(out, varlen),
         *_lse_strides(lse, varlen),
-        seq_q, seq_k, h, h // hkv, d, dv, qk_scale, _seq_bucket(seq_q),
+        seq_q, seq_k, h, h // hkv, d, dv, *runtime, _seq_bucket(seq_q),
     )
-    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
+    meta = dict(IS_VARLEN=varlen, **mask_meta, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
                 EVEN_DV=block_dv == dv, PRECISION=_precision(q.dtype), DOT_F32=_dot_f32(q.dtype))
     if triton_interpret():
         bm, bn = INTERPRET_TILES["fwd"]
@@ -180,10 +191,7 @@ def attention_fwd(
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
+    a: AttentionArgs,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton forward; same contract as ``titan_kernels.reference.attention.attention_fwd``.
 
@@ -192,7 +200,7 @@ def attention_fwd(
     is issued once and the portable kernel is used from then on.
     """
     global _sm90_disabled_reason
-    dims = _dims(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dims = _dims(q, k, cu_seqlens_q, a.max_q, a.max_k)
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
     out_shape = (*q.shape[:-1], v.shape[-1])
     if varlen:
@@ -204,10 +212,9 @@ def attention_fwd(
         lse = torch.empty((batch, h, seq_q), dtype=torch.float32, device=q.device)
     if batch == 0 or h == 0 or seq_q == 0 or out.numel() == 0:
         return out, lse
-    qk_scale = float(softmax_scale) * LOG2E
     if sm90_eligible(q, k, v):
         try:
-            _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale)
+            _launch_fwd_sm90(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, a)
             return out, lse
         except Exception as e:  # a compiler without this Hopper support: keep working, loudly
             _sm90_disabled_reason = f"{type(e).__name__}: {e}"
@@ -217,7 +224,7 @@ def attention_fwd(
                 RuntimeWarning,
                 stacklevel=2,
             )
-    _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, causal, qk_scale)
+    _launch_fwd_portable(q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, dims, a)
     return out, lse
 
 
@@ -228,19 +235,16 @@ def attention_bwd(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
+    dlse: torch.Tensor | None,
     cu_seqlens_q: torch.Tensor | None,
     cu_seqlens_k: torch.Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool,
-    softmax_scale: float,
-    dlse: torch.Tensor | None = None,
+    a: AttentionArgs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backward; same contract as ``titan_kernels.reference.attention.attention_bwd``.
 
     dq, dk, dv are fresh contiguous tensors in the dtypes of q, k, v (float32 accumulation).
     """
-    dims = _dims(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dims = _dims(q, k, cu_seqlens_q, a.max_q, a.max_k)
     varlen, batch, seq_q, seq_k, h, hkv, d = dims
     alloc = torch.zeros if varlen else torch.empty  # varlen rows outside every document stay 0
     dq = alloc(q.shape, dtype=q.dtype, device=q.device)
@@ -257,7 +261,7 @@ def attention_bwd(
     d_v = v.shape[-1]
     block_d, block_dv = _block_d(d), _block_d(d_v)
     precision = _precision(q.dtype)
-    qk_scale = float(softmax_scale) * LOG2E
+    runtime, mask_meta = _mask_args(a)
     group = h // hkv
     interp = triton_interpret()
 
@@ -268,17 +272,17 @@ def attention_bwd(
     )
     if dlse is not None:
         delta.sub_(dlse)  # dS = P * (dP - delta + dlse): an LSE gradient only shifts delta
-    meta = dict(IS_VARLEN=varlen, IS_CAUSAL=causal, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
+    meta = dict(IS_VARLEN=varlen, **mask_meta, BLOCK_D=block_d, EVEN_D=block_d == d, BLOCK_DV=block_dv,
                 EVEN_DV=block_dv == d_v, PRECISION=precision, DOT_F32=_dot_f32(q.dtype))
     qkv_strides = (*_strides4(q, varlen), *_strides4(k, varlen), *_strides4(v, varlen), *_strides4(dout, varlen))
     dkdv_args = (
         q, k, v, dout, lse, delta, dk, dv, cu_q, cu_k, *qkv_strides,
         *_strides4(dk, varlen), *_strides4(dv, varlen), *sl,
-        seq_q, seq_k, hkv, group, d, d_v, qk_scale, float(softmax_scale), _seq_bucket(seq_k),
+        seq_q, seq_k, hkv, group, d, d_v, *runtime, _seq_bucket(seq_k),
     )
     dq_args = (
         q, k, v, dout, lse, delta, dq, cu_q, cu_k, *qkv_strides, *_strides4(dq, varlen), *sl,
-        seq_q, seq_k, h, group, d, d_v, qk_scale, float(softmax_scale), _seq_bucket(seq_q),
+        seq_q, seq_k, h, group, d, d_v, *runtime, _seq_bucket(seq_q),
     )
     if interp:
         bm, bn = INTERPRET_TILES["dkdv"]

@@ -2,16 +2,19 @@
 
 Math: FlashAttention-2 (Dao 2023, Alg. 2): P is recomputed block by block from Q, K and the
 forward's log-sum-exp, never stored; with delta = rowsum(dO * O) (the preprocess),
-dV = P^T dO, dP = dO V^T, dS = P * (dP - delta), dK = dS^T Q * scale, dQ = dS K * scale. The paper's
-single kernel adds dQ atomically; here dQ has its own kernel (a second pass over the key blocks),
-so nothing is accumulated atomically and every output element is written once.
+dV = P^T dO, dP = dO V^T, dS = P * (dP - delta) (soft-capping: times 1 - tanh^2 of the capped score),
+dK = dS^T Q * scale, dQ = dS K * scale. The paper's single kernel adds dQ atomically; here dQ has its
+own kernel (a second pass over the key blocks), so nothing is accumulated atomically and every
+output element is written once. Blocks outside a window or chunk are never visited.
 
   _bwd_delta_kernel  delta = rowsum(dO * O) in float32, one program per (query block, batch, head).
   _bwd_dkdv_kernel   one program per (key block, batch, KV head); loops over the query heads of its
-                     GQA group and over query blocks (masked near the causal diagonal, then
-                     unmasked), so dK/dV need no atomics and K/V are never repeated.
+                     GQA group and over the query blocks that see the key block (tiles._q_range:
+                     masked near the causal diagonal, then unmasked; with a window or chunk one loop
+                     that masks only its two edge regions), so dK/dV need no atomics and K/V are never
+                     repeated.
   _bwd_dq_kernel     one program per (query block, batch, head); loops over key blocks
-                     (tiles._kv_range splits them into unmasked and masked passes).
+                     (tiles._kv_range splits them into masked and unmasked passes).
   _dkdv_tuned, _dq_tuned   their autotuners (configs: tiles._configs; the launcher is
                      ``flash_attn.attention_bwd``).
 
@@ -22,7 +25,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from titan_kernels.triton.flash_attn.tiles import _AUTOTUNE_KEY, _LOG2E, _configs, _doc_offset, _dot, _kv_range
+from titan_kernels.triton.flash_attn.tiles import (
+    _AUTOTUNE_KEY,
+    _LOG2E,
+    _configs,
+    _doc_offset,
+    _dot,
+    _kv_range,
+    _q_range,
+    _scores,
+    _visible,
+)
 
 
 @triton.jit
@@ -65,10 +78,14 @@ def _load_lse(ptrs, rmask):
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, offs_m, cols, mask_d, mask_dv,
-                    len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls,
-                    MASKED: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, lo_full, hi_full, offs_m, cols,
+                    mask_d, mask_dv, len_q, diag, qk_scale, sm_scale, softcap, left, right, chunk, stride_qs,
+                    stride_dos, stride_ls,
+                    MASKED: tl.constexpr, DYNAMIC: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_CHUNK: tl.constexpr, SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
+    # MASKED: every block masked. DYNAMIC: one loop over [lo, hi) that masks only the blocks outside
+    # [lo_full, hi_full) (a window's or chunk's two edges in one loop: three loops spill registers).
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + offs_m
         rmask = rows < len_q
@@ -84,11 +101,21 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi,
         do = tl.load(do_ptrs, mask=do_mask, other=0.0)
         lse2 = _load_lse(lse_ptrs, rmask)
         delta = tl.load(delta_ptrs, mask=rmask, other=0.0)
-        s_t = _dot(k, tl.trans(q), None, PRECISION, DOT_F32) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+        # (BLOCK_N, BLOCK_M), log2 units
+        s_t, t_t = _scores(_dot(k, tl.trans(q), None, PRECISION, DOT_F32), sm_scale, qk_scale, softcap, SOFTCAP)
         p_t = tl.math.exp2(s_t - lse2[None, :])
         if MASKED:
-            p_t = tl.where(cols[:, None] <= rows[None, :] + diag, p_t, 0.0)
-        dv = _dot(p_t.to(do.dtype), do, dv, PRECISION, DOT_F32)
+            p_t = tl.where(_visible(rows[None, :] + diag, cols[:, None], left, right, chunk, IS_CAUSAL, HAS_LEFT,
+                                    HAS_CHUNK), p_t, 0.0)
+        elif DYNAMIC:
+            if (start_m < lo_full) | (start_m >= hi_full):
+                p_t = tl.where(_visible(rows[None, :] + diag, cols[:, None], left, right, chunk, IS_CAUSAL,
+                                        HAS_LEFT, HAS_CHUNK), p_t, 0.0)
+        p_lo = p_t.to(do.dtype)
+        if SOFTCAP:
+            # The tanh's derivative folded into P for dS at once, so the tanh tile dies here (registers).
+            p_t = p_t * (1.0 - t_t * t_t)
+        dv = _dot(p_lo, do, dv, PRECISION, DOT_F32)
         dp_t = _dot(v, tl.trans(do), None, PRECISION, DOT_F32)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = _dot(ds_t.to(q.dtype), q, dk, PRECISION, DOT_F32)
@@ -109,8 +136,10 @@ def _bwd_dkdv_kernel(
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_kv_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, seq_bucket,
-    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    seqlen_q, seqlen_k, n_kv_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, softcap, left, right, chunk,
+    seq_bucket,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -147,16 +176,13 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
+    # The query rows that see this key block (tiles._q_range): [lo, lo_full) a masked edge at the
+    # causal diagonal / a window's upper bound, [lo_full, hi_full) rows that see every key of the block
+    # (no mask), [hi_full, hi) a masked edge at a window's lower bound / chunk end. Consecutive
+    # passes, so the advanced pointers carry over.
+    lo, lo_full, hi_full, hi = _q_range(n0, len_q, len_k, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+                                        BLOCK_N, BLOCK_M)
     diag = len_k - len_q
-    if IS_CAUSAL:
-        # Rows below n0 - diag see none of this key block; rows from n0 + BLOCK_N - 1 - diag see all of it.
-        lo = (tl.maximum(n0 - diag, 0) // BLOCK_M) * BLOCK_M
-        mid = tl.maximum(((tl.maximum(n0 + BLOCK_N - 1 - diag, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M, lo)
-        mid_hi = tl.minimum(mid, len_q)
-    else:
-        lo = 0
-        mid = 0
-        mid_hi = 0
     lo_64 = tl.cast(lo, tl.int64)
     for g in range(group):
         h = kvh * group + g
@@ -164,16 +190,23 @@ def _bwd_dkdv_kernel(
         do_ptrs = DO + do_off + h * stride_doh + lo_64 * stride_dos + offs_m[:, None] * stride_dos + offs_dv[None, :] * stride_dod
         lse_ptrs = LSE + l_off + h * stride_lh + (lo + offs_m) * stride_ls
         delta_ptrs = DELTA + l_off + h * stride_lh + (lo + offs_m) * stride_ls
-        # The masked pass ends at a multiple of BLOCK_M >= mid_hi, where the unmasked pass begins (or
-        # the unmasked pass is empty), so the advanced pointers carry over.
-        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, mid_hi, offs_m, cols, mask_d, mask_dv,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, True, EVEN_D, EVEN_DV, BLOCK_M, PRECISION,
-            DOT_F32)
-        dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
-            dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, mid, len_q, offs_m, cols, mask_d, mask_dv,
-            len_q, diag, qk_scale, stride_qs, stride_dos, stride_ls, False, EVEN_D, EVEN_DV, BLOCK_M, PRECISION,
-            DOT_F32)
+        if HAS_LEFT or HAS_CHUNK:
+            dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, hi, lo_full, hi_full, offs_m, cols, mask_d,
+                mask_dv, len_q, diag, qk_scale, sm_scale, softcap, left, right, chunk, stride_qs, stride_dos,
+                stride_ls, False, True, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, EVEN_D, EVEN_DV, BLOCK_M,
+                PRECISION, DOT_F32)
+        else:  # masked near the diagonal, then unmasked to the end (padding rows have P = 0)
+            dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo, lo_full, lo_full, hi_full, offs_m, cols,
+                mask_d, mask_dv, len_q, diag, qk_scale, sm_scale, softcap, left, right, chunk, stride_qs,
+                stride_dos, stride_ls, True, False, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, EVEN_D, EVEN_DV,
+                BLOCK_M, PRECISION, DOT_F32)
+            dk, dv, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs = _bwd_dkdv_inner(
+                dk, dv, k, v, q_ptrs, do_ptrs, lse_ptrs, delta_ptrs, lo_full, hi, lo_full, hi_full, offs_m, cols,
+                mask_d, mask_dv, len_q, diag, qk_scale, sm_scale, softcap, left, right, chunk, stride_qs,
+                stride_dos, stride_ls, False, False, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, EVEN_D, EVEN_DV,
+                BLOCK_M, PRECISION, DOT_F32)
     dk = dk * sm_scale
     tl.store(DK + dk_off + kvh * stride_dkh + n0_64 * stride_dks + offs_n[:, None] * stride_dks + offs_d[None, :] * stride_dkd,
              dk.to(DK.dtype.element_ty), mask=k_mask)
@@ -183,8 +216,9 @@ def _bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, mask_dv, len_k, diag,
-                  qk_scale, stride_ks, stride_vs,
-                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                  qk_scale, sm_scale, softcap, left, right, chunk, stride_ks, stride_vs,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                  SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -206,15 +240,16 @@ def _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, hi, rows, offs_n, 
                 v_t = tl.load(v_ptrs)
             else:
                 v_t = tl.load(v_ptrs, mask=mask_dv[:, None], other=0.0)
-        s = _dot(q, k_t, None, PRECISION, DOT_F32) * qk_scale
+        s, t = _scores(_dot(q, k_t, None, PRECISION, DOT_F32), sm_scale, qk_scale, softcap, SOFTCAP)
         p = tl.math.exp2(s - lse2[:, None])
         if MASKED:
-            valid = cols[None, :] < len_k
-            if IS_CAUSAL:
-                valid = valid & (cols[None, :] <= rows[:, None] + diag)
+            valid = (cols[None, :] < len_k) & _visible(rows[:, None] + diag, cols[None, :], left, right, chunk,
+                                                       IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
             p = tl.where(valid, p, 0.0)
         dp = _dot(do, v_t, None, PRECISION, DOT_F32)
         ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = _dot(ds.to(k_t.dtype), tl.trans(k_t), dq, PRECISION, DOT_F32)
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_vs
@@ -230,8 +265,10 @@ def _bwd_dq_kernel(
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, seq_bucket,
-    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, softcap, left, right, chunk,
+    seq_bucket,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -270,12 +307,23 @@ def _bwd_dq_kernel(
     k_ptrs = K + k_off + kvh * stride_kh + offs_n[None, :] * stride_ks + offs_d[:, None] * stride_kd  # K^T block
     v_ptrs = V + v_off + kvh * stride_vh + offs_n[None, :] * stride_vs + offs_dv[:, None] * stride_vd  # V^T block
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
-    dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d,
-                                       mask_dv, len_k, diag, qk_scale, stride_ks, stride_vs, False, IS_CAUSAL,
+    lo, lo_full, hi_full, hi, diag = _kv_range(m0, len_q, len_k, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+                                               BLOCK_M, BLOCK_N)
+    lo_64 = lo.to(tl.int64)
+    k_ptrs += lo_64 * stride_ks
+    v_ptrs += lo_64 * stride_vs
+    if HAS_LEFT or HAS_CHUNK:
+        dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo, lo_full, rows, offs_n, mask_d,
+                                           mask_dv, len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk,
+                                           stride_ks, stride_vs, True, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP,
+                                           EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
+    dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, lo_full, hi_full, rows, offs_n, mask_d,
+                                       mask_dv, len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk,
+                                       stride_ks, stride_vs, False, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP,
                                        EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
-    dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d,
-                                       mask_dv, len_k, diag, qk_scale, stride_ks, stride_vs, True, IS_CAUSAL,
+    dq, k_ptrs, v_ptrs = _bwd_dq_inner(dq, q, do, lse2, delta, k_ptrs, v_ptrs, hi_full, hi, rows, offs_n, mask_d,
+                                       mask_dv, len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk,
+                                       stride_ks, stride_vs, True, IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP,
                                        EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     dq = dq * sm_scale
     tl.store(DQ + dq_off + h * stride_dqh + m0_64 * stride_dqs + offs_m[:, None] * stride_dqs + offs_d[None, :] * stride_dqd,

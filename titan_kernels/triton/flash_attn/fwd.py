@@ -5,9 +5,12 @@ Work Partitioning", Alg. 1): one program per (query block, batch, head) keeps it
 and streams the K/V blocks of its (KV) head, with an online softmax (float32 running max, sum and
 accumulator) and the log-sum-exp written for the backward.
 
-  _fwd_inner    the loop over key blocks [lo, hi); MASKED adds the sequence-end and causal masks.
-  _fwd_kernel   two passes over the key blocks: those every query of the block fully sees (no mask),
-                then those on the causal diagonal or the sequence end (masked). GQA: head h reads
+  _fwd_inner    the loop over key blocks [lo, hi); MASKED adds the sequence-end and window/chunk masks;
+                soft-capping (SOFTCAP) on the scores.
+  _fwd_kernel   three passes over the key blocks the query block can see (tiles._kv_range; blocks
+                outside a window or chunk are never loaded): a masked lower edge (windows, chunks),
+                the blocks every query of the block fully sees (no mask), then those on the causal
+                diagonal / upper edge or the sequence end (masked). GQA: head h reads
                 KV head h // group, K/V never repeated. Any strides (head_dim's too); EVEN_D skips
                 the head_dim mask when head_dim fills BLOCK_D (a power of two >= 16), EVEN_DV the same
                 for v's head_dim (BLOCK_DV), which may differ from q/k's.
@@ -26,14 +29,16 @@ from titan_kernels.triton.flash_attn.tiles import (
     _fwd_epilogue,
     _kv_range,
     _score_mask,
+    _scores,
     _softmax_update,
 )
 
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
-               stride_ks, stride_vs,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+               sm_scale, softcap, left, right, chunk, stride_ks, stride_vs,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+               SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -49,9 +54,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, m
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-        s = _dot(q, k, None, PRECISION, DOT_F32) * qk_scale
+        s, _ = _scores(_dot(q, k, None, PRECISION, DOT_F32), sm_scale, qk_scale, softcap, SOFTCAP)
         if MASKED:
-            s = _score_mask(s, rows, cols, len_k, diag, IS_CAUSAL)
+            s = _score_mask(s, rows, cols, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
         p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
         if MASKED:
             v = tl.load(v_ptrs, mask=vmask, other=0.0)
@@ -73,8 +78,10 @@ def _fwd_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, seq_bucket,
-    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    seqlen_q, seqlen_k, n_heads, group, head_dim, head_dim_v, qk_scale, sm_scale, softcap, left, right, chunk,
+    seq_bucket,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr,
     PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
@@ -110,13 +117,26 @@ def _fwd_kernel(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, lo_full, hi_full, hi, diag = _kv_range(m0, len_q, len_k, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+                                               BLOCK_M, BLOCK_N)
+    lo_64 = lo.to(tl.int64)
+    k_ptrs += lo_64 * stride_ks
+    v_ptrs += lo_64 * stride_vs
+    # Three passes over the keys: masked at a window's or chunk's lower edge (only with one), every
+    # key seen by every row (no mask), masked at the upper edge / causal diagonal and the end.
+    if HAS_LEFT or HAS_CHUNK:
+        acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
+            acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, lo_full, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
+            sm_scale, softcap, left, right, chunk, stride_ks, stride_vs, True, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+            SOFTCAP, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
-        stride_ks, stride_vs, False, IS_CAUSAL, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, lo_full, hi_full, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
+        sm_scale, softcap, left, right, chunk, stride_ks, stride_vs, False, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+        SOFTCAP, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     acc, l_i, m_i, k_ptrs, v_ptrs = _fwd_inner(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, full, hi, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
-        stride_ks, stride_vs, True, IS_CAUSAL, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, hi_full, hi, rows, offs_n, mask_d, mask_dv, len_k, diag, qk_scale,
+        sm_scale, softcap, left, right, chunk, stride_ks, stride_vs, True, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+        SOFTCAP, EVEN_D, EVEN_DV, BLOCK_N, PRECISION, DOT_F32)
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0_64 * stride_os, stride_os, stride_od,
                   LSE, l_off + h * stride_lh, stride_ls, m0, len_q, head_dim_v, BLOCK_M, BLOCK_DV)
 

@@ -32,6 +32,7 @@ from titan_kernels.triton.flash_attn.tiles import (
     _fwd_epilogue,
     _kv_range,
     _score_mask,
+    _scores,
     _softmax_update,
 )
 
@@ -54,15 +55,18 @@ def _load_block(desc, row, head, b, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, 
 
 @triton.jit
 def _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, hi, rows, offs_n, len_k, diag,
-                    qk_scale, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, IS_VARLEN: tl.constexpr,
+                    qk_scale, sm_scale, softcap, left, right, chunk,
+                    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                    SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                     WARP_SPECIALIZE: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = _load_block(desc_k, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, qk_scale, softcap, SOFTCAP)
         if MASKED:
             # Keys past len_k may belong to the next document (varlen): always masked here.
-            s = _score_mask(s, rows, start_n + offs_n, len_k, diag, IS_CAUSAL)
+            s = _score_mask(s, rows, start_n + offs_n, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT,
+                            HAS_CHUNK)
         p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
         v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM_V, IS_VARLEN)
         acc = tl.dot(p.to(v.dtype), v, acc)
@@ -74,8 +78,9 @@ def _fwd_kernel_sm90(
     desc_q, desc_k, desc_v, O, LSE, CU_Q, CU_K,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
-    seqlen_q, seqlen_k, n_heads, group, qk_scale, seq_bucket,
-    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr,
+    seqlen_q, seqlen_k, n_heads, group, qk_scale, sm_scale, softcap, left, right, chunk, seq_bucket,
+    IS_VARLEN: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
 ):
@@ -103,17 +108,28 @@ def _fwd_kernel_sm90(
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V], dtype=tl.float32)
-    full, hi, diag = _kv_range(m0, len_q, len_k, IS_CAUSAL, BLOCK_M, BLOCK_N)
+    lo, lo_full, hi_full, hi, diag = _kv_range(m0, len_q, len_k, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK,
+                                               BLOCK_M, BLOCK_N)
     # No early return here (Triton's Hopper warp specialization rejects the branch it makes): a
     # program past the end of a short document runs no iteration and stores nothing.
-    full = tl.where(m0 < len_q, full, 0)
-    hi = tl.where(m0 < len_q, hi, 0)
-    acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, 0, full, rows, offs_n,
-                                    len_k, diag, qk_scale, False, IS_CAUSAL, IS_VARLEN, BLOCK_N, HEAD_DIM,
-                                    HEAD_DIM_V, WARP_SPECIALIZE)
-    acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, full, hi, rows, offs_n,
-                                    len_k, diag, qk_scale, True, IS_CAUSAL, IS_VARLEN, BLOCK_N, HEAD_DIM,
-                                    HEAD_DIM_V, WARP_SPECIALIZE)
+    live = m0 < len_q
+    lo = tl.where(live, lo, 0)
+    lo_full = tl.where(live, lo_full, 0)
+    hi_full = tl.where(live, hi_full, 0)
+    hi = tl.where(live, hi, 0)
+    if HAS_LEFT or HAS_CHUNK:  # the masked lower edge of a window or chunk
+        acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, lo_full, rows, offs_n,
+                                        len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, True,
+                                        IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM,
+                                        HEAD_DIM_V, WARP_SPECIALIZE)
+    acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo_full, hi_full, rows, offs_n,
+                                    len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, False, IS_CAUSAL,
+                                    HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                    WARP_SPECIALIZE)
+    acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, hi_full, hi, rows, offs_n,
+                                    len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, True, IS_CAUSAL,
+                                    HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
+                                    WARP_SPECIALIZE)
     # O is stored through pointers: a TMA store of a varlen block would overwrite the next document.
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0.to(tl.int64) * stride_os, stride_os, stride_od,
                   LSE, l_off + h * stride_lh, stride_ls, m0, len_q, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V)

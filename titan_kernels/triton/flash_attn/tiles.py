@@ -4,13 +4,16 @@ Used by the portable forward (``fwd``), the Hopper forward (``fwd_sm90``) and th
   _doc_offset       where sequence b starts and how long it is: dense (b * stride_b) or varlen (row
                     CU[b] of the packed tensor); int64 offsets, so tensors over 2^31 elements index
                     correctly.
-  _kv_range         for a block of query rows, the key range that needs no mask and the masked one
-                    (causal diagonal, bottom-right aligned, and the sequence end).
+  _kv_range         for a block of query rows, the keys it needs in three passes (masked at a window's
+                    or chunk's lower edge, unmasked, masked at the causal diagonal / upper edge and the
+                    sequence end); keys outside are skipped. _q_range: the same for the query rows
+                    of a key block (the backward). _align, _floordiv, _visible: their pieces.
+  _scores           the scores in log2 units, soft-capped when asked.
   _softmax_update   one online-softmax step in log2 units with float32 statistics: the inner-loop
                     update of FlashAttention-2 (Dao 2023, Alg. 1): running max m, running sum l,
                     rescaled accumulator.
   _dot              tl.dot with the interpreter's bfloat16 workaround.
-  _score_mask       -inf on scores past the sequence end or above the causal diagonal.
+  _score_mask       -inf on scores past the sequence end or outside the mask (window, chunk).
   _fwd_epilogue     Alg. 1's epilogue for the query block: O = acc / l and lse = (m + log2 l) * ln 2
                     stored; a row with no visible key gets O = 0, lse = -inf (O has v's head_dim).
   _configs, _AUTOTUNE_KEY   the autotuning configs' constructor and the key shared by the kernels.
@@ -43,21 +46,108 @@ def _doc_offset(CU, b, seqlen, stride_b, stride_s, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _kv_range(m0, len_q, len_k, IS_CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key ranges for query rows [m0, m0 + BLOCK_M): [0, full) needs no mask, [full, hi) is masked.
+def _floordiv(a, b):
+    # Floor division for either sign (compiled integer division truncates; the interpreter floors).
+    return tl.where(a >= 0, a // b, -((b - 1 - a) // b))
 
-    Causal, bottom-right: row i sees key j when j <= i + diag, diag = len_k - len_q.
+
+@triton.jit
+def _align(lo, lo_full, hi_full, hi, BLOCK: tl.constexpr):
+    """Block-aligned (lo, lo_full, hi_full) for the three passes over [lo, hi): masked [lo, lo_full),
+    unmasked [lo_full, hi_full), masked [hi_full, hi); lo <= lo_full <= hi_full, all >= 0."""
+    hi = tl.maximum(hi, 0)
+    lo = tl.minimum(tl.maximum(lo, 0), hi)
+    lo_full = tl.maximum(lo_full, lo)
+    hi_full = tl.maximum(tl.minimum(hi_full, hi), 0)
+    lo_a = (lo // BLOCK) * BLOCK  # all >= 0: // is a floor in compiled and interpreted code alike
+    lo_full_a = tl.maximum(tl.minimum((lo_full + BLOCK - 1) // BLOCK, (hi + BLOCK - 1) // BLOCK) * BLOCK, lo_a)
+    hi_full_a = tl.maximum((hi_full // BLOCK) * BLOCK, lo_full_a)
+    return lo_a, lo_full_a, hi_full_a, hi
+
+
+@triton.jit
+def _kv_range(m0, len_q, len_k, left, right, chunk, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys of query rows [m0, m0 + BLOCK_M) (``_align``'s three passes; keys outside [lo, hi)
+    are never loaded, so a window of w costs O(w) per row) and diag = len_k - len_q.
+
+    Row i sits at position p = i + diag (bottom-right aligned) and sees key j when j <= p + right
+    (IS_CAUSAL; right = 0 is causal), j >= p - left (HAS_LEFT) and j // chunk == p // chunk (HAS_CHUNK).
     """
+    diag = len_k - len_q
+    p0 = m0 + diag
+    p1 = tl.minimum(m0 + BLOCK_M, len_q) - 1 + diag  # the block's last real row
+    lo = p0 * 0
+    lo_full = lo
+    hi = len_k + lo
+    hi_full = hi
     if IS_CAUSAL:
-        diag = len_k - len_q
-        hi = tl.maximum(tl.minimum(len_k, m0 + BLOCK_M + diag), 0)
-        full = tl.maximum(tl.minimum(len_k, m0 + diag + 1), 0)
+        hi = tl.minimum(hi, p1 + right + 1)
+        hi_full = tl.minimum(hi_full, p0 + right + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(lo, p0 - left)
+        lo_full = tl.maximum(lo_full, p1 - left)
+    if HAS_CHUNK:
+        c0 = _floordiv(p0, chunk)
+        c1 = _floordiv(p1, chunk)
+        lo = tl.maximum(lo, c0 * chunk)
+        hi = tl.minimum(hi, (c1 + 1) * chunk)
+        lo_full = tl.maximum(lo_full, c1 * chunk)  # empty unless the rows share one chunk
+        hi_full = tl.minimum(hi_full, (c0 + 1) * chunk)
+    lo, lo_full, hi_full, hi = _align(lo, lo_full, hi_full, hi, BLOCK_N)
+    return lo, lo_full, hi_full, hi, diag
+
+
+@triton.jit
+def _q_range(n0, len_q, len_k, left, right, chunk, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+             HAS_CHUNK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The query rows that see any key of [n0, n0 + BLOCK_N) (the backward's dK/dV kernel), in
+    ``_align``'s three passes: rows in [lo_full, hi_full) see every key of the block."""
+    diag = len_k - len_q
+    n1 = tl.minimum(n0 + BLOCK_N, len_k) - 1  # the block's last real key
+    lo = n0 * 0
+    lo_full = lo
+    hi = len_q + lo
+    hi_full = hi
+    if IS_CAUSAL:  # j <= p + right
+        lo = tl.maximum(lo, n0 - right - diag)
+        lo_full = tl.maximum(lo_full, n1 - right - diag)
+    if HAS_LEFT:  # j >= p - left
+        hi = tl.minimum(hi, n1 + left - diag + 1)
+        hi_full = tl.minimum(hi_full, n0 + left - diag + 1)
+    if HAS_CHUNK:
+        c0 = _floordiv(n0, chunk)
+        c1 = _floordiv(n1, chunk)
+        lo = tl.maximum(lo, c0 * chunk - diag)
+        hi = tl.minimum(hi, (c1 + 1) * chunk - diag)
+        lo_full = tl.maximum(lo_full, c1 * chunk - diag)
+        hi_full = tl.minimum(hi_full, (c0 + 1) * chunk - diag)
+    return _align(lo, lo_full, hi_full, hi, BLOCK_M)
+
+
+@triton.jit
+def _visible(p, cols, left, right, chunk, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr):
+    """True where the query at position p sees key cols (broadcast shapes); bounds by the caller."""
+    valid = cols >= 0
+    if IS_CAUSAL:
+        valid = valid & (cols <= p + right)
+    if HAS_LEFT:
+        valid = valid & (cols >= p - left)
+    if HAS_CHUNK:
+        valid = valid & (_floordiv(cols, chunk) == _floordiv(p, chunk))
+    return valid
+
+
+@triton.jit
+def _scores(qk, sm_scale, qk_scale, softcap, SOFTCAP: tl.constexpr):
+    """(scores in log2 units, tanh of the soft-capped scores / softcap or None): without soft-capping
+    qk * scale * log2(e); with it softcap * tanh(qk * scale / softcap) * log2(e) (Gemma 2), tanh
+    written with a sigmoid (2 sigmoid(2x) - 1) so the interpreter and every GPU compute it alike."""
+    if SOFTCAP:
+        t = 2.0 * tl.sigmoid((2.0 * sm_scale / softcap) * qk) - 1.0
+        return t * (softcap * _LOG2E), t
     else:
-        diag = len_k - len_q
-        hi = len_k
-        full = len_k
-    full = (full // BLOCK_N) * BLOCK_N  # full >= 0, so // is a floor in both compiled and interpreted code
-    return full, hi, diag
+        return qk * qk_scale, qk
 
 
 @triton.jit
@@ -87,10 +177,10 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
-def _score_mask(s, rows, cols, len_k, diag, IS_CAUSAL: tl.constexpr):
-    valid = cols[None, :] < len_k
-    if IS_CAUSAL:
-        valid = valid & (cols[None, :] <= rows[:, None] + diag)
+def _score_mask(s, rows, cols, len_k, diag, left, right, chunk, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_CHUNK: tl.constexpr):
+    valid = (cols[None, :] < len_k) & _visible(rows[:, None] + diag, cols[None, :], left, right, chunk, IS_CAUSAL,
+                                               HAS_LEFT, HAS_CHUNK)
     return tl.where(valid, s, float("-inf"))
 
 
@@ -111,7 +201,8 @@ def _fwd_epilogue(acc, l_i, m_i, O, o_base, stride_os, stride_od, LSE, l_base, s
 
 # ----------------------------------------------------------------------------- autotuning
 
-_AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "IS_VARLEN", "group", "seq_bucket"]
+_AUTOTUNE_KEY = ["BLOCK_D", "BLOCK_DV", "IS_CAUSAL", "HAS_LEFT", "HAS_CHUNK", "SOFTCAP", "IS_VARLEN", "group",
+                 "seq_bucket"]
 
 # Kernels write every output element exactly once (no accumulation), so autotuning reruns are safe.
 # The tiles were checked by compiling for sm_90a with Triton 3.9 (no GPU here): at head_dim 64 and

@@ -1,0 +1,196 @@
+"""flash_attn's variants (sliding windows, sinks, soft-capping, chunked attention, and their
+combinations with GQA, varlen, bottom-right causal, seq_q != seq_k, the LSE gradient and v's own
+head_dim) on every backend that claims them, against float64 (tests/kernels/attention_ref.py),
+forward and backward (q, k, v and sinks), at awkward shapes: sequences off the tile size, a window
+longer than the sequence, window 0, rows that see only the sink, zero-size.
+
+Backends here: reference, sdpa_flash (aten's CPU kernel: windows and chunks by decomposition; it
+refuses soft-capping, checked), blockwise, and triton under the interpreter. Default run: about
+20 s; ``-m slow`` adds a sweep of window sizes and offsets.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import titan_kernels as tk
+from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel
+from tests.kernels.test_attention import KERNEL_BACKENDS, _default_tiles, _packed, op_args  # noqa: F401
+
+VARIANT_BACKENDS = KERNEL_BACKENDS + [pytest.param("blockwise", id="blockwise")]
+
+
+
+
+# (batch, seq_q, seq_k, n_heads, n_kv_heads, head_dim, head_dim_v, causal, window, chunk, softcap, sinks)
+CASES = [
+    (1, 70, 70, 4, 2, 16, 16, True, (9, 0), None, 0.0, True),       # sliding window 10 + sinks (GPT-OSS), GQA
+    (1, 33, 33, 2, 1, 8, 8, True, (0, 0), None, 0.0, False),        # window 0: each query sees only itself
+    (1, 21, 40, 2, 2, 16, 8, False, (5, 3), None, 0.0, False),      # two-sided window, seq_q < seq_k, own dv
+    (2, 19, 19, 2, 1, 16, 16, True, (100, 0), None, 0.0, True),     # window longer than the sequence
+    (1, 50, 50, 4, 2, 16, 16, True, (-1, -1), 16, 0.0, False),      # chunks of 16 over 50 (the last partial)
+    (1, 40, 25, 2, 2, 16, 16, True, (6, 0), 8, 0.0, True),          # seq_q > seq_k: 15 rows see only the sink
+    (1, 45, 45, 4, 2, 24, 16, True, (-1, -1), None, 2.0, False),    # soft-capping, own dv
+    (1, 30, 37, 4, 1, 16, 24, False, (7, 2), 12, 3.0, True),        # everything at once, MQA
+]
+
+
+def _ids(c):
+    w = "" if c[8] == (-1, -1) else f"_w{c[8][0]}_{c[8][1]}"
+    return (f"q{c[1]}_k{c[2]}_h{c[3]}_{c[4]}_d{c[5]}_{c[6]}" + ("_causal" if c[7] else "") + w
+            + (f"_chunk{c[9]}" if c[9] else "") + (f"_cap{c[10]:g}" if c[10] else "") + ("_sinks" if c[11] else ""))
+
+
+def _check(backend, fn, fn64, inputs, douts):
+    """fn's outputs and gradients (q, k, v, sinks...) against fn64's in float64 (float32 tolerances)."""
+    (out, lse), g = grads(fn, inputs, douts)
+    (out64, lse64), _ = grads(fn64, inputs, (douts[0].double(), None))
+    assert out.shape == out64.shape and out.is_contiguous() and lse.is_contiguous()
+    assert rel(out, out64) < 1e-5, (backend, rel(out, out64))
+    assert_lse(lse, lse64, 1e-4)
+    # A row with no visible key and no sink has lse = -inf, a constant: its LSE gradient is dropped.
+    dlse = douts[1].double().masked_fill(torch.isinf(lse64), 0.0)
+    _, g64 = grads(fn64, inputs, (douts[0].double(), dlse))
+    for i, (a, e) in enumerate(zip(g, g64)):
+        assert a.shape == e.shape and rel(a, e) < 1e-5, (backend, "grad", i, rel(a, e))
+
+
+# Every (backend, case) a backend claims: aten's kernel has no soft-capping (refused: test_refusals).
+DENSE = [pytest.param(b.values[0], c, id=f"{b.id}-{_ids(c)}", marks=b.marks) for b in VARIANT_BACKENDS for c in CASES
+         if not (b.values[0] == "sdpa_flash" and c[10])]
+
+
+@pytest.mark.parametrize("backend,case", DENSE)
+def test_dense_vs_float64(backend, case):
+    b, sq, sk, h, hkv, d, dv, causal, window, chunk, softcap, with_sinks = case
+    q, k, v = rand(b, sq, h, d), rand(b, sk, hkv, d), rand(b, sk, hkv, dv)
+    sinks = rand(h) if with_sinks else None
+    scale = 1.0 if softcap else 0.5
+    kw = dict(causal=causal, window_size=window, chunk_size=chunk, softcap=softcap, softmax_scale=scale)
+    inputs = (q, k, v) + ((sinks,) if with_sinks else ())
+
+    def fn(q, k, v, s=None):
+        return tk.flash_attn(q, k, v, sinks=s, return_lse=True, backend=backend, **kw)
+
+    def fn64(q, k, v, s=None):
+        return dense64(q, k, v, causal, scale, window=window, chunk=chunk, sinks=s, softcap=softcap)
+
+    _check(backend, fn, fn64, inputs, (rand(b, sq, h, dv), rand(b, h, sq)))
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+def test_varlen_vs_float64(backend):
+    # Empty documents, seq_q != seq_k per document, a window, chunks, sinks (and soft-capping where taken).
+    docs = [(0, 0), (17, 17), (0, 3), (30, 22), (5, 0), (9, 13)]
+    softcap = 0.0 if backend == "sdpa_flash" else 2.5
+    q, k, _, cu_q, cu_k, mq, mk, lq, lk = _packed(docs, 4, 2, 16)
+    v = rand(k.shape[0], 2, 8)
+    window, chunk = (4, 0), 10
+    mask = doc_mask(lq, lk, True, window, chunk)
+
+    def fn(q, k, v, s):
+        return tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=window, chunk_size=chunk, sinks=s,
+                                    softcap=softcap, softmax_scale=0.8, return_lse=True, backend=backend)
+
+    _check(backend, fn, lambda q, k, v, s: attention64(q, k, v, mask, 0.8, s, softcap), (q, k, v, rand(4)),
+           (rand(q.shape[0], 4, 8), rand(4, q.shape[0])))
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+def test_zero_size_with_sinks(backend):
+    # No key: out = 0 and lse = the sink; the sink's gradient is then the LSE's (p = 1, out = 0).
+    q, k, v, sinks = rand(2, 5, 4, 16), rand(2, 0, 2, 16), rand(2, 0, 2, 16), rand(4)
+    (out, lse), g = grads(lambda q, s: tk.flash_attn(q, k, v, sinks=s, window_size=(3, 0), return_lse=True,
+                                                       backend=backend), (q, sinks),
+                          (rand(2, 5, 4, 16), torch.ones(2, 4, 5)))
+    assert torch.count_nonzero(out) == 0 and torch.equal(lse, sinks[None, :, None].expand(2, 4, 5))
+    assert torch.count_nonzero(g[0]) == 0 and torch.allclose(g[1], torch.full((4,), 10.0))
+
+
+def test_refusals():
+    # Each backend that cannot take a variant skips with the reason, and the automatic choice moves on.
+    q = rand(1, 8, 2, 16)
+    choice = tk.attention_backend(q, q, q, softcap=5.0)
+    assert choice.backend == "blockwise" and "soft-capping" in dict(choice.skipped)["sdpa_flash"]
+    assert tk.attention_backend(q, q, q, window_size=(3, 0)).backend == "sdpa_flash"  # by decomposition
+    with pytest.raises(RuntimeError, match="sdpa_flash.*soft-capping"):
+        tk.flash_attn(q, q, q, softcap=5.0, backend="sdpa_flash")
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+def test_opcheck(backend):
+    if backend == "sdpa_flash":
+        softcap = 0.0
+    else:
+        softcap = 4.0
+    q, k, v, sinks = rand(2, 9, 4, 16), rand(2, 11, 2, 16), rand(2, 11, 2, 8), rand(4)
+    args = op_args(0.5, return_lse=True, left=3, softcap=softcap, chunk=6)
+    out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, sinks, *args, backend)
+    torch.library.opcheck(torch.ops.titan.flash_attn.default,
+                          (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), None, None,
+                           sinks.requires_grad_(), *args, backend))
+    torch.library.opcheck(torch.ops.titan.flash_attn_backward.default,
+                          (torch.randn_like(out), q.detach(), k.detach(), v.detach(), out, lse, torch.randn_like(lse),
+                           None, None, sinks.detach(), *args, backend))
+
+
+def test_compile_fullgraph_matches_eager():
+    torch._dynamo.reset()
+    q, k, v, sinks = rand(2, 20, 4, 16), rand(2, 20, 2, 16), rand(2, 20, 2, 8), rand(4)
+    qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(9, 9), (0, 0), (15, 15)], 4, 2, 16)
+
+    def f(q, k, v, s, qv, kv, vv):
+        a, lse = tk.flash_attn(q, k, v, window_size=(5, 0), sinks=s, softcap=3.0, return_lse=True)
+        b = tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, window_size=(3, 0), chunk_size=4, sinks=s)
+        return (a * a).sum() + lse.sum() + (b * b).sum()
+
+    inputs = [t.requires_grad_() for t in (q, k, v, sinks, qv, kv, vv)]
+    loss_c = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
+    g_c = torch.autograd.grad(loss_c, inputs)
+    loss_e = f(*inputs)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, e in zip(g_c, torch.autograd.grad(loss_e, inputs)):
+        torch.testing.assert_close(a, e)
+
+
+def test_bad_arguments():
+    q = rand(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="window_size: expected a pair of ints"):
+        tk.flash_attn(q, q, q, window_size=128)
+    with pytest.raises(ValueError, match="window_size: expected ints >= -1"):
+        tk.flash_attn(q, q, q, window_size=(-2, 0))
+    with pytest.raises(ValueError, match="window_size: right = 4 contradicts causal=True"):
+        tk.flash_attn(q, q, q, window_size=(4, 4))
+    with pytest.raises(ValueError, match="softcap: expected a finite value >= 0"):
+        tk.flash_attn(q, q, q, softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap: expected a float"):
+        tk.flash_attn(q, q, q, softcap="5")
+    with pytest.raises(ValueError, match="chunk_size: expected None or an int >= 1"):
+        tk.flash_attn(q, q, q, chunk_size=-8)
+    with pytest.raises(ValueError, match="sinks: expected shape \\(n_heads,\\) = \\(2,\\)"):
+        tk.flash_attn(q, q, q, sinks=rand(3))
+    with pytest.raises(TypeError, match="sinks: expected dtype"):
+        tk.flash_attn(q, q, q, sinks=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="sinks: expected device"):
+        tk.flash_attn(q, q, q, sinks=torch.zeros(2, device="meta"))
+
+
+def test_window_as_long_as_the_sequence_is_causal():
+    # A bound that cuts nothing is normalized away: the call is plain causal (one kernel call).
+    q = rand(1, 64, 2, 16)
+    choice = tk.attention_backend(q, q, q, window_size=(63, 0))
+    assert choice.backend == "sdpa_flash"
+    assert rel(tk.flash_attn(q, q, q, window_size=(63, 0)), tk.flash_attn(q, q, q)) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+@pytest.mark.parametrize("sq,sk", [(1, 1), (63, 63), (65, 130), (130, 65), (129, 129)])
+@pytest.mark.parametrize("window", [(0, 0), (1, 0), (31, 0), (64, 0), (17, 5)])
+def test_window_sweep(backend, sq, sk, window):
+    causal = window[1] == 0
+    q, k, v = rand(1, sq, 4, 16), rand(1, sk, 2, 16), rand(1, sk, 2, 16)
+    _check(backend, lambda q, k, v: tk.flash_attn(q, k, v, causal=causal, window_size=window, return_lse=True,
+                                                  backend=backend),
+           lambda q, k, v: dense64(q, k, v, causal, 0.25, window=window), (q, k, v),
+           (rand(1, sq, 4, 16), rand(1, 4, sq)))
