@@ -30,7 +30,7 @@ import torch
 ROWS: list["Row"] = []
 BASELINES = ("eager", "compile", "liger", "torchao", "sdpa", "_scaled_mm", "torch.mm",
              "sdpa-cudnn", "sdpa-flash", "sdpa-efficient", "sdpa-math", "fa3", "fa2",
-             "loop", "_grouped_mm", "torch-fused", "torch-foreach", "torch-muon")
+             "loop", "_grouped_mm", "torch-fused", "torch-foreach", "torch-muon", "causal")
 
 
 @dataclass

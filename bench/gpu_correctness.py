@@ -9,8 +9,9 @@ at one to three awkward shapes (odd row counts, a transposed input, GQA, Llama w
 fp32. The relative-norm tolerances are the team's (fp32 1e-5, bf16 1e-2, float8 e4m3 7e-2, e5m2
 1.2e-1). Ops: rms_norm, add_rms_norm, apply_rotary_emb (both layouts), fp8_quantize (three
 granularities), fp8_gemm (tensorwise, rowwise), fp8_linear (three recipes), flash_attn (every
-attention backend causal, the automatic choice non-causal, plus varlen), and swiglu (plain and GPT-OSS's
-clamped variant) /
+attention backend causal, the automatic choice non-causal, varlen plain and with a sliding window,
+sinks and soft-capping, MLA's head dims on every backend: bench/gpu_correctness_attention.py), and
+swiglu (plain and GPT-OSS's clamped variant) /
 linear_cross_entropy / grouped_mm / fp8_grouped_mm / moe_permute + moe_unpermute when
 ``titan_kernels`` has them. fp8_grouped_mm is checked twice: against the unquantized float64 product
 (float8 tolerance) and against float64 on the dequantized operands (the codes of the reference
@@ -236,76 +237,6 @@ def check_fp8_linear(c: Checks, dev, S) -> None:
         c.add("fp8_linear", "auto", case, "y", y, y64, E4M3_TOL)
         c.add("fp8_linear", "auto", case, "dx", dx, dx64, tol_dx)
         c.add("fp8_linear", "auto", case, "dweight", dw, dw64, tol_dw)
-
-
-def _attention_f64(q, k, v, causal, cu=None):
-    import torch
-
-    group = q.shape[-2] // k.shape[-2]
-    k, v = k.repeat_interleave(group, -2), v.repeat_interleave(group, -2)
-    scale = q.shape[-1] ** -0.5
-
-    def dense(q, k, v):  # (S, H, D)
-        s = torch.einsum("qhd,khd->hqk", q, k) * scale
-        if causal:
-            sq, sk = q.shape[0], k.shape[0]
-            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-            s = s.masked_fill(~mask, float("-inf"))
-        return torch.einsum("hqk,khd->qhd", s.softmax(-1), v)
-
-    if cu is None:
-        return torch.stack([dense(q[i], k[i], v[i]) for i in range(q.shape[0])])
-    bounds = cu.tolist()
-    return torch.cat([dense(q[a:b], k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])])
-
-
-def check_flash_attn(c: Checks, dev, S) -> None:
-    import torch
-
-    import titan_kernels as tk
-    from titan_kernels.ops import attention as att
-
-    (b, s, h, hkv, d), dtype = S.attn
-    # Causal (the training case) on every backend; non-causal on the automatic choice only (each mask
-    # is another compile of our Triton kernels).
-    for be in (*att.ATTENTION_BACKENDS, None):
-        for causal in ((True,) if be is not None else (False,)):
-            q = _randn(b, s, h, d, dtype=dtype, dev=dev).requires_grad_()
-            k = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
-            v = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
-            g = _randn(b, s, h, d, dtype=dtype, dev=dev)
-            case = f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {str(dtype)[6:]}"
-            try:
-                out = tk.flash_attn(q, k, v, causal=causal, backend=be)
-                dq, dk, dv = _grad(out, (q, k, v), g)
-                if be is None:
-                    be = f"auto ({tk.attention_backend(q, k, v, causal=causal).backend})"
-            except RuntimeError as e:  # this backend cannot take the case here (the reason says why)
-                c.skip(f"flash_attn [{be}] {case}: {str(e).splitlines()[0][:160]}")
-                continue
-            q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-            out64 = _attention_f64(q64, k64, v64, causal)
-            want = _grad(out64, (q64, k64, v64), g.double())
-            for qn, got, ref in (("out", out, out64), ("dq", dq, want[0]), ("dk", dk, want[1]), ("dv", dv, want[2])):
-                c.add("flash_attn", be, case, qn, got, ref, _tol(dtype))
-    # varlen: three documents packed in one sequence, on the automatic choice.
-    t_total = b * s
-    cu = torch.tensor([0, t_total // 3, t_total // 3 + 1, t_total], dtype=torch.int32, device=dev)
-    q = _randn(t_total, h, d, dtype=dtype, dev=dev).requires_grad_()
-    k = _randn(t_total, hkv, d, dtype=dtype, dev=dev).requires_grad_()
-    v = _randn(t_total, hkv, d, dtype=dtype, dev=dev).requires_grad_()
-    g = _randn(t_total, h, d, dtype=dtype, dev=dev)
-    maxlen = int((cu[1:] - cu[:-1]).max())
-    out = tk.flash_attn_varlen(q, k, v, cu, cu, maxlen, maxlen, causal=True)
-    dq, dk, dv = _grad(out, (q, k, v), g)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    out64 = _attention_f64(q64, k64, v64, True, cu)
-    want = _grad(out64, (q64, k64, v64), g.double())
-    label = tk.attention_backend(q, k, v, causal=True, cu_seqlens_q=cu, max_seqlen_q=maxlen,
-                                 max_seqlen_k=maxlen).backend
-    for qn, got, ref in (("out", out, out64), ("dq", dq, want[0]), ("dk", dk, want[1]), ("dv", dv, want[2])):
-        c.add("flash_attn_varlen", str(label), f"{t_total} tokens, 3 documents h{h}/{hkv} d{d} causal", qn, got,
-              ref, _tol(dtype))
 
 
 def check_swiglu(c: Checks, dev, S) -> None:
@@ -548,6 +479,8 @@ def sizes(cuda: bool):
 
     return S
 
+
+from bench.gpu_correctness_attention import check_flash_attn  # noqa: E402  (it imports this module's helpers)
 
 CHECKS = [("rms_norm", check_rms_norm), ("rotary", check_rotary), ("fp8_quantize", check_fp8_quantize),
           ("fp8_gemm", check_fp8_gemm), ("fp8_linear", check_fp8_linear), ("flash_attn", check_flash_attn),

@@ -17,6 +17,10 @@ the stage's time, and the results are saved after each group, so a time-out lose
   rotary          fwd+bwd, 4 x 4096 tokens, 32/8 heads, head_dim 128
   attention       fwd and bwd, head_dim 128, seq 4k and 8k causal: titan (automatic), titan-triton
                   and every SDPA backend (sdpa-math is not timed past 2k: it materializes the scores)
+  attention_variants  fwd+bwd of a sliding window (128) and of sinks at seq 8k and 32k (GPT-OSS's
+                  64 / 8 heads, head_dim 64) against full causal and FlashAttention's window where
+                  installed, and MLA's head dims (192 / 128, 8k causal) against SDPA; TFLOP/s over
+                  the unmasked score entries only (bench/bench_attention_variants.py)
   fp8_gemm        tensorwise at the Llama 3 8B q/o, FFN up and FFN down shapes (16384 tokens):
                   titan, titan-triton vs torch._scaled_mm and bf16 torch.mm
   float8_linear   Float8Linear fwd+bwd at the 8B FFN up shape vs bf16 nn.Linear (torchao if present)
@@ -61,10 +65,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 GROUPS = [
     ("rms_norm", "bench.bench_rms_norm", "test_rms_norm",
      {"pass_": ["fwd+bwd"], "shape": [(16384, 4096), (65536, 4096), (16384, 8192)]}, 0.16),
-    ("rms_norm.compiled", None, "compiled_rms_norm", {}, 0.18),
+    ("rms_norm.compiled", None, "compiled_rms_norm", {}, 0.15),
     ("rotary", "bench.bench_rotary", "test_rotary", {"pass_": ["fwd+bwd"], "shape": [(4, 4096, 32, 8)]}, 0.07),
     ("attention", "bench.bench_attention", "test_attention",
-     {"pass_": ["fwd", "bwd"], "shape": [(4096, 128, True), (8192, 128, True)]}, 0.22),
+     {"pass_": ["fwd", "bwd"], "shape": [(4096, 128, True), (8192, 128, True)]}, 0.17),
+    ("attention_variants", "bench.bench_attention_variants", "test_attention_variant",
+     {"pass_": ["fwd+bwd"], "seq": [8192, 32768]}, 0.12),
     ("fp8_gemm", "bench.bench_fp8", "test_fp8_gemm",
      {"shape": ["8B.attn_qo", "8B.ffn_up", "8B.ffn_down"], "gran": ["tensorwise"]}, 0.12),
     ("float8_linear", "bench.bench_fp8", "test_float8_linear_fwd_bwd",

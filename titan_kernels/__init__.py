@@ -5,8 +5,10 @@ Public API (each op has a reference, a Triton and, where built, a C++/CUDA imple
   apply_rotary_emb, rope_cos_sin    rotary position embedding (q and k in one kernel)
   swiglu                            silu(gate) * up (or GPT-OSS's clamped variant), fwd and bwd in one kernel each
   fp8_quantize, fp8_gemm, fp8_linear  float8 cast (tensorwise/rowwise/colwise), scaled GEMM, linear
-  flash_attn, flash_attn_varlen      attention (FA3 > FA2 > Triton > SDPA; causal, GQA, varlen, LSE)
+  flash_attn, flash_attn_varlen      attention (FA3 > FA2 > Triton > SDPA; causal, sliding windows, sinks,
+                                    soft-capping, chunks, GQA, varlen, v's own head_dim, LSE)
   attention_backend                 which attention backend would run, and why
+  unmasked_score_count              the (query, key) scores a mask leaves (windows, chunks), for FLOPs
   linear_cross_entropy              fused output projection + cross-entropy (chunked; vocab-parallel under TP)
   grouped_mm                        grouped GEMM over experts (MoE), forward and backward
   fp8_grouped_mm                    the same in float8 (rowwise e4m3 scaling, the MoE float8 recipe)
@@ -23,6 +25,7 @@ from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin  # noqa: F40
 from titan_kernels.ops.swiglu import swiglu  # noqa: F401
 from titan_kernels.ops.fp8 import fp8_gemm, fp8_linear, fp8_quantize  # noqa: F401
 from titan_kernels.ops.attention import attention_backend, flash_attn, flash_attn_varlen  # noqa: F401
+from titan_kernels.attention_mask import unmasked_score_count  # noqa: F401
 from titan_kernels.ops.cross_entropy import linear_cross_entropy  # noqa: F401
 from titan_kernels.ops.grouped_mm import grouped_mm  # noqa: F401
 from titan_kernels.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: F401

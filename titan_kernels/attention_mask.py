@@ -31,7 +31,7 @@ This module imports nothing (no torch): it sits below the ops and the kernels th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def check_window(window_size, causal: bool) -> tuple[int, int]:
@@ -195,26 +195,27 @@ class AttentionArgs:
     max_q: int = 0
     max_k: int = 0
     return_lse: bool = False
+    # Derived once (this record is read on every call): see __post_init__.
+    causal: bool = field(init=False, compare=False, repr=False)
+    local: bool = field(init=False, compare=False, repr=False)
+    plain: bool = field(init=False, compare=False, repr=False)
+    key: tuple = field(init=False, compare=False, repr=False)
 
-    @property
-    def causal(self) -> bool:
-        """The upper bound is the diagonal (``right == 0``), with or without a left bound or chunks."""
-        return self.right == 0
-
-    @property
-    def plain(self) -> bool:
-        """Full or causal attention only: no left bound, no look-ahead window, no chunk, no softcap
-        (what every backend takes)."""
-        return self.left < 0 and self.right <= 0 and self.chunk == 0 and self.softcap == 0.0
-
-    @property
-    def local(self) -> bool:
-        """A mask beyond full / causal: a left bound, a right bound > 0, or chunks."""
-        return self.left >= 0 or self.right > 0 or self.chunk > 0
+    def __post_init__(self):
+        # causal: the upper bound is the diagonal (right == 0), with or without a left bound or chunks.
+        # local: a mask beyond full / causal (a left bound, a right bound > 0, or chunks).
+        # plain: full or causal only, no soft-capping (what every backend takes).
+        # key: what a backend's capability depends on (the dispatch key's part), not the exact sizes.
+        local = self.left >= 0 or self.right > 0 or self.chunk > 0
+        for name, value in (("causal", self.right == 0), ("local", local),
+                            ("plain", not local and self.softcap == 0.0),
+                            ("key", (self.left >= 0, (self.right > 0) - (self.right < 0), self.chunk > 0,
+                                     self.softcap > 0.0))):
+            object.__setattr__(self, name, value)
 
     def kind(self) -> tuple:
         """What a backend's capability depends on (the dispatch key's part): not the exact sizes."""
-        return (self.left >= 0, (self.right > 0) - (self.right < 0), self.chunk > 0, self.softcap > 0.0)
+        return self.key
 
     def op_args(self) -> tuple:
         """The flat arguments of ``titan::flash_attn`` after the tensors (see ``from_op``)."""

@@ -32,6 +32,8 @@ CASES = [
     (1, 40, 25, 2, 2, 16, 16, True, (6, 0), 8, 0.0, True),          # seq_q > seq_k: 15 rows see only the sink
     (1, 45, 45, 4, 2, 24, 16, True, (-1, -1), None, 2.0, False),    # soft-capping, own dv
     (1, 30, 37, 4, 1, 16, 24, False, (7, 2), 12, 3.0, True),        # everything at once, MQA
+    (1, 200, 200, 2, 1, 8, 8, True, (10, 0), None, 0.0, False),     # blocks of one geometry (batched views)
+    (2, 130, 130, 2, 2, 8, 8, True, (-1, -1), 32, 0.0, False),      # chunks of 32, batch 2 (gathered)
 ]
 
 

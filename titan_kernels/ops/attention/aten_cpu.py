@@ -8,9 +8,12 @@ How the cases the kernel does not take directly are mapped onto it:
   head_dim is strided: the kernel gives wrong values then, so that case is copied).
 - Masks beyond full / causal (windows, chunks, and causal with seq_q != seq_k, since aten's
   ``is_causal`` is top-left aligned): the query-block plan of ``blocks.py``. Each piece (query rows
-  with exactly the keys they can see) is one kernel call: without a mask where every row sees every
-  key, with ``is_causal`` on a diagonal square, else with the piece's additive mask. Every row is in
-  one piece with all its keys, so the pieces' outputs and LSEs are final (no merge); the backward
+  with exactly the keys they can see) runs without a mask where every row sees every key, with
+  ``is_causal`` on a diagonal square, else with the piece's additive mask; pieces of one geometry
+  and mask (a window's interior blocks) run as one batched kernel call, on strided views of q, k
+  and v (overlapping for the keys; no copy for a contiguous single sequence), since many small
+  calls cost their threads' synchronization (severely on shared cores). Every row is in one piece
+  with all its keys, so the pieces' outputs and LSEs are final (no merge); the backward
   runs the kernel's backward per piece and adds the key gradients of overlapping pieces. A window
   of w costs O(seq * (w + block)), skipped blocks cost nothing (bench/bench_attention_cpu.py: a
   window of 128 at seq 4096 against full causal). Rows that see no key are in no piece: out 0,
@@ -35,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from titan_kernels.attention_mask import AttentionArgs
-from titan_kernels.ops.attention.blocks import piece_mask, plan
+from titan_kernels.ops.attention.blocks import Piece, groups, piece_mask, plan
 
 aten = torch.ops.aten
 # torch's own binding skips the Python OpOverloadPacket of torch.ops.aten: 5 us of an 8 us small call.
@@ -82,6 +85,51 @@ def _plain(q, k, a: AttentionArgs) -> bool:
     return not a.local and (a.right < 0 or q.shape[1] == k.shape[1])
 
 
+def _index(pcs: list[Piece], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query rows, keys) of a group of pieces of one geometry, as flat index tensors (n*R,), (n*K,)."""
+    r, kk = pcs[0].r1 - pcs[0].r0, pcs[0].k1 - pcs[0].k0
+    r0 = torch.tensor([p.r0 for p in pcs], device=device)
+    k0 = torch.tensor([p.k0 for p in pcs], device=device)
+    return ((r0[:, None] + torch.arange(r, device=device)).flatten(),
+            (k0[:, None] + torch.arange(kk, device=device)).flatten())
+
+
+def _stride(starts: list[int]) -> int | None:
+    """The constant step between the pieces' starts, or None."""
+    if len(starts) == 1:
+        return 0
+    step = starts[1] - starts[0]
+    return step if all(y - x == step for x, y in zip(starts, starts[1:])) else None
+
+
+def _stack(t: torch.Tensor, idx: torch.Tensor, n: int, start: int = 0, step: int | None = None) -> torch.Tensor:
+    """(b, s, heads, x) rows ``idx`` (n blocks) -> (b * n, heads, rows per block, x), aten's layout.
+    Blocks at a constant ``step`` from ``start`` of a contiguous single-sequence tensor are a strided
+    view (overlapping for a window's keys): no copy; else the rows are gathered."""
+    b, _, hh, x = t.shape
+    rows = idx.numel() // n
+    if b == 1 and step is not None and t.is_contiguous():
+        st = t.stride()
+        return t.as_strided((n, hh, rows, x), (step * st[1], st[2], st[1], 1), t.storage_offset() + start * st[1])
+    return t.index_select(1, idx).view(b, n, -1, hh, x).transpose(2, 3).reshape(b * n, hh, -1, x)
+
+
+def _unstack(t: torch.Tensor, b: int) -> torch.Tensor:
+    """(b * n, heads, rows, x) -> (b, n * rows, heads, x): the inverse of ``_stack``."""
+    bn, hh, r, x = t.shape
+    return t.view(b, bn // b, hh, r, x).transpose(2, 3).reshape(b, -1, hh, x)
+
+
+def _lse_stack(lse: torch.Tensor, idx: torch.Tensor, n: int) -> torch.Tensor:
+    b, hh, _ = lse.shape
+    return lse.index_select(2, idx).view(b, hh, n, -1).transpose(1, 2).reshape(b * n, hh, -1)
+
+
+def _lse_unstack(l: torch.Tensor, b: int) -> torch.Tensor:
+    bn, hh, r = l.shape
+    return l.view(b, bn // b, hh, r).transpose(1, 2).reshape(b, hh, -1)
+
+
 def _dense_fwd(q, k, v, a: AttentionArgs):
     dv = v.shape[-1]
     if dv != q.shape[-1]:  # multi-head latent attention (q/k 192, v 128): the kernel's only way is padding
@@ -93,15 +141,24 @@ def _dense_fwd(q, k, v, a: AttentionArgs):
         return o.transpose(1, 2), lse
     b, sq, h, _ = q.shape
     sk = k.shape[1]
-    out = q.new_zeros((b, sq, h, dv))
-    lse = q.new_full((b, h, sq), float("-inf"), dtype=torch.float32)
-    qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
-    for pc in plan(sq, sk, a, _block_rows(a)):
+    pieces = plan(sq, sk, a, _block_rows(a))
+    # Every row is in one piece but the leading rows that see no key (out 0, lse -inf).
+    first = pieces[0].r0 if pieces else sq
+    out = q.new_empty((b, sq, h, dv))
+    out[:, :first] = 0
+    lse = q.new_empty((b, h, sq), dtype=torch.float32)
+    lse[:, :, :first] = float("-inf")
+    # One kernel call per group of pieces of one geometry (a window's interior blocks batched: many
+    # small calls cost their threads' synchronization, badly on shared cores).
+    for pcs in groups(pieces, sq, sk, a):
+        pc, n = pcs[0], len(pcs)
         mask = piece_mask(pc, sq, sk, a, q.dtype, q.device) if pc.mode == "mask" else None
-        o, l = _cpu_flash(qt[:, :, pc.r0:pc.r1], kt[:, :, pc.k0:pc.k1], vt[:, :, pc.k0:pc.k1], 0.0,
-                          pc.mode == "causal", attn_mask=mask, scale=a.scale)
-        out[:, pc.r0:pc.r1] = o.transpose(1, 2)
-        lse[:, :, pc.r0:pc.r1] = l
+        rows, keys = _index(pcs, q.device)
+        rstep, kstep = _stride([p.r0 for p in pcs]), _stride([p.k0 for p in pcs])
+        o, l = _cpu_flash(_stack(q, rows, n, pc.r0, rstep), _stack(k, keys, n, pc.k0, kstep),
+                          _stack(v, keys, n, pc.k0, kstep), 0.0, pc.mode == "causal", attn_mask=mask, scale=a.scale)
+        out.index_copy_(1, rows, _unstack(o, b))
+        lse.index_copy_(2, rows, _lse_unstack(l, b))
     return out, lse
 
 
@@ -129,21 +186,25 @@ def _dense_bwd(dout, q, k, v, out, lse, dlse, a: AttentionArgs):
         g = _piece_bwd(_bhsd(dout), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, dlse, a.causal, None, a.scale)
         return tuple(t.transpose(1, 2) for t in g)
     sk = k.shape[1]
-    dq = torch.zeros_like(q)
+    pieces = plan(sq, sk, a, _block_rows(a))
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dq[:, :pieces[0].r0 if pieces else sq] = 0  # the leading rows that see no key
     # Overlapping pieces add into the key gradients: float32 accumulators for half inputs.
     acc = torch.promote_types(k.dtype, torch.float32)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dvv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    qt, kt, vt, dot, ot = _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(dout), _bhsd(out)
-    for pc in plan(sq, sk, a, _block_rows(a)):
+    for pcs in groups(pieces, sq, sk, a):
+        pc, n = pcs[0], len(pcs)
         mask = piece_mask(pc, sq, sk, a, q.dtype, q.device) if pc.mode == "mask" else None
-        rows, keys = slice(pc.r0, pc.r1), slice(pc.k0, pc.k1)
-        g = _piece_bwd(dot[:, :, rows], qt[:, :, rows], kt[:, :, keys], vt[:, :, keys], ot[:, :, rows],
-                       lse[:, :, rows], None if dlse is None else dlse[:, :, rows], pc.mode == "causal", mask,
-                       a.scale)
-        dq[:, rows] = g[0].transpose(1, 2)
-        dk[:, keys] += g[1].transpose(1, 2)
-        dvv[:, keys] += g[2].transpose(1, 2)
+        rows, keys = _index(pcs, q.device)
+        rstep, kstep = _stride([p.r0 for p in pcs]), _stride([p.k0 for p in pcs])
+        g = _piece_bwd(_stack(dout, rows, n, pc.r0, rstep), _stack(q, rows, n, pc.r0, rstep),
+                       _stack(k, keys, n, pc.k0, kstep), _stack(v, keys, n, pc.k0, kstep),
+                       _stack(out, rows, n, pc.r0, rstep), _lse_stack(lse, rows, n),
+                       None if dlse is None else _lse_stack(dlse, rows, n), pc.mode == "causal", mask, a.scale)
+        dq.index_copy_(1, rows, _unstack(g[0], b).to(dq.dtype))
+        dk.index_add_(1, keys, _unstack(g[1], b).to(acc))
+        dvv.index_add_(1, keys, _unstack(g[2], b).to(acc))
     return dq, dk.to(k.dtype), dvv.to(v.dtype)
 
 

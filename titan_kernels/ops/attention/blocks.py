@@ -100,3 +100,19 @@ def piece_mask(piece: Piece, sq: int, sk: int, a: AttentionArgs, dtype, device) 
     m = piece_visible(piece, sq, sk, a, device)
     return torch.zeros(m.shape, dtype=dtype, device=device).masked_fill_(~m, float("-inf"))
 
+
+
+def groups(pieces: list[Piece], sq: int, sk: int, a: AttentionArgs) -> list[list[Piece]]:
+    """The pieces in groups of one geometry and one mask (same rows, keys, mode and, for a mask, the
+    same offset between the rows' positions and the first key; with chunks, the same place in the
+    chunk), in plan order: a group runs as one batched kernel call (a sliding window's interior
+    blocks are one group)."""
+    out: dict[tuple, list[Piece]] = {}
+    diag = sk - sq
+    for pc in pieces:
+        key = (pc.r1 - pc.r0, pc.k1 - pc.k0, pc.mode)
+        if pc.mode == "mask":
+            p0 = pc.r0 + diag
+            key += (p0 - pc.k0,) + ((p0 % a.chunk, pc.k0 % a.chunk) if a.chunk else ())
+        out.setdefault(key, []).append(pc)
+    return list(out.values())

@@ -105,7 +105,7 @@ def case_key(q, k, v, cu_seqlens_q, a: AttentionArgs, backward=False, has_dlse=F
         seq_q, seq_k = int(a.max_q), int(a.max_k)
     else:
         seq_q, seq_k = qs[1], ks[1]
-    return (q.device, q.dtype, qs[-1], v.shape[-1], a.kind(), (seq_q > seq_k) - (seq_q < seq_k),
+    return (q.device, q.dtype, qs[-1], v.shape[-1], a.key, (seq_q > seq_k) - (seq_q < seq_k),
             cu_seqlens_q is not None, a.return_lse, backward, has_dlse, qs[-2] != ks[-2])
 
 
