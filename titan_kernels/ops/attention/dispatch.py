@@ -1,31 +1,46 @@
 """Which attention backend runs a call: the automatic order per device, the overrides, and why a backend
 cannot take a case. Capability answers are cached per case key, never probed on every call.
 
-Backends (``ATTENTION_BACKENDS``):
-  fa3, fa2        FlashAttention-3 / -2 libraries (``flash_lib``), CUDA, fp16/bf16.
-  sdpa_cudnn      aten's cuDNN attention kernel with its LSE and backward op (``aten``), CUDA.
-  sdpa_flash      aten's flash kernel: the CPU one (GQA, varlen by document, LSE gradient) or CUDA's FA2.
-  triton          ours (``titan_kernels.triton.flash_attn``): every case on CUDA; CPU under TRITON_INTERPRET=1.
-  sdpa_efficient  aten's memory-efficient (xFormers) kernel, CUDA, also float32.
+Backends (``ATTENTION_BACKENDS``) and what they take (sinks: every backend, as an epilogue on its
+(out, lse), ``sinks.py``; the CPU paths' decomposition: ``blocks.py``):
+  fa3, fa2        FlashAttention-3 / -2 libraries (``flash_lib``), CUDA, fp16/bf16. Windows and
+                  soft-capping natively (both passes); FA3 chunks in its forward (seq_q == seq_k);
+                  FA3's forward takes v's own head_dim (q/k (128, 192] with v (96, 128], or q/k <= 64),
+                  its backward and FA2 do not; no LSE gradient.
+  sdpa_cudnn      aten's cuDNN attention kernel with its LSE and backward op (``aten``), CUDA: full or
+                  causal (seq_q == seq_k), v's own head_dim where torch's check accepts it.
+  sdpa_flash      aten's flash kernel. CPU (``aten_cpu``): GQA, varlen by document, LSE gradient,
+                  windows / chunks / bottom-right causal by query-block decomposition, v's own head_dim
+                  by zero-padding; no soft-capping. CUDA's FA2: full or causal, equal head dims.
+  triton          ours (``titan_kernels.triton.flash_attn``): every case on CUDA (windows and chunks
+                  skip the blocks they mask out); CPU under TRITON_INTERPRET=1.
+  sdpa_efficient  aten's memory-efficient (xFormers) kernel, CUDA, also float32: as sdpa_cudnn.
+  blockwise       ours in PyTorch ops (``blockwise``), CPU: every case (soft-capping, v's own head_dim
+                  natively), O(block * seq) memory.
   reference       float32 PyTorch math with full score matrices: the ground truth, only when asked for.
 
 Automatic order, fastest first:
-  CPU:  sdpa_flash. Measured on our 2-core AVX2 CPU (torch 2.13, fp32, forward + backward, 2026-12-01):
-        (b 8, s 256, h 16, d 16) causal 19 ms against 63 ms for the reference math and 21 ms for SDPA
-        through autograd; (b 2, s 1024, h 8, h_kv 2, d 64) 52 ms against 54 ms for SDPA through autograd
-        (bench/bench_attention.py reproduces it). GQA runs natively in the kernel: at (2, 1024,
-        8 / 2 heads, 64) forward + backward it took 343 ms against 432 ms with K/V repeated and dK/dV
-        summed (paired, on shared cores), so K/V are never repeated on the CPU.
+  CPU:  sdpa_flash > blockwise. Measured on our 2-core AVX2 CPU (torch 2.13, fp32, forward + backward,
+        2026-12-01): (b 8, s 256, h 16, d 16) causal 19 ms against 63 ms for the reference math and
+        21 ms for SDPA through autograd; (b 2, s 1024, h 8, h_kv 2, d 64) 52 ms against 54 ms for
+        SDPA through autograd (bench/bench_attention.py reproduces it). GQA runs natively in the
+        kernel: at (2, 1024, 8 / 2 heads, 64) forward + backward it took 343 ms against 432 ms with
+        K/V repeated and dK/dV summed (paired, on shared cores), so K/V are never repeated on the CPU.
+        blockwise takes what sdpa_flash cannot (soft-capping). MLA's head dims (192 / 128) stay on
+        sdpa_flash's zero-padding: measured 2.2x faster than blockwise's native head dims at
+        (1, 1024, 8 heads) (bench/bench_attention_cpu.py, 2026-12-04, loaded machine).
   CUDA: fa3 > fa2 > sdpa_cudnn > sdpa_flash > triton > sdpa_efficient. Ordered by published H100 figures
         (FA3 ~600 TFLOP/s, cuDNN close to it on Hopper, FA2 ~350); ``bash bench/run_gpu.sh`` measures
-        every backend at head_dim 128, seq 4k/8k, and the order follows its numbers.
+        every backend at head_dim 128, seq 4k/8k, and the order follows its numbers. Windows and
+        chunks fall to FlashAttention when installed, else Triton (aten's CUDA kernels take none).
 No automatic choice keeps a (seq_q x seq_k) tensor for the backward: every backend in these orders
 saves out and lse only. ``reference`` is never chosen automatically.
 
 Overrides, strongest first: the ``backend=`` argument (a name above, or "cpu" / "cuda"), then
 ``titan_kernels.use_backend(...)``, then ``TITAN_KERNELS_BACKEND``. "cpu" and "cuda" mean the native
-kernels of that device (CPU: sdpa_flash; CUDA: fa3 > fa2 > sdpa_cudnn > sdpa_flash > sdpa_efficient).
-An explicitly requested backend that cannot take the case raises RuntimeError with the reason.
+kernels of that device (CPU: sdpa_flash > blockwise; CUDA: fa3 > fa2 > sdpa_cudnn > sdpa_flash >
+sdpa_efficient). An explicitly requested backend that cannot take the case raises RuntimeError with
+the reason.
 """
 from __future__ import annotations
 
