@@ -37,6 +37,7 @@ import torch.nn.functional as F
 
 import titan_kernels as tk
 from bench import common
+from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.reference import attention as ref
 
 # (batch, seq, n_heads, n_kv_heads, head_dim), causal
@@ -86,7 +87,7 @@ def test_cpu_attention_vs_sdpa(shape):
     # Correctness first: out, LSE and gradients against float64.
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     # The reference math computes in float64 for float64 inputs (plain torch ops: autograd gives the gradients).
-    out64, lse64 = ref.attention_fwd(q64, k64, v64, None, None, 0, 0, True, d ** -0.5)
+    out64, lse64 = ref.attention_fwd(q64, k64, v64, None, None, AttentionArgs(d ** -0.5, right=0))
     g64 = torch.autograd.grad(out64, (q64, k64, v64), dout.double())
     out, lse = tk.flash_attn(q, k, v, causal=True, return_lse=True)
     assert _rel(out, out64) < 1e-5 and (lse.double() - lse64).abs().max().item() < 1e-4

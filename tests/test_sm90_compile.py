@@ -110,24 +110,31 @@ def _fp8_gemm(m, n, k, use_tma):
     return drive
 
 
-def _attention(head_dim, varlen, part):
+def _attention(head_dim, varlen, part, variant="causal", head_dim_v=None):
     def drive(T):
         import torch
 
+        from titan_kernels.attention_mask import AttentionArgs
+
         b, s, h, hkv = 2, 256, 8, 2
+        dv = head_dim_v or head_dim
         q = _t(b, s, h, head_dim)
-        k, v = _t(b, s, hkv, head_dim), _t(b, s, hkv, head_dim)
+        k, v = _t(b, s, hkv, head_dim), _t(b, s, hkv, dv)
         cu = torch.tensor([0, 100, 256], dtype=torch.int32) if varlen else None
         if varlen:
             q, k, v = q[0], k[0], v[0]
         lse = torch.empty(h, s) if varlen else torch.empty(b, h, s)
+        out = torch.empty((*q.shape[:-1], dv), dtype=q.dtype)
         dims = T._dims(q, k, cu, 156, 156)
+        # causal, or GPT-OSS's sliding window (128) with soft-capping
+        a = AttentionArgs(0.1, 127 if variant == "window" else -1, 0, 30.0 if variant == "window" else 0.0,
+                          max_q=156, max_k=156)
         if part == "fwd":
-            T._launch_fwd_portable(q, k, v, torch.empty_like(q), lse, cu, cu, dims, True, 0.1)
+            T._launch_fwd_portable(q, k, v, out, lse, cu, cu, dims, a)
         elif part == "sm90":  # chosen on sm_90 devices only (sm90_eligible), so launched directly
-            T._launch_fwd_sm90(q, k, v, torch.empty_like(q), lse, cu, cu, dims, True, 0.1)
+            T._launch_fwd_sm90(q, k, v, out, lse, cu, cu, dims, a)
         else:
-            T.attention_bwd(q, q, k, v, q, lse, cu, cu, 156, 156, True, 0.1)
+            T.attention_bwd(out, q, k, v, out, lse, None, cu, cu, a)
 
     return drive
 
@@ -256,6 +263,15 @@ KERNELS: list[Row] = [
                                "_bwd_dq_kernel": _TC},
           all_only=True)
       for d in (128, 64) for vl in (False, True) for p in ("fwd", "sm90", "bwd")],
+    # The same with a sliding window and soft-capping, and DeepSeek-V3's q/k 192 with v 128 (head_dim
+    # 192 in 256-wide tiles; the Hopper kernel takes powers of two only).
+    *[Row(f"flash_attn.{p} d{d} window+softcap", "titan_kernels.triton.flash_attn", _attention(d, False, p, "window"),
+          hot=False, needs={"_fwd_kernel": _TC, "_fwd_kernel_sm90": {"wgmma", "tma"}, "_bwd_dkdv_kernel": _TC,
+                            "_bwd_dq_kernel": _TC}, all_only=True)
+      for d in (128, 64) for p in ("fwd", "sm90", "bwd")],
+    *[Row(f"flash_attn.{p} d192/128", "titan_kernels.triton.flash_attn", _attention(192, False, p, head_dim_v=128),
+          hot=False, needs={"_fwd_kernel": _TC, "_bwd_dkdv_kernel": _TC, "_bwd_dq_kernel": _TC}, all_only=True)
+      for p in ("fwd", "bwd")],
     # SwiGLU at the Llama 3 8B FFN width.
     Row("swiglu.fwd 14336", "titan_kernels.triton.swiglu", _swiglu()),
     Row("swiglu.bwd 14336", "titan_kernels.triton.swiglu", _swiglu(backward=True)),

@@ -96,3 +96,15 @@ def test_window_plan_is_linear_in_the_window():
     planned = sum((pc.r1 - pc.r0) * (pc.k1 - pc.k0) for pc in plan(s, s, a, 64))
     assert planned < s * (w + 64), planned  # against s^2 / 2 = 8.4e6 for causal
     assert len(groups(plan(s, s, a, 64), s, s, a)) <= 3  # head, interior blocks, tail: batched calls
+
+
+def test_blockwise_never_plans_the_whole_score_matrix():
+    # The blockwise backend computes each piece's scores in memory: without the causal head piece
+    # (an aten kernel call keeps no score matrix; a blockwise piece would), no piece exceeds a block.
+    from titan_kernels.ops.attention import blockwise
+
+    s = 4096
+    for a in (AttentionArgs(1.0, -1, 0), AttentionArgs(1.0, -1, -1), AttentionArgs(1.0, 127, 0, softcap=30.0)):
+        rows = blockwise._block_rows(1, 8, s, s, a)
+        assert all(pc.r1 - pc.r0 <= rows for pc in plan(s, s, a, rows, causal_head=False))
+        assert 1 * 8 * rows * s <= 2 * blockwise._BUDGET

@@ -81,6 +81,23 @@ def test_dense_vs_float64(backend, case):
 
 
 @pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+def test_bfloat16_vs_float64(backend):
+    # A sliding window with sinks (and soft-capping where taken) in bf16: 1e-2 relative.
+    softcap = 0.0 if backend == "sdpa_flash" else 5.0
+    q, k, v = (rand(1, 90, 4, 32, dtype=torch.bfloat16) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]
+    sinks, dout = rand(4), rand(1, 90, 4, 32, dtype=torch.bfloat16)
+    fn = lambda q, k, v, s: tk.flash_attn(q, k, v, window_size=(20, 0), sinks=s, softcap=softcap,  # noqa: E731
+                                          backend=backend)
+    out, g = grads(fn, (q, k, v, sinks), (dout,))
+    out64, g64 = grads(lambda q, k, v, s: dense64(q, k, v, True, 32 ** -0.5, window=(20, 0), sinks=s,
+                                                  softcap=softcap)[0], (q, k, v, sinks), (dout.double(),))
+    assert out[0].dtype == torch.bfloat16 and rel(out[0], out64[0]) < 1e-2
+    for a, e in zip(g, g64):
+        assert rel(a, e) < 2e-2, rel(a, e)
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
 def test_varlen_vs_float64(backend):
     # Empty documents, seq_q != seq_k per document, a window, chunks, sinks (and soft-capping where taken).
     docs = [(0, 0), (17, 17), (0, 3), (30, 22), (5, 0), (9, 13)]

@@ -51,14 +51,15 @@ def _causal_square(p0: int, p1: int, k0: int, k1: int, a: AttentionArgs) -> bool
     return a.chunk == 0 or (p0 // a.chunk == p1 // a.chunk and k0 >= (p0 // a.chunk) * a.chunk)
 
 
-def plan(sq: int, sk: int, a: AttentionArgs, block: int) -> list[Piece]:
+def plan(sq: int, sk: int, a: AttentionArgs, block: int, causal_head: bool = True) -> list[Piece]:
     """The pieces of a dense (seq_q, seq_k) call with mask ``a``, query blocks of ``block`` rows (cut
-    at chunk boundaries, so that a block lies in one chunk). With right = 0, no chunk and seq_q ==
-    seq_k, the leading rows that no left bound cuts form one causal piece."""
+    at chunk boundaries, so that a block lies in one chunk). ``causal_head`` (a kernel whose causal
+    call keeps no score matrix): with right = 0, no chunk and seq_q == seq_k, the leading rows that
+    no left bound cuts form one causal piece."""
     diag = sk - sq
     r = _first_row(sq, sk, a)
     pieces = []
-    if a.right == 0 and a.chunk == 0 and diag == 0 and r < sq:
+    if causal_head and a.right == 0 and a.chunk == 0 and diag == 0 and r < sq:
         head = sq if a.left < 0 else min(sq, a.left + 1)  # rows whose window starts at key 0
         pieces.append(Piece(0, head, 0, head, "causal"))
         r = head

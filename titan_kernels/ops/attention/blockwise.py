@@ -74,11 +74,13 @@ def _dense_fwd(q, k, v, a: AttentionArgs):
     out = q.new_zeros((b, sq, h, dv))
     lse = q.new_full((b, h, sq), float("-inf"), dtype=acc)
     qg, kt, vt = _views(q, k, v)
-    for pc in plan(sq, sk, a, _block_rows(b, h, sq, sk, a)):
+    for pc in plan(sq, sk, a, _block_rows(b, h, sq, sk, a), causal_head=False):
         n = pc.r1 - pc.r0
         s, _ = _scores(_rows(qg, pc, acc), kt, pc, sq, sk, a, g)
-        l = torch.logsumexp(s, -1, keepdim=True)  # every row of a piece sees a key: finite
-        o = torch.matmul(s.sub_(l).exp_(), vt[:, :, pc.k0:pc.k1].to(acc))  # (b, hkv, g * n, dv)
+        m = s.amax(-1, keepdim=True)  # every row of a piece sees a key: finite
+        denom = s.sub_(m).exp_().sum(-1, keepdim=True)
+        o = torch.matmul(s.div_(denom), vt[:, :, pc.k0:pc.k1].to(acc))  # (b, hkv, g * n, dv)
+        l = m + denom.log()
         out[:, pc.r0:pc.r1] = o.view(b, hkv, g, n, dv).permute(0, 3, 1, 2, 4).reshape(b, n, h, dv)
         lse[:, :, pc.r0:pc.r1] = l.view(b, h, n)
     return out, lse.float() if q.dtype != torch.float64 else lse
@@ -99,7 +101,7 @@ def _dense_bwd(dout, q, k, v, out, lse, dlse, a: AttentionArgs):
     delta = delta.reshape(b, hkv, g, sq, 1)
     lse5 = lse.to(acc).reshape(b, hkv, g, sq, 1)
     dog = dout.reshape(b, sq, hkv, g, dv).permute(0, 2, 3, 1, 4)
-    for pc in plan(sq, sk, a, _block_rows(b, h, sq, sk, a)):
+    for pc in plan(sq, sk, a, _block_rows(b, h, sq, sk, a), causal_head=False):
         n = pc.r1 - pc.r0
         qb = _rows(qg, pc, acc)
         s, t = _scores(qb, kt, pc, sq, sk, a, g)
