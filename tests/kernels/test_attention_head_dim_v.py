@@ -69,7 +69,8 @@ def test_varlen_vs_float64(backend):
         assert rel(a, e) < 1e-5
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+# The fake is one for every backend; Triton's op path is checked in test_attention_variants.test_opcheck.
+@pytest.mark.parametrize("backend", ["reference", "sdpa_flash"])
 def test_opcheck(backend):
     q, k, v = rand(2, 9, 4, 24), rand(2, 7, 2, 24), rand(2, 7, 2, 16)
     args = op_args(0.25, return_lse=True)
