@@ -459,3 +459,28 @@ def test_backward_on_another_backend_is_correct():
     g64 = torch.autograd.grad(dense64(q64, k64, v64, True, 0.2)[0], (q64, k64, v64), dout.double())
     for a, e in zip(g, g64):
         assert rel(a, e) < 1e-5
+
+
+def test_cuda_order_for_variants(libs, fake_cuda):
+    # Windows and soft-capping: FlashAttention natively, else Triton (aten's CUDA kernels refuse with
+    # the reason); chunks: FA3's forward only (seq_q == seq_k), its backward and FA2 skip.
+    def choose(backward=False, seq_q=64, **mask):
+        A.clear_caches()
+        case = cuda_case(backward=backward, seq_q=seq_q)
+        for name, value in mask.items():
+            setattr(case, name, value)
+        return A.choose_backend(case)
+
+    assert names(choose(left=127)) == ("fa3", [])
+    assert names(choose(softcap=30.0, backward=True)) == ("fa3", [])
+    choice = choose(chunk=64, backward=True)
+    assert names(choice) == ("triton", ["fa3", "fa2", "sdpa_cudnn", "sdpa_flash"])
+    assert "backward takes no attention_chunk" in dict(choice.skipped)["fa3"]
+    assert "no chunked attention" in dict(choice.skipped)["fa2"]
+    assert "only full or causal" in dict(choice.skipped)["sdpa_cudnn"]
+    assert "seq_q == seq_k" in dict(choose(chunk=64, seq_q=32).skipped)["fa3"]
+    fake_cuda["cap"] = (8, 0)  # no FA3: FA2 takes soft-capping
+    assert names(choose(softcap=5.0)) == ("fa2", ["fa3"])
+    fake_cuda["cap"] = (7, 5)  # no FlashAttention at all: Triton
+    choice = choose(softcap=5.0)
+    assert choice.backend == "triton" and "soft-capping" in dict(choice.skipped)["sdpa_cudnn"]
