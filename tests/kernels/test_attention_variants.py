@@ -213,3 +213,26 @@ def test_window_sweep(backend, sq, sk, window):
                                                   backend=backend),
            lambda q, k, v: dense64(q, k, v, causal, 0.25, window=window), (q, k, v),
            (rand(1, sq, 4, 16), rand(1, 4, sq)))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_sm90_forward_kernel_variants(varlen):
+    # The Hopper kernel (chosen on sm_90 only) with a window, chunks and soft-capping, interpreted.
+    from titan_kernels import backend as _backend
+    from titan_kernels.attention_mask import AttentionArgs
+    from titan_kernels.triton import flash_attn as T
+
+    if not _backend.backend_status("triton", "cpu").available:
+        pytest.skip("Triton cannot run on CPU tensors without TRITON_INTERPRET=1")
+    a = AttentionArgs(0.3, 20, 0, 4.0, 24, 70, 70)
+    if varlen:
+        q, k, v, cu_q, cu_k, mq, mk, lq, lk = _packed([(40, 40), (0, 3), (70, 50)], 2, 1, 64)
+        out, lse = torch.zeros_like(q), torch.full((2, q.shape[0]), float("-inf"))
+        out64, lse64 = attention64(q, k, v, doc_mask(lq, lk, True, (20, 0), 24), 0.3, None, 4.0)
+    else:
+        q, k, v, cu_q, cu_k, mq, mk = rand(1, 70, 2, 64), rand(1, 70, 1, 64), rand(1, 70, 1, 64), None, None, 70, 70
+        out, lse = torch.empty_like(q), torch.empty(1, 2, 70)
+        out64, lse64 = dense64(q, k, v, True, 0.3, window=(20, 0), chunk=24, softcap=4.0)
+    T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, T._dims(q, k, cu_q, mq, mk), a, tiles=(16, 16))
+    assert rel(out, out64) < 1e-5
+    assert_lse(lse, lse64, 1e-4)

@@ -54,22 +54,43 @@ def _load_block(desc, row, head, b, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, 
 
 
 @triton.jit
+def _fwd_step_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, start_n, rows, offs_n, len_k, diag,
+                   qk_scale, sm_scale, softcap, left, right, chunk,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                   SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    k = _load_block(desc_k, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
+    s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, qk_scale, softcap, SOFTCAP)
+    if MASKED:
+        # Keys past len_k may belong to the next document (varlen): always masked here.
+        s = _score_mask(s, rows, start_n + offs_n, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
+    p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
+    v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM_V, IS_VARLEN)
+    acc = tl.dot(p.to(v.dtype), v, acc)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, hi, rows, offs_n, len_k, diag,
                     qk_scale, sm_scale, softcap, left, right, chunk,
                     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
                     SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
                     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
-                    WARP_SPECIALIZE: tl.constexpr):
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = _load_block(desc_k, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
-        s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, qk_scale, softcap, SOFTCAP)
-        if MASKED:
-            # Keys past len_k may belong to the next document (varlen): always masked here.
-            s = _score_mask(s, rows, start_n + offs_n, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT,
-                            HAS_CHUNK)
-        p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
-        v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM_V, IS_VARLEN)
-        acc = tl.dot(p.to(v.dtype), v, acc)
+                    WARP_SPECIALIZE: tl.constexpr, EDGE: tl.constexpr):
+    # EDGE: a window's or chunk's lower edge, a few blocks: one stage, no specialization (a third
+    # pipelined loop's buffers would not fit the shared memory).
+    if EDGE:
+        for start_n in tl.range(lo, hi, BLOCK_N, num_stages=1):
+            acc, l_i, m_i = _fwd_step_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, start_n, rows, offs_n,
+                                           len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, MASKED,
+                                           IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM,
+                                           HEAD_DIM_V)
+    else:
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            acc, l_i, m_i = _fwd_step_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, start_n, rows, offs_n,
+                                           len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, MASKED,
+                                           IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM,
+                                           HEAD_DIM_V)
     return acc, l_i, m_i
 
 
@@ -121,15 +142,15 @@ def _fwd_kernel_sm90(
         acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo, lo_full, rows, offs_n,
                                         len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, True,
                                         IS_CAUSAL, HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM,
-                                        HEAD_DIM_V, WARP_SPECIALIZE)
+                                        HEAD_DIM_V, False, True)
     acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, lo_full, hi_full, rows, offs_n,
                                     len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, False, IS_CAUSAL,
                                     HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
-                                    WARP_SPECIALIZE)
+                                    WARP_SPECIALIZE, False)
     acc, l_i, m_i = _fwd_inner_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, hi_full, hi, rows, offs_n,
                                     len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk, True, IS_CAUSAL,
                                     HAS_LEFT, HAS_CHUNK, SOFTCAP, IS_VARLEN, BLOCK_N, HEAD_DIM, HEAD_DIM_V,
-                                    WARP_SPECIALIZE)
+                                    WARP_SPECIALIZE, False)
     # O is stored through pointers: a TMA store of a varlen block would overwrite the next document.
     _fwd_epilogue(acc, l_i, m_i, O, o_off + h * stride_oh + m0.to(tl.int64) * stride_os, stride_os, stride_od,
                   LSE, l_off + h * stride_lh, stride_ls, m0, len_q, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V)
