@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
+from tests.kernels.attention_ref import doc_mask
 from titan_kernels.attention_mask import AttentionArgs
 from trainer.parallel.context_parallel import _calls
 
@@ -67,32 +68,9 @@ def test_ring_attention_variants_equal_one_process():
     run_distributed(_check, 2)
 
 
-def _global_mask(n, c, a: AttentionArgs) -> torch.Tensor:
-    s = 2 * n * c
-    p = torch.arange(s)[:, None]
-    j = torch.arange(s)[None, :]
-    m = torch.ones(s, s, dtype=torch.bool)
-    if a.left >= 0:
-        m &= j >= p - a.left
-    if a.right >= 0:
-        m &= j <= p + a.right
-    if a.chunk:
-        m &= (j // a.chunk) == (p // a.chunk)
-    return m
-
-
-def _call_mask(rows, keys, pa: AttentionArgs) -> torch.Tensor:
-    nq, nk = rows.stop - rows.start, keys.stop - keys.start
-    p = torch.arange(nq)[:, None] + (nk - nq)
-    j = torch.arange(nk)[None, :]
-    m = torch.ones(nq, nk, dtype=torch.bool)
-    if pa.left >= 0:
-        m &= j >= p - pa.left
-    if pa.right >= 0:
-        m &= j <= p + pa.right
-    if pa.chunk:
-        m &= (j // pa.chunk) == (p // pa.chunk)
-    return m
+def _mask(nq: int, nk: int, a: AttentionArgs) -> torch.Tensor:
+    """(nq, nk) bool of a call on nq queries and nk keys with mask ``a`` (positions bottom-right)."""
+    return doc_mask([nq], [nk], False, (a.left, a.right), a.chunk or None)
 
 
 @pytest.mark.parametrize("n,c", [(2, 4), (3, 4), (4, 3)])
@@ -103,7 +81,7 @@ def test_schedule_sees_exactly_the_mask(n, c):
         masks.append(((-1, 0), c // 2))
     for (left, right), chunk in masks:
         a = AttentionArgs(0.1, left, right, 0.0, chunk)
-        full = _global_mask(n, c, a)
+        full = _mask(2 * n * c, 2 * n * c, a)
         for r, j in itertools.product(range(n), range(n)):
             # Local rows / keys of rank r / rank j as global positions (zigzag).
             pos = lambda x: torch.cat([torch.arange(x * c, (x + 1) * c), torch.arange((2 * n - 1 - x) * c, (2 * n - x) * c)])  # noqa: E731
@@ -111,6 +89,6 @@ def test_schedule_sees_exactly_the_mask(n, c):
             got = torch.zeros_like(want)
             for rows, keys, pa in _calls(r, j, n, c, a):
                 assert not got[rows, keys].any(), "a (query, key) pair computed twice"
-                got[rows, keys] = _call_mask(rows, keys, pa)
+                got[rows, keys] = _mask(rows.stop - rows.start, keys.stop - keys.start, pa)
             assert torch.equal(got, want), (n, c, left, right, chunk, r, j)
             assert bool(_calls(r, j, n, c, a)) == bool(want.any())  # nothing seen: nothing computed or sent

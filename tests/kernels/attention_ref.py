@@ -107,3 +107,15 @@ def grads(fn, inputs, cotangents):
 
 def rand(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=torch.float32).to(dtype).to(DEV)
+
+
+def assert_compiled_equals_eager(f, inputs):
+    """torch.compile(f, fullgraph=True, backend="aot_eager") equals eager f: its (scalar) output and
+    the gradients of ``inputs`` (tensors requiring grad)."""
+    torch._dynamo.reset()
+    loss_c = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
+    g_c = torch.autograd.grad(loss_c, inputs)
+    loss_e = f(*inputs)
+    torch.testing.assert_close(loss_c, loss_e)
+    for a, e in zip(g_c, torch.autograd.grad(loss_e, inputs)):
+        torch.testing.assert_close(a, e)

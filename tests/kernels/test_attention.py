@@ -24,7 +24,9 @@ from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.reference import attention as R
 from tests.conftest import TEST_DEVICE
-from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel  # noqa: F401
+from tests.kernels.attention_ref import (  # noqa: F401
+    assert_compiled_equals_eager, assert_lse, attention64, dense64, doc_mask, grads, rand, rel,
+)
 
 
 def op_args(scale, causal=True, return_lse=False, max_q=0, max_k=0, left=-1, softcap=0.0, chunk=0):
@@ -379,7 +381,6 @@ def test_opcheck(backend, varlen):
 
 
 def test_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
     q, k, v = rand(2, 24, 4, 32), rand(2, 24, 2, 32), rand(2, 24, 2, 32)
     qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(9, 9), (0, 0), (15, 15)], 4, 2, 32)
 
@@ -388,15 +389,7 @@ def test_compile_fullgraph_matches_eager():
         b = tk.flash_attn_varlen(qv, kv, vv, cu_q, cu_k, mq, mk, causal=False)
         return (a * a).sum() + lse.sum() + (b * b).sum()
 
-    inputs = [t.requires_grad_() for t in (q, k, v, qv, kv, vv)]
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    loss_c = compiled(*inputs)
-    g_c = torch.autograd.grad(loss_c, inputs)
-    loss_e = f(*inputs)
-    g_e = torch.autograd.grad(loss_e, inputs)
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, e in zip(g_c, g_e):
-        torch.testing.assert_close(a, e)
+    assert_compiled_equals_eager(f, [t.requires_grad_() for t in (q, k, v, qv, kv, vv)])
 
 
 @pytest.mark.slow

@@ -14,7 +14,9 @@ import torch
 import titan_kernels as tk
 from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.ops.attention import dispatch as A
-from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel
+from tests.kernels.attention_ref import (
+    assert_compiled_equals_eager, assert_lse, attention64, dense64, doc_mask, grads, rand, rel,
+)
 from tests.kernels.test_attention import KERNEL_BACKENDS, _default_tiles, _packed, op_args
 
 _ = _default_tiles  # the autouse fixture, re-exported for this module
@@ -84,7 +86,6 @@ def test_opcheck(backend):
 
 
 def test_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
     q, k, v = rand(2, 12, 4, 24), rand(2, 12, 2, 24), rand(2, 12, 2, 8)
 
     def f(q, k, v):
@@ -92,12 +93,7 @@ def test_compile_fullgraph_matches_eager():
         return (out * out).sum() + lse.sum()
 
     inputs = [t.requires_grad_() for t in (q, k, v)]
-    loss_c = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
-    g_c = torch.autograd.grad(loss_c, inputs)
-    loss_e = f(*inputs)
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, e in zip(g_c, torch.autograd.grad(loss_e, inputs)):
-        torch.testing.assert_close(a, e)
+    assert_compiled_equals_eager(f, inputs)
 
 
 def test_meta_shapes():

@@ -17,19 +17,11 @@ import torch
 import titan_kernels as tk
 from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_window
 from titan_kernels.ops.attention.blocks import groups, piece_visible, plan
+from tests.kernels.attention_ref import doc_mask
 
 
 def _visible(sq, sk, left, right, chunk) -> torch.Tensor:
-    p = torch.arange(sq)[:, None] + (sk - sq)
-    j = torch.arange(sk)[None, :]
-    m = torch.ones(sq, sk, dtype=torch.bool)
-    if left >= 0:
-        m &= j >= p - left
-    if right >= 0:
-        m &= j <= p + right
-    if chunk:
-        m &= torch.floor(j / chunk) == torch.floor(p / chunk)
-    return m
+    return doc_mask([sq], [sk], False, (left, right), chunk)
 
 
 def _random_masks(n, seed=0):

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 import titan_kernels as tk
-from tests.kernels.attention_ref import assert_lse, attention64, dense64, doc_mask, grads, rand, rel
+from tests.kernels.attention_ref import (
+    assert_compiled_equals_eager, assert_lse, attention64, dense64, doc_mask, grads, rand, rel,
+)
 from tests.kernels.test_attention import KERNEL_BACKENDS, _default_tiles, _packed, op_args  # noqa: F401
 
 VARIANT_BACKENDS = KERNEL_BACKENDS + [pytest.param("blockwise", id="blockwise")]
@@ -154,7 +156,6 @@ def test_opcheck(backend):
 
 
 def test_compile_fullgraph_matches_eager():
-    torch._dynamo.reset()
     q, k, v, sinks = rand(2, 20, 4, 16), rand(2, 20, 2, 16), rand(2, 20, 2, 8), rand(4)
     qv, kv, vv, cu_q, cu_k, mq, mk, _, _ = _packed([(9, 9), (0, 0), (15, 15)], 4, 2, 16)
 
@@ -164,12 +165,7 @@ def test_compile_fullgraph_matches_eager():
         return (a * a).sum() + lse.sum() + (b * b).sum()
 
     inputs = [t.requires_grad_() for t in (q, k, v, sinks, qv, kv, vv)]
-    loss_c = torch.compile(f, fullgraph=True, backend="aot_eager")(*inputs)
-    g_c = torch.autograd.grad(loss_c, inputs)
-    loss_e = f(*inputs)
-    torch.testing.assert_close(loss_c, loss_e)
-    for a, e in zip(g_c, torch.autograd.grad(loss_e, inputs)):
-        torch.testing.assert_close(a, e)
+    assert_compiled_equals_eager(f, inputs)
 
 
 def test_bad_arguments():

@@ -37,15 +37,10 @@ def _acc(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
-def visible(seq_q: int, seq_k: int, a: AttentionArgs, device=None, row0: int = 0, rows: int | None = None):
-    """(rows, seq_k) bool, True where query ``row0 + r`` sees key j (bottom-right aligned, see
-    ``titan_kernels.attention_mask``); None when nothing is masked."""
-    if a.left < 0 and a.right < 0 and a.chunk == 0:
-        return None
-    rows = seq_q - row0 if rows is None else rows
-    p = torch.arange(row0, row0 + rows, device=device).unsqueeze(1) + (seq_k - seq_q)
-    j = torch.arange(seq_k, device=device).unsqueeze(0)
-    m = torch.ones((rows, seq_k), dtype=torch.bool, device=device)
+def seen(p: torch.Tensor, j: torch.Tensor, a: AttentionArgs) -> torch.Tensor:
+    """True where the query at position p sees key j (int tensors that broadcast; the definition of
+    ``titan_kernels.attention_mask``)."""
+    m = torch.ones(torch.broadcast_shapes(p.shape, j.shape), dtype=torch.bool, device=p.device)
     if a.left >= 0:
         m &= j >= p - a.left
     if a.right >= 0:
@@ -53,6 +48,15 @@ def visible(seq_q: int, seq_k: int, a: AttentionArgs, device=None, row0: int = 0
     if a.chunk > 0:
         m &= torch.div(j, a.chunk, rounding_mode="floor") == torch.div(p, a.chunk, rounding_mode="floor")
     return m
+
+
+def visible(seq_q: int, seq_k: int, a: AttentionArgs, device=None):
+    """(seq_q, seq_k) bool, True where query i sees key j (positions aligned bottom-right); None when
+    nothing is masked."""
+    if a.left < 0 and a.right < 0 and a.chunk == 0:
+        return None
+    p = torch.arange(seq_q, device=device).unsqueeze(1) + (seq_k - seq_q)
+    return seen(p, torch.arange(seq_k, device=device).unsqueeze(0), a)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, a: AttentionArgs):

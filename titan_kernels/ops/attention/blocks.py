@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_kernels.attention_mask import AttentionArgs, fully_visible, key_range
+from titan_kernels.reference.attention import seen
 
 
 @dataclass(frozen=True)
@@ -85,15 +86,7 @@ def plan(sq: int, sk: int, a: AttentionArgs, block: int, causal_head: bool = Tru
 def piece_visible(piece: Piece, sq: int, sk: int, a: AttentionArgs, device) -> torch.Tensor:
     """(r1 - r0, k1 - k0) bool: True where the piece's query row sees the key."""
     p = torch.arange(piece.r0, piece.r1, device=device).unsqueeze(1) + (sk - sq)
-    j = torch.arange(piece.k0, piece.k1, device=device).unsqueeze(0)
-    m = torch.ones((piece.r1 - piece.r0, piece.k1 - piece.k0), dtype=torch.bool, device=device)
-    if a.left >= 0:
-        m &= j >= p - a.left
-    if a.right >= 0:
-        m &= j <= p + a.right
-    if a.chunk > 0:
-        m &= torch.div(j, a.chunk, rounding_mode="floor") == torch.div(p, a.chunk, rounding_mode="floor")
-    return m
+    return seen(p, torch.arange(piece.k0, piece.k1, device=device).unsqueeze(0), a)
 
 
 def piece_mask(piece: Piece, sq: int, sk: int, a: AttentionArgs, dtype, device) -> torch.Tensor:
