@@ -23,6 +23,7 @@ FAMILY_PACKAGES = (
     "trainer.models.llama3",
     "trainer.models.qwen3",
     "trainer.models.deepseek_v3",
+    "trainer.models.gpt_oss",
 )
 
 

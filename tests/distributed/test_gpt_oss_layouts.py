@@ -1,0 +1,28 @@
+"""GPT-OSS's debug model (alternating sliding-window / full attention with sinks and biases, experts with
+biases and the clamped SwiGLU, YaRN) under every parallel layout equals one process.
+
+On CPU gloo, float32, same seed and data (tests/distributed/layouts.py): per-step loss within 1e-4 and
+gradient norm within 1e-4 relative of the single-process run, for FSDP 2, TP 2 (sinks and expert
+biases split on heads and hidden sizes), EP 2 and CP 2 (windows and sinks through the ring), 2 ranks
+each. The sequence (32) is longer than the debug model's window (16), so every layout sees both
+kinds of layer at work, and under CP 2 the window spans the zigzag chunks (8 positions each).
+"""
+import pytest
+
+from tests.distributed.layouts import assert_same, reference, run_layouts
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+OSS = ["--model.name", "gpt_oss", "--flavor", "debugmodel"]
+
+
+def test_fsdp2_tp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
+    single = reference(tmp_path_factory, *OSS)
+    runs = run_layouts(2, {
+        "fsdp2": [*OSS, "--training.local_batch_size", "2"],
+        "tp2": [*OSS, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+        "ep2": [*OSS, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
+        "cp2": [*OSS, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+    }, tmp_path)
+    for name, got in runs.items():
+        assert_same(got, single), name
