@@ -23,7 +23,7 @@ from trainer.models.llama3.args import Llama3Args as ModelArgs
 from trainer.models.registry import build_model
 from trainer.models.losses import cross_entropy_loss
 from trainer.models.attention import document_cu_seqlens
-from trainer.train import forward_backward
+from trainer.step import forward_backward
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32,
                  rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=40)
