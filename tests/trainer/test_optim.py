@@ -95,7 +95,9 @@ def test_scheduler_state_is_plain_and_small():
     _, opt, sched = _opt_and_sched(LRSchedule(steps=5, warmup_steps=1))
     opt.step()
     sched.step()
-    assert sched.state_dict() == {"last_epoch": 1, "base_lrs": [0.5]}
+    # The schedule's own settings ride along, so a resume can tell a changed schedule (run_history).
+    assert sched.state_dict() == {"last_epoch": 1, "base_lrs": [0.5], "schedule": {
+        "steps": 5, "warmup_steps": 1, "decay_type": "linear", "decay_ratio": None, "min_lr_factor": 0.1}}
 
 
 @pytest.mark.parametrize("kwargs,key", [
