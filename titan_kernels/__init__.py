@@ -23,12 +23,11 @@ from titan_kernels.backend import available_backends, use_backend  # noqa: F401
 from titan_kernels.ops.rms_norm import add_rms_norm, rms_norm  # noqa: F401
 from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin  # noqa: F401
 from titan_kernels.ops.swiglu import swiglu  # noqa: F401
-from titan_kernels.ops.fp8 import fp8_gemm, fp8_linear, fp8_quantize  # noqa: F401
+from titan_kernels.ops.fp8 import fp8_gemm, fp8_grouped_mm, fp8_linear, fp8_quantize  # noqa: F401
 from titan_kernels.ops.attention import attention_backend, flash_attn, flash_attn_varlen  # noqa: F401
 from titan_kernels.attention_mask import unmasked_score_count  # noqa: F401
 from titan_kernels.ops.cross_entropy import linear_cross_entropy  # noqa: F401
 from titan_kernels.ops.grouped_mm import grouped_mm  # noqa: F401
-from titan_kernels.ops.fp8_grouped_mm import fp8_grouped_mm  # noqa: F401
 from titan_kernels.ops.moe_permute import MoERouting, moe_permute, moe_routing, moe_unpermute  # noqa: F401
 from titan_kernels.ops.fused_adamw import fused_adamw_  # noqa: F401
 from titan_kernels.ops.newton_schulz import newton_schulz  # noqa: F401

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import titan_kernels.ops.rms_norm  # noqa: F401  (defines the ops the rules below refer to)
 import titan_kernels.ops.rotary  # noqa: F401
-import titan_kernels.ops.fp8  # noqa: F401
+import titan_kernels.ops.fp8  # noqa: F401  (fp8_linear, fp8_grouped_mm)
 import titan_kernels.ops.swiglu  # noqa: F401
 import titan_kernels.ops.newton_schulz  # noqa: F401
 
@@ -245,7 +245,6 @@ if torch.distributed.is_available():
 
 
 import titan_kernels.ops.grouped_mm  # noqa: E402,F401  (defines the grouped_mm ops)
-import titan_kernels.ops.fp8_grouped_mm  # noqa: E402,F401  (defines the fp8_grouped_mm ops)
 import titan_kernels.ops.moe_permute  # noqa: E402,F401  (defines the MoE routing ops)
 
 if torch.distributed.is_available():

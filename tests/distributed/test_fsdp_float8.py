@@ -23,7 +23,7 @@ def _check(rank: int, world: int, fp8_all_gather: bool, compiled: bool = False) 
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     import titan_kernels as tk  # noqa: F401  (registers the ops and DTensor rules)
-    from titan_kernels.float8_linear import Float8AllGatheredWeight, WeightWithFloat8AllGather
+    from titan_kernels.nn.float8_all_gather import Float8AllGatheredWeight, WeightWithFloat8AllGather
     from titan_kernels.nn import convert_to_float8
 
     def make():

@@ -17,10 +17,10 @@ from torch import nn
 
 import titan_kernels as tk
 from titan_kernels import backend
-from titan_kernels.float8_linear import Float8AllGatheredWeight, WeightWithFloat8AllGather
+from titan_kernels.nn.float8_all_gather import Float8AllGatheredWeight, WeightWithFloat8AllGather
 from titan_kernels.nn import Float8Linear, convert_to_float8
-from titan_kernels.ops import fp8 as ops_fp8
-from titan_kernels.ops import fp8_scaled_mm
+from titan_kernels.ops.fp8.gemm import OP as GEMM_OP
+from titan_kernels.ops.fp8 import scaled_mm
 from tests.conftest import TEST_DEVICE
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -126,7 +126,7 @@ def test_backends_agree(recipe):
 def test_recipe_casts():
     """Each recipe's GEMM operands have the dtypes and scale shapes torchao's recipe gives them."""
     calls = []
-    real = ops_fp8.scaled_mm_gemm
+    real = scaled_mm.scaled_mm_gemm
 
     def spy(a, b, sa, sb, *rest):
         calls.append((a.dtype, b.dtype, tuple(sa.shape), tuple(sb.shape)))
@@ -138,11 +138,11 @@ def test_recipe_casts():
         "rowwise": [(E4, E4, (9, 1), (12, 1)), (E4, E4, (9, 1), (16, 1)), (E4, E4, (12, 1), (16, 1))],
         "rowwise_with_gw_hp": [(E4, E4, (9, 1), (12, 1)), (E4, E4, (9, 1), ())],  # dW in high precision
     }
-    if not ops_fp8.scaled_mm_available(TEST_DEVICE):
+    if not scaled_mm.scaled_mm_available(TEST_DEVICE):
         pytest.skip("torch._scaled_mm unavailable on " + TEST_DEVICE)
     for recipe, want in expect.items():
         calls.clear()
-        with backend.replace_impl(ops_fp8.OP_GEMM, "scaled_mm", spy):
+        with backend.replace_impl(GEMM_OP, "scaled_mm", spy):
             x = randn(9, 16).requires_grad_()
             w = randn(12, 16).requires_grad_()
             tk.fp8_linear(x, w, recipe).sum().backward()
@@ -377,8 +377,8 @@ def test_compile_fullgraph_forward_backward(be, recipe):
 @pytest.fixture(autouse=True)
 def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8_scaled_mm._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
+    # dequantized GEMM the automatic choice skips it (ops.fp8.scaled_mm._cpu_scaled_mm_pays), so take it here.
+    monkeypatch.setattr(scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
     backend.clear_choices()  # choices are cached per case: decide again with the patched timing
     yield
     backend.clear_choices()

@@ -15,8 +15,7 @@ import torch
 
 import titan_kernels as tk
 from titan_kernels import backend
-from titan_kernels.ops import fp8 as ops_fp8
-from titan_kernels.ops import fp8_scaled_mm
+from titan_kernels.ops.fp8 import gemm_backend_name, scaled_mm
 from tests.conftest import TEST_DEVICE
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -25,7 +24,7 @@ OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
 def _status(name):
     if name == "scaled_mm":
-        ok = ops_fp8.scaled_mm_available(TEST_DEVICE)
+        ok = scaled_mm.scaled_mm_available(TEST_DEVICE)
         return ok, "" if ok else "this torch has no float8 torch._scaled_mm on " + TEST_DEVICE
     st = backend.backend_status("triton" if name.startswith("triton") else name, TEST_DEVICE)
     if name == "triton-tma" and st.available and TEST_DEVICE == "cuda" and torch.cuda.get_device_capability()[0] < 9:
@@ -55,7 +54,7 @@ def gemm(be, a, b, sa, sb, **kw):
     ctx = contextlib.nullcontext() if be == "scaled_mm" else tk.use_backend(be)
     with ctx:
         if be == "scaled_mm":
-            assert ops_fp8.gemm_backend_name(a.device) == "scaled_mm"
+            assert gemm_backend_name(a.device) == "scaled_mm"
         return tk.fp8_gemm(a, b, sa, sb, **kw)
 
 
@@ -168,22 +167,22 @@ def test_gemm_zero_size(be, shape):
 
 def test_scaled_mm_fallback_paths():
     """The branches of the _scaled_mm wrapper other than the direct call agree with the reference."""
-    if not ops_fp8.scaled_mm_available(TEST_DEVICE):
+    if not scaled_mm.scaled_mm_available(TEST_DEVICE):
         pytest.skip("torch._scaled_mm unavailable on " + TEST_DEVICE)
     a, b, sa, sb = operands(19, 24, 40, gran="rowwise")
     ref_out = f64(a, b, sa, sb)
-    real = fp8_scaled_mm._scaled_mm_works
+    real = scaled_mm._scaled_mm_works
     try:
         # Pretend rowwise is refused: the unit-scale float32 product, scaled afterwards.
-        fp8_scaled_mm._scaled_mm_works = lambda dev, da, db, rowwise, out, bias: not rowwise and out == torch.float32
-        y = ops_fp8.scaled_mm_gemm(a, b, sa, sb, torch.bfloat16, None, False)
+        scaled_mm._scaled_mm_works = lambda dev, da, db, rowwise, out, bias: not rowwise and out == torch.float32
+        y = scaled_mm.scaled_mm_gemm(a, b, sa, sb, torch.bfloat16, None, False)
         assert rel_err(y, ref_out) <= 2e-2
         # Pretend nothing is accepted: the Triton kernel or the reference takes over.
-        fp8_scaled_mm._scaled_mm_works = lambda *args: False
-        y = ops_fp8.scaled_mm_gemm(a, b, sa, sb, torch.float32, None, False)
+        scaled_mm._scaled_mm_works = lambda *args: False
+        y = scaled_mm.scaled_mm_gemm(a, b, sa, sb, torch.float32, None, False)
         assert rel_err(y, ref_out) <= 1e-5
     finally:
-        fp8_scaled_mm._scaled_mm_works = real
+        scaled_mm._scaled_mm_works = real
 
 
 # --------------------------------------------------------------------------- errors
@@ -262,8 +261,8 @@ def test_compile_fullgraph(be):
 @pytest.fixture(autouse=True)
 def _scaled_mm_when_available(monkeypatch):
     # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8_scaled_mm._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
+    # dequantized GEMM the automatic choice skips it (ops.fp8.scaled_mm._cpu_scaled_mm_pays), so take it here.
+    monkeypatch.setattr(scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
     backend.clear_choices()  # choices are cached per case: decide again with the patched timing
     yield
     backend.clear_choices()

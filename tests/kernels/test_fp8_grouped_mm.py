@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import titan_kernels as tk
-from titan_kernels.ops import fp8_grouped_mm as fgm
+from titan_kernels.ops.fp8 import grouped_mm as fgm
 from titan_kernels.reference import fp8_grouped_mm as qref
 from tests.kernels.helpers import (
     DEV, GROUPED_CASES as CASES, backend_ctx as _ctx, case_id, check_compile_fullgraph, check_double_backward_refused,

@@ -14,8 +14,8 @@ import torch
 
 import titan_kernels as tk
 from titan_kernels import backend
-from titan_kernels.ops import fp8 as ops_fp8
-from titan_kernels.ops import fp8_scaled_mm
+from titan_kernels.ops.fp8.gemm import OP as GEMM_OP
+from titan_kernels.ops.fp8 import gemm_backend_name, scaled_mm
 from tests.conftest import TEST_DEVICE
 from tests.kernels.test_float8_linear import BACKENDS, RECIPES, randn, use
 
@@ -51,7 +51,7 @@ def count():
         counter.calls += 1
         return ref(*args, **kw)
 
-    with backend.replace_impl(ops_fp8.OP_GEMM, "reference", counting) as ref:
+    with backend.replace_impl(GEMM_OP, "reference", counting) as ref:
         yield counter
 
 
@@ -69,7 +69,7 @@ def test_backward_runs_on_the_forwards_backend(count, path):
     y = PATHS[path](x, w, "tensorwise")
     with tk.use_backend("reference"):
         y.sum().backward()
-    auto_is_reference = ops_fp8.gemm_backend_name(TEST_DEVICE) == "reference"
+    auto_is_reference = gemm_backend_name(TEST_DEVICE) == "reference"
     assert count.calls == (3 if auto_is_reference else 0)
     backend.clear_choices()
 
@@ -86,12 +86,12 @@ def test_double_backward_is_refused(path):
 def test_cpu_gemm_choice_follows_the_timing(monkeypatch):
     # The automatic GEMM on the CPU is torch._scaled_mm only where it is not slower than the
     # dequantized float32 GEMM; an explicit "cpu" request still runs _scaled_mm.
-    if not ops_fp8.scaled_mm_available("cpu"):
+    if not scaled_mm.scaled_mm_available("cpu"):
         pytest.skip("this torch has no float8 torch._scaled_mm on the CPU")
     for pays, want in ((True, "scaled_mm"), (False, "reference")):
-        monkeypatch.setattr(fp8_scaled_mm, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
+        monkeypatch.setattr(scaled_mm, "_cpu_scaled_mm_pays", lambda pays=pays: pays)
         backend.clear_choices()
-        assert ops_fp8.gemm_backend_name("cpu") == want
+        assert gemm_backend_name("cpu") == want
         with tk.use_backend("cpu"):
-            assert ops_fp8.gemm_backend_name("cpu") == "scaled_mm"
+            assert gemm_backend_name("cpu") == "scaled_mm"
     backend.clear_choices()

@@ -257,7 +257,7 @@ def test_convert_qwen3_moe_experts():
 
 @pytest.mark.usefixtures("one_thread")
 def test_qwen3_moe_trains_with_float8_experts(tmp_path, monkeypatch, capsys):
-    from titan_kernels.ops import fp8_grouped_mm as fgm
+    from titan_kernels.ops.fp8 import grouped_mm as fgm
 
     calls = []
     fwd, bwd = fgm._forward, fgm._backward_kernel

@@ -12,9 +12,12 @@ float32 accumulation, the scales applied to the float32 result (math and layouts
   dgrad   dx = dy w^T    dy rowwise (per token, over N)       w per (expert, row k), over N
   wgrad   dw = x^T dy    x per (expert, column k) over the    dy per (expert, column n) over the
                          expert's tokens                      expert's tokens
-Recipes (the names of the dense float8 recipes, ``titan_kernels.ops.fp8``): ``rowwise``, all three
-GEMMs in float8 (torchao's float8 rowwise MoE training recipe); ``rowwise_with_gw_hp``, the weight
-gradient in high precision through ``titan_kernels.grouped_mm``. The backward re-quantizes from the
+Recipes (``RECIPES``, names of the dense float8 recipes, ``titan_kernels.ops.fp8.config``): ``rowwise``,
+all three GEMMs in float8 (torchao's float8 rowwise MoE training recipe); ``rowwise_with_gw_hp``, the
+weight gradient in high precision through ``titan_kernels.grouped_mm``. Every float8 operand here is
+scaled axiswise as in the table above (a tensorwise weight in dgrad would not factor out of a grouped
+tile any better), so the op takes one thing from the recipe's config: whether its grad_weight GEMM
+is in high precision. The backward re-quantizes from the
 high-precision x and w saved by the forward (each GEMM needs its own scaling axis), so the op keeps
 the memory of the bf16 grouped GEMM.
 
@@ -63,12 +66,13 @@ import torch
 from titan_kernels import backend as _backend
 from titan_kernels.ops import grouped_mm as _gmm
 from titan_kernels.ops._common import FLOAT_DTYPES, check_float, no_setup, refuse_double_backward
+from titan_kernels.ops.fp8.config import RECIPES as LINEAR_RECIPES
 from titan_kernels.reference import fp8_grouped_mm as _ref
 
 OP = "fp8_grouped_mm"
 BACKENDS = ("aten", "triton", "reference")
 AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
-RECIPES = ("rowwise", "rowwise_with_gw_hp")
+RECIPES = ("rowwise", "rowwise_with_gw_hp")  # the recipes implemented here (axiswise, as above)
 E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_grouped_mm: 16-byte strides (K, N) and token groups (the weight gradient)
 
@@ -293,12 +297,12 @@ def _backward_kernel(dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: boo
     if need_dw:
         if empty:
             dw = w.new_zeros(w.shape)
-        elif recipe == "rowwise":
+        elif LINEAR_RECIPES[recipe].cast_config_input_for_grad_weight.high_precision:
+            dw = _high_precision_dw(dy, x, w, offsets, backend)
+        else:
             xq, sx = k.group_cols(x, offsets)
             dyq, sdy = k.group_cols(dy, offsets)
             dw = k.gmm_dw(xq, sx, dyq, sdy, offsets, w.dtype)
-        else:
-            dw = _high_precision_dw(dy, x, w, offsets, backend)
     return dx, dw
 
 

@@ -1,14 +1,14 @@
-"""``torch._scaled_mm`` as an implementation of ``titan::fp8_gemm`` (cuBLASLt / CUTLASS on CUDA; the
-CPU kernel of torch >= 2.13), with the probes the automatic choice reads.
+"""``torch._scaled_mm`` as the native implementation of ``titan::fp8_gemm`` (cuBLASLt / CUTLASS on
+CUDA; the CPU kernel of torch >= 2.13), with the probes the automatic choice reads, registered here
+(once, as "scaled_mm" in the ``cpu`` and ``cuda`` families).
 
 ``scaled_mm_gemm`` adapts the ``fp8_gemm`` contract (``titan_kernels.reference.fp8.fp8_gemm``:
 (a * a_scale) @ (b * b_scale)^T + bias, accumulated in float32) to _scaled_mm's conventions and
 falls back where this torch/device refuses a combination. ``_scaled_mm_works`` probes once per
 (device, dtypes, scale mode, output dtype, bias) what _scaled_mm accepts; ``_cpu_scaled_mm_pays``
 times it once against the dequantized float32 GEMM on the CPU. ``why_not_scaled_mm`` and
-``scaled_mm_slower`` are the ``why_not`` / ``auto`` predicates with which
-``titan_kernels.ops.fp8_quantize_gemm`` registers it (once, as "scaled_mm" in the ``cpu`` and
-``cuda`` families). Tests that fake a probe patch it here, where the adapter looks it up.
+``scaled_mm_slower`` are the ``why_not`` / ``auto`` predicates of its registration. Tests that fake
+a probe patch it here, where the adapter looks it up.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ import functools
 import torch
 
 from titan_kernels import backend as _backend
+from titan_kernels.ops.fp8.gemm import OP as OP_GEMM
 from titan_kernels.reference import fp8 as _ref
 
-OP_GEMM = "fp8_gemm"  # the op implemented here; its Triton / reference implementations are the fallback
 E4M3 = torch.float8_e4m3fn
 
 
@@ -156,3 +156,10 @@ def scaled_mm_slower(device: torch.device, case) -> str | None:
     if device.type != "cpu" or _cpu_scaled_mm_pays():
         return None
     return "measured slower than the dequantized float32 GEMM on this CPU (asked for by name it still runs)"
+
+
+# torch._scaled_mm is the native GEMM of both device types (no extension of ours needed): "cpu" /
+# "cuda" / "scaled_mm" ask for it; the automatic choice takes it first where it is not slower.
+for _fam in ("cpu", "cuda"):
+    _backend.register_impl(OP_GEMM, _fam, scaled_mm_gemm, name="scaled_mm", why_not=why_not_scaled_mm,
+                           auto=scaled_mm_slower)

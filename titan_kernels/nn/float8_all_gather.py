@@ -1,21 +1,15 @@
-"""Float8Linear: ``nn.Linear`` with its forward, grad_input and grad_weight GEMMs in float8, the
-in-place model converter ``convert_to_float8``, and the FSDP2 float8 all-gather of weights.
+"""The FSDP2 float8 all-gather of a ``Float8Linear`` weight (tensorwise recipe).
 
-Recipes (torchao's names and meanings; the table is in ``titan_kernels.ops.fp8_linear``): "tensorwise"
-(dynamic tensorwise scales, e5m2 gradients; the fastest), "rowwise" (e4m3 everywhere, per-row
-scales rounded to powers of two), "rowwise_with_gw_hp" (rowwise, with grad_weight in high
-precision; the most accurate).
-
-FSDP2 float8 all-gather (tensorwise only). ``convert_to_float8(...,
-enable_fsdp_float8_all_gather=True)`` wraps each weight in ``WeightWithFloat8AllGather``, a tensor
-subclass that behaves as the plain high-precision weight for every op (optimizer, init, state
-dict) and implements FSDP2's all-gather extension:
+``Float8Linear.from_float(..., enable_fsdp_float8_all_gather=True)`` wraps the weight in
+``WeightWithFloat8AllGather``, a tensor subclass that behaves as the plain high-precision weight for
+every op (optimizer, init, state dict) and implements FSDP2's all-gather extension:
   * ``fsdp_pre_all_gather``: the amax of the local shard, all-reduced (MAX) over the FSDP mesh, is
     the amax of the whole weight; the shard is cast to e4m3 with it, so every rank holds codes of
     the one tensorwise scaling of the full weight, and FSDP all-gathers 1 byte per element
     instead of 2 (bf16) or 4;
   * ``fsdp_post_all_gather``: wraps the gathered codes and the scale in a
-    ``Float8AllGatheredWeight``, which ``Float8Linear.forward`` uses directly (no second cast).
+    ``Float8AllGatheredWeight``, which ``Float8Linear.forward`` hands to ``linear_prequantized``
+    (no second cast).
 The codes and scale are exactly those of ``fp8_quantize`` on the unsharded weight (same kernels).
 Each all-gather costs one extra 4-byte all-reduce per weight (torchao can batch these for all
 weights after the optimizer step; we do not yet). ``state_dict`` hands out the plain weight, so
@@ -24,26 +18,16 @@ weight that is already a DTensor).
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops import fp8 as _fp8
+from titan_kernels.ops.fp8 import linear as _linear
+from titan_kernels.ops.fp8.config import E4M3, RECIPES
+from titan_kernels.ops.fp8.quantize import fp8_quantize_from_amax, tensorwise_amax
 
 aten = torch.ops.aten
-
-
-def _check_recipe(recipe: object) -> str:
-    if recipe not in _fp8.RECIPES:
-        raise ValueError(f"recipe: expected one of {_fp8.RECIPES}, got {recipe!r}")
-    return recipe
-
-
-# ----------------------------------------------------------------------------- FSDP2 float8 all-gather
 
 # Ops whose result is (a view or a copy of) the weight and must stay a WeightWithFloat8AllGather:
 # what FSDP2 does to build and pad the shards, and what detach / nn.Parameter / .to() do.
@@ -100,15 +84,15 @@ class WeightWithFloat8AllGather(torch.Tensor):
         return f"WeightWithFloat8AllGather({self._tensor!r})"
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
-        amax = _fp8.tensorwise_amax(self._tensor)
+        amax = tensorwise_amax(self._tensor)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
-        codes, scale = _fp8.fp8_quantize_from_amax(self._tensor, amax, _fp8.E4M3, False)
+        codes, scale = fp8_quantize_from_amax(self._tensor, amax, E4M3, False)
         # FSDP wants every rank's input at the padded shard size (ceil(rows / world) rows).
         rows = -(-outer_size[0] // mesh.size())
         if codes.shape[0] != rows:
             padded = torch.zeros((rows, *codes.shape[1:]), dtype=torch.uint8, device=codes.device)
             padded[: codes.shape[0]] = codes.view(torch.uint8)
-            codes = padded.view(_fp8.E4M3)
+            codes = padded.view(E4M3)
         # Sent as bytes: every collective backend moves uint8, not all of them float8.
         return (codes.view(torch.uint8),), (scale,)
 
@@ -121,7 +105,7 @@ class WeightWithFloat8AllGather(torch.Tensor):
                 raise RuntimeError("fsdp_post_all_gather: out does not view this all-gather buffer")
             out._scale = scale
             return
-        return Float8AllGatheredWeight(data.view(_fp8.E4M3), scale, param_dtype), (data,)
+        return Float8AllGatheredWeight(data.view(E4M3), scale, param_dtype), (data,)
 
 
 class Float8AllGatheredWeight(torch.Tensor):
@@ -172,7 +156,7 @@ class Float8AllGatheredWeight(torch.Tensor):
         return f"Float8AllGatheredWeight(shape={tuple(self.shape)}, dtype={self.dtype}, scale={self._scale.item():.3e})"
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     if not dist.is_available():
         return False
     from torch.distributed.tensor import DTensor
@@ -186,152 +170,50 @@ def _plain_weight(t: torch.Tensor) -> torch.Tensor:
     wrapper, and loading in place still fills the parameter)."""
     if isinstance(t, WeightWithFloat8AllGather):
         return t._tensor
-    if _is_dtensor(t) and isinstance(t._local_tensor, WeightWithFloat8AllGather):
+    if is_dtensor(t) and isinstance(t._local_tensor, WeightWithFloat8AllGather):
         return type(t).from_local(t._local_tensor._tensor, t.device_mesh, t.placements, run_check=False,
                                   shape=t.shape, stride=t.stride())
     return t
 
 
-def _state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
+def state_dict_hook(module, state_dict, prefix, local_metadata) -> None:
     key = prefix + "weight"
     if state_dict.get(key) is not None:
         state_dict[key] = _plain_weight(state_dict[key])
 
 
 class _PrequantizedLinearFn(torch.autograd.Function):
-    """y = x W^T with W already e4m3 tensorwise (the FSDP2 float8 all-gather); the tensorwise recipe."""
+    """y = x W^T with W already cast (the FSDP2 float8 all-gather): ``fp8_linear``'s GEMMs from the
+    given weight codes (``titan_kernels.ops.fp8.linear.prequantized_fwd`` / ``_bwd``)."""
 
     @staticmethod
-    def forward(ctx, x, weight):
-        x2 = _fp8._rows(x)
-        xq, xs = _fp8.fp8_quantize(x2, dtype=_fp8.E4M3, granularity="tensorwise")
-        y = _fp8.fp8_gemm(xq, weight._data, xs, weight._scale, out_dtype=x.dtype, use_fast_accum=True)
+    def forward(ctx, x, weight, recipe):
+        config = RECIPES[recipe]
+        y, xq, xs = _linear.prequantized_fwd(_linear.as_rows(x), weight._data, weight._scale, config)
         # The codes, not x: the backward needs nothing else (and they are half of a bf16 x).
         ctx.save_for_backward(xq, xs, weight)
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.request = _backend.requested_backend() or ""  # the backward runs on the forward's backends
-        return _fp8._unflatten(y, x.shape[:-1], weight.shape[0])
+        ctx.x_shape, ctx.x_dtype, ctx.config = x.shape, x.dtype, config
+        # The backward runs on the forward's backends; under torch.compile the request cannot be
+        # traced (a ContextVar), and the compiled ops read the one in force when they run.
+        ctx.request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
+        return _linear.from_rows(y, x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, weight = ctx.saved_tensors
-        _fp8.refuse_double_backward("fp8_linear", dy, weight)
-        with _fp8.request_context(ctx.request):
-            dx, dw = _fp8.linear_bwd_prequantized(
-                _fp8._rows(dy), xq, xs, weight._data, weight._scale, ctx.x_dtype, weight.dtype,
+        _linear.refuse_double_backward(dy, weight)
+        with _linear.request_context(ctx.request):
+            dx, dw = _linear.prequantized_bwd(
+                _linear.as_rows(dy), xq, xs, weight._data, weight._scale, ctx.config, ctx.x_dtype, weight.dtype,
                 ctx.needs_input_grad[0], ctx.needs_input_grad[1],
             )
-        return (_fp8._unflatten(dx, ctx.x_shape[:-1], ctx.x_shape[-1]) if dx is not None else None), dw
+        dx = _linear.from_rows(dx, ctx.x_shape[:-1], ctx.x_shape[-1]) if dx is not None else None
+        return dx, dw, None
 
 
-# ----------------------------------------------------------------------------- module
-
-
-class Float8Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` (same constructor, parameters and state_dict) computing its three
-    GEMMs in float8 per ``recipe``.
-
-    Shapes: input (..., in_features) float32/bf16/fp16, the weight's dtype (or the autocast dtype)
-    -> output (..., out_features) in that dtype. The bias (if any) is added in high precision.
-
-    Raises ValueError for an unknown recipe; the forward raises as ``titan_kernels.fp8_linear``.
-    """
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        bias: bool = True,
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-        *,
-        recipe: str = "tensorwise",
-    ) -> None:
-        super().__init__(in_features, out_features, bias, device, dtype)
-        self.recipe = _check_recipe(recipe)
-        self.register_state_dict_post_hook(_state_dict_hook)
-
-    @classmethod
-    def from_float(
-        cls, linear: nn.Linear, recipe: str = "tensorwise", *, enable_fsdp_float8_all_gather: bool = False
-    ) -> "Float8Linear":
-        """A Float8Linear sharing ``linear``'s parameter objects (no copy; works on the meta device).
-
-        enable_fsdp_float8_all_gather: wrap the weight in ``WeightWithFloat8AllGather`` so FSDP2
-        all-gathers it in e4m3 (recipe "tensorwise" only; not with a tensor-parallel DTensor weight).
-
-        Raises TypeError when ``linear`` is not an nn.Linear, ValueError for an unknown recipe or
-        an unsupported float8 all-gather.
-        """
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"linear: expected an nn.Linear, got {type(linear).__name__}")
-        _check_recipe(recipe)
-        with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
-        new.weight = linear.weight
-        new.bias = linear.bias
-        if enable_fsdp_float8_all_gather:
-            if recipe != "tensorwise":
-                raise ValueError(
-                    f"enable_fsdp_float8_all_gather: needs recipe 'tensorwise' (one scale per weight), got {recipe!r}"
-                )
-            w = linear.weight
-            if _is_dtensor(w):
-                raise ValueError(
-                    "enable_fsdp_float8_all_gather: the weight is already a DTensor (tensor parallel); "
-                    "float8 all-gather is supported with FSDP2 alone"
-                )
-            if not isinstance(w, WeightWithFloat8AllGather):
-                new.weight = nn.Parameter(WeightWithFloat8AllGather(w.data), requires_grad=w.requires_grad)
-        return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight
-        if isinstance(weight, Float8AllGatheredWeight):
-            y = _PrequantizedLinearFn.apply(x, weight)
-        else:
-            # A WeightWithFloat8AllGather outside FSDP2 takes the op path and unwraps itself.
-            if torch.is_autocast_enabled(x.device.type):
-                dtype = torch.get_autocast_dtype(x.device.type)
-                x, weight = x.to(dtype), weight.to(dtype)
-            y = _fp8.fp8_linear(x, weight, self.recipe)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, recipe={self.recipe}"
-
-
-def convert_to_float8(
-    model: nn.Module,
-    recipe: str = "tensorwise",
-    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
-    *,
-    enable_fsdp_float8_all_gather: bool = False,
-) -> nn.Module:
-    """Replace, in place, every ``nn.Linear`` of ``model`` for which
-    ``module_filter_fn(module, fqn)`` is True (all when None) by ``Float8Linear.from_float``.
-
-    Parameters are shared, not copied, so it works on the meta device and before FSDP2 /
-    ``torch.compile`` are applied (convert first, then shard and compile, as torchtitan does).
-    Returns the model, or a new Float8Linear when ``model`` itself is an ``nn.Linear``.
-
-    Raises TypeError for a model that is not an nn.Module, ValueError for an unknown recipe.
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected an nn.Module, got {type(model).__name__}")
-    _check_recipe(recipe)
-
-    def convert(mod: nn.Module, fqn: str) -> nn.Module:
-        if isinstance(mod, nn.Linear) and not isinstance(mod, Float8Linear):
-            if module_filter_fn is None or module_filter_fn(mod, fqn):
-                return Float8Linear.from_float(mod, recipe, enable_fsdp_float8_all_gather=enable_fsdp_float8_all_gather)
-            return mod
-        for name, child in list(mod.named_children()):
-            new = convert(child, f"{fqn}.{name}" if fqn else name)
-            if new is not child:
-                setattr(mod, name, new)
-        return mod
-
-    return convert(model, "")
+def linear_prequantized(x: torch.Tensor, weight: Float8AllGatheredWeight, recipe: str) -> torch.Tensor:
+    """``x @ weight.T`` in float8 per ``recipe`` (a name of ``RECIPES`` whose config
+    ``supports_fsdp_float8_all_gather``), the weight's cast being the all-gathered codes.
+    x (..., K) -> (..., N) in x.dtype; differentiable in x and weight. Raises ValueError for a
+    recipe the all-gathered codes cannot feed."""
+    return _PrequantizedLinearFn.apply(x, weight, recipe)

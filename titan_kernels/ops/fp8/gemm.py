@@ -1,0 +1,157 @@
+"""``torch.ops.titan.fp8_gemm``: the scaled float8 GEMM in the layout of ``nn.Linear``, with its
+validation, backends and the public ``fp8_gemm`` and ``gemm_backend_name``.
+
+Math: ``(a * a_scale) @ (b * b_scale)^T + bias`` accumulated in float32, with torchao.float8's
+dequantization-scale convention; ``titan_kernels.reference.fp8.fp8_gemm`` is the ground truth and
+its signature is the contract of every backend (and the op's schema).
+
+Backends: ``reference`` (dequantize + float32 matmul) and ``triton`` (our persistent GEMM, TMA on
+sm_90), registered here; ``scaled_mm``, ``torch._scaled_mm``, the native implementation of both the
+``cpu`` and ``cuda`` families, registered by ``titan_kernels.ops.fp8.scaled_mm`` beside its
+adapter. The automatic choice takes it first where torch has it for the device and, on the CPU,
+where a one-time timing shows it is not slower than the reference GEMM. The op follows the
+rms_norm pattern: ``custom_op`` + fake, and an eager fast path; it is not differentiable
+(``fp8_linear`` is the training op built on it).
+"""
+from __future__ import annotations
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name
+from titan_kernels.reference import fp8 as _ref
+
+OP = "fp8_gemm"
+OUT_DTYPES = FLOAT_DTYPES
+
+_backend.register_impl(OP, "reference", _ref.fp8_gemm)
+
+
+def _register_triton() -> None:
+    try:
+        from titan_kernels.triton import fp8_gemm as _tri
+    except ImportError:  # triton not installed: the backend reports itself unavailable
+        return
+    _backend.register_impl(OP, "triton", _tri.fp8_gemm)
+
+
+_register_triton()
+
+
+def kernel(device: torch.device):
+    """The GEMM implementation for ``device``, chosen by ``titan_kernels.backend`` (torch._scaled_mm
+    as the native one, else triton / reference)."""
+    return _backend.get_impl(OP, device)
+
+
+def gemm_backend_name(device: torch.device | str) -> str:
+    """The name of the GEMM implementation ``fp8_gemm`` would use now on ``device``
+    ("scaled_mm", "triton" or "reference")."""
+    return _backend.resolve(OP, torch.device(device))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _scale_kind(scale, arg: str, rows: int, rows_name: str) -> str:
+    check_tensor(scale, arg)
+    if scale.dtype != torch.float32:
+        raise TypeError(f"{arg}: expected a float32 tensor, got {dtype_name(scale.dtype)}")
+    if scale.dim() <= 2 and scale.numel() == 1:
+        return "tensorwise"
+    if tuple(scale.shape) == (rows, 1):
+        return "rowwise"
+    raise ValueError(
+        f"{arg}: expected shape () or (1,) (tensorwise) or ({rows}, 1) (rowwise, {rows_name} = {rows}), "
+        f"got {tuple(scale.shape)}"
+    )
+
+
+def _validate(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum) -> None:
+    for t, arg in ((a, "a"), (b, "b")):
+        check_tensor(t, arg)
+        check_fp8_dtype(t.dtype, f"{arg} (dtype)")
+        if t.dim() != 2:
+            raise ValueError(f"{arg}: expected a 2-D tensor, got shape {tuple(t.shape)}")
+    if b.shape[1] != a.shape[1]:
+        raise ValueError(
+            f"b: expected shape (N, K) with K = a.shape[1] = {a.shape[1]} (out = a @ b.T), got {tuple(b.shape)}"
+        )
+    _scale_kind(a_scale, "a_scale", a.shape[0], "M")
+    _scale_kind(b_scale, "b_scale", b.shape[0], "N")
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype: expected one of float32, bfloat16, float16, got {dtype_name(out_dtype)}")
+    if bias is not None:
+        check_float(bias, "bias")
+        if tuple(bias.shape) != (b.shape[0],):
+            raise ValueError(f"bias: expected shape ({b.shape[0]},) (N), got {tuple(bias.shape)}")
+    check_bool(use_fast_accum, "use_fast_accum")
+    check_same_device({"a": a, "b": b, "a_scale": a_scale, "b_scale": b_scale, "bias": bias})
+
+
+# ----------------------------------------------------------------------------- op
+
+
+def _run(a, *rest):
+    """(a * a_scale) @ (b * b_scale)^T (+ bias) on the chosen backend; see ``fp8_gemm``."""
+    return kernel(a.device)(a, *rest)
+
+
+# The schema is the reference's signature: the contract every backend implements, written once.
+fp8_gemm_op = torch.library.custom_op(
+    "titan::fp8_gemm", _run, mutates_args=(), schema=torch.library.infer_schema(_ref.fp8_gemm, mutates_args=())
+)
+
+
+@fp8_gemm_op.register_fake
+def _(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum):
+    return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fp8_gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_scale: torch.Tensor,
+    *,
+    out_dtype: torch.dtype = torch.bfloat16,
+    bias: torch.Tensor | None = None,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """Scaled float8 GEMM in the layout of ``nn.Linear``: ``(a * a_scale) @ (b * b_scale).T + bias``.
+
+    Args:
+        a: (M, K) float8_e4m3fn / float8_e5m2, any strides, any M (zero included).
+        b: (N, K) float8, any strides (e.g. ``weight_fp8`` for y = x W^T, or ``codes.t()``).
+        a_scale: float32, () / (1,) (tensorwise) or (M, 1) (rowwise): dequantization scales, as
+            returned by ``fp8_quantize``.
+        b_scale: float32, () / (1,) or (N, 1). A tensorwise scale may face a rowwise one.
+        out_dtype: float32, bfloat16 or float16.
+        bias: (N,) float tensor or None, added in float32 before the final rounding.
+        use_fast_accum: let Hopper tensor cores accumulate in their reduced precision for the
+            whole K loop (faster, slightly less accurate).
+
+    Returns:
+        (M, N) contiguous tensor in ``out_dtype``, accumulated in float32. K or N that a backend
+        cannot take (``torch._scaled_mm`` wants multiples of 16) are zero-padded, which leaves the
+        result unchanged. Not differentiable (use ``fp8_linear`` / ``Float8Linear`` for training).
+
+    Raises:
+        TypeError: a or b not float8, a scale not float32, out_dtype not float32/bf16/fp16.
+        ValueError: a or b not 2-D, K of b != K of a, a scale shape that fits neither granularity,
+            bias shape != (N,), mixed devices.
+        RuntimeError: the requested backend cannot run on the device.
+
+    Source: the scaled-matmul contract of ``torch._scaled_mm`` with torchao's dequantization-scale
+    convention; Micikevicius et al. 2022.
+    """
+    _validate(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
+    if bias is not None:
+        bias = bias.detach()
+    if eager_fast_path(a, b, a_scale, b_scale, bias):
+        return _run(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
+    return torch.ops.titan.fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)

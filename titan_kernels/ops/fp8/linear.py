@@ -1,0 +1,341 @@
+"""The float8 training GEMMs of a linear layer: ``torch.ops.titan.fp8_linear`` (y = x W^T) and its
+backward ``torch.ops.titan.fp8_linear_backward``, their one autograd definition and the public
+``fp8_linear``, built on ``fp8_quantize`` / ``fp8_gemm``.
+
+Math: dynamic scaling as in Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (section 4)
+and torchao.float8, whose training recipes keep their names and meanings here. A recipe is data, a
+``Float8LinearConfig`` of ``titan_kernels.ops.fp8.config.RECIPES``; ``Operands.gemm`` runs any of
+the three GEMMs from it. The named recipes give:
+
+  recipe               forward y = x W^T        grad_input dx = dy W          grad_weight dW = dy^T x
+  tensorwise           x, W e4m3 tensorwise     dy e5m2 tensorwise, W e4m3    dy e5m2, x e4m3 (tensorwise)
+  rowwise              x, W e4m3 rowwise        dy e4m3 rowwise, W e4m3 colw. dy, x e4m3 colwise
+  rowwise_with_gw_hp   x, W e4m3 rowwise        dy e4m3 rowwise, W e4m3 tensorwise   high precision
+
+Every axiswise scale is taken along the reduction dim of its GEMM; the rowwise recipes round scales
+down to powers of two, as torchao does. The forward GEMM uses fast accumulation, the gradient GEMMs
+do not (torchao's defaults). A cast two GEMMs share (dy of the tensorwise recipe) is made once. The
+backward re-quantizes x and W from the high-precision tensors saved by the forward (the same memory
+as a bf16 Linear; the same codes as the forward). The op follows the rms_norm pattern: ``custom_op``
++ fake + ``register_autograd``, and an eager fast path that saves and differentiates with the same
+functions (DESIGN.md section 2, item 6).
+
+Under DTensor, ``fp8_linear`` runs on local shards (rules in ``titan_kernels.dtensor``): each
+shard is scaled on its own (per-shard amax), which is exact dequantized math for that shard; the
+result matches the unsharded one to fp8 accuracy, not bit for bit.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, NamedTuple
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.ops._common import check_float, check_same_device, eager_fast_path, refuse_create_graph
+from titan_kernels.ops.fp8 import gemm as _gemm
+from titan_kernels.ops.fp8 import quantize as _quantize
+from titan_kernels.ops.fp8.config import (
+    GRAD_INPUT, GRAD_WEIGHT, OUTPUT, RECIPES, TENSORWISE, CastConfig, Float8LinearConfig, GemmSpec,
+)
+from titan_kernels.ops.fp8.gemm import fp8_gemm
+from titan_kernels.ops.fp8.quantize import dtype_name, fp8_quantize
+
+OP = "fp8_linear"
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _validate(x, weight, recipe) -> None:
+    check_float(x, "x")
+    check_float(weight, "weight")
+    if x.dim() < 1:
+        raise ValueError("x: expected at least 1 dimension (..., in_features), got a 0-d tensor")
+    if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"weight: expected shape (out_features, {x.shape[-1]}) to match the last dim of x, got {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise TypeError(f"weight: expected dtype {dtype_name(x.dtype)} (the dtype of x), got {dtype_name(weight.dtype)}")
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe: expected one of {tuple(RECIPES)}, got {recipe!r}")
+    check_same_device({"x": x, "weight": weight})
+
+
+# ----------------------------------------------------------------------------- the GEMMs of a config
+
+
+class Kernels(NamedTuple):
+    """The quantize and GEMM functions the GEMMs call, in the backends' argument order
+    (``titan_kernels.reference.fp8``)."""
+
+    quantize: Callable  # (x, dtype, granularity, round_scales_to_power_of_2) -> (codes, scale)
+    gemm: Callable  # (a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum) -> out
+
+
+def backend_kernels(device: torch.device) -> Kernels:
+    """The chosen backends' functions, called directly (inside the ops' implementations)."""
+    return Kernels(_quantize.kernels(device).quantize, _gemm.kernel(device))
+
+
+# Through the public functions (eager fast path, or the custom ops when traced): for autograd
+# Functions that torch.compile traces (the FSDP2 float8 all-gather path of Float8Linear).
+PUBLIC_KERNELS = Kernels(
+    lambda x, dtype, gran, pow2: fp8_quantize(x, dtype=dtype, granularity=gran, round_scales_to_power_of_2=pow2),
+    lambda a, b, sa, sb, out_dtype, bias, fast: fp8_gemm(a, b, sa, sb, out_dtype=out_dtype, bias=bias,
+                                                         use_fast_accum=fast),
+)
+
+CastKey = tuple  # (tensor name, dtype, granularity, reduction dim or None, power-of-2 scales)
+
+
+class Operands:
+    """The layer's 2-D tensors for one pass, "input" x (M, K), "weight" W (N, K) and "grad_output"
+    dy (M, N), and their float8 casts under ``config``, each made once (``casts`` may hold some
+    already: the FSDP2 all-gathered weight's, x's saved by the forward; then the high-precision
+    tensor is not needed)."""
+
+    def __init__(self, config: Float8LinearConfig, kernels: Kernels, tensors: dict[str, torch.Tensor],
+                 casts: dict[CastKey, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
+        self.config, self.kernels, self.tensors = config, kernels, tensors
+        self.casts = dict(casts or {})
+
+    def key(self, name: str, cast: CastConfig, reduce_dim: int) -> CastKey:
+        # A tensorwise scale is the same whichever dim a GEMM reduces over: one cast serves both.
+        axis = None if cast.granularity == TENSORWISE else reduce_dim
+        return name, cast.dtype, cast.granularity, axis, self.config.round_scales_to_power_of_2
+
+    def cast(self, name: str, cast: CastConfig, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale) of tensor ``name`` as the (rows, K) operand of a GEMM that reduces over
+        its dim ``reduce_dim``: axiswise scales along that dim (rowwise for dim 1, colwise for 0,
+        whose codes are column-major so that their transpose is row-major)."""
+        key = self.key(name, cast, reduce_dim)
+        if key not in self.casts:
+            gran = TENSORWISE if cast.granularity == TENSORWISE else ("rowwise" if reduce_dim == 1 else "colwise")
+            self.casts[key] = self.kernels.quantize(self.tensors[name], cast.dtype, gran, key[-1])
+        codes, scale = self.casts[key]
+        return (codes, scale) if reduce_dim == 1 else (codes.t(), scale.t())
+
+    def gemm(self, spec: GemmSpec, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM ``spec`` (out = left @ right^T) under the config, rounded once to ``out_dtype``."""
+        left, right = getattr(self.config, spec.left_cast), getattr(self.config, spec.right_cast)
+        if left.high_precision:  # and so is right (Float8LinearConfig checks)
+            a, b = self.tensors[spec.left], self.tensors[spec.right]
+            a = a if spec.left_reduce_dim == 1 else a.t()
+            b = b if spec.right_reduce_dim == 1 else b.t()
+            return torch.mm(a, b.t()).to(out_dtype)
+        a, a_scale = self.cast(spec.left, left, spec.left_reduce_dim)
+        b, b_scale = self.cast(spec.right, right, spec.right_reduce_dim)
+        fast = getattr(self.config, spec.options).use_fast_accum
+        return self.kernels.gemm(a, b, a_scale, b_scale, out_dtype, None, fast)
+
+    def grads(self, compute_dx: bool, compute_dweight: bool, x_dtype: torch.dtype, w_dtype: torch.dtype
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(dx (M, K) in x_dtype, dW (N, K) in w_dtype), None where not asked."""
+        dx = self.gemm(GRAD_INPUT, x_dtype) if compute_dx else None
+        dw = self.gemm(GRAD_WEIGHT, w_dtype) if compute_dweight else None
+        return dx, dw
+
+
+def linear_fwd(x2: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig) -> torch.Tensor:
+    """y (M, N) = x2 (M, K) @ weight (N, K)^T in float8 per ``config``, in x2.dtype."""
+    ops = Operands(config, backend_kernels(x2.device), {"input": x2, "weight": weight})
+    return ops.gemm(OUTPUT, x2.dtype)
+
+
+def linear_bwd(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig, compute_dx: bool,
+    compute_dweight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx (M, K) in x2.dtype, dW (N, K) in weight.dtype) per ``config``; None where not asked."""
+    ops = Operands(config, backend_kernels(x2.device), {"input": x2, "weight": weight, "grad_output": dy2})
+    return ops.grads(compute_dx, compute_dweight, x2.dtype, weight.dtype)
+
+
+# ----------------------------------------------------------------------------- a weight cast in advance
+# The FSDP2 float8 all-gather (titan_kernels.nn.float8_all_gather) hands the forward the weight's
+# e4m3 tensorwise codes; the forward keeps x's codes instead of x. Through the public ops, so that
+# the autograd.Function running these compiles.
+
+
+def _check_all_gather(config: Float8LinearConfig) -> None:
+    if not config.supports_fsdp_float8_all_gather:
+        raise ValueError(f"recipe {config.recipe_name or config}: an all-gathered float8 weight needs one e4m3 "
+                         "tensorwise cast of the weight (recipe 'tensorwise')")
+
+
+def prequantized_fwd(x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, config: Float8LinearConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y (M, N) in x2.dtype, x's codes, x's scale): the forward GEMM with the weight given as its
+    e4m3 tensorwise codes (N, K) and scale ()."""
+    _check_all_gather(config)
+    ops = Operands(config, PUBLIC_KERNELS, {"input": x2})
+    ops.casts[ops.key("weight", config.cast_config_weight, 1)] = (w_codes, w_scale)
+    y = ops.gemm(OUTPUT, x2.dtype)
+    return (y, *ops.cast("input", config.cast_config_input, 1))
+
+
+def prequantized_bwd(
+    dy2: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+    config: Float8LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dtype, compute_dx: bool, compute_dweight: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The backward of ``prequantized_fwd`` from the casts it used."""
+    _check_all_gather(config)
+    ops = Operands(config, PUBLIC_KERNELS, {"grad_output": dy2})
+    ops.casts[ops.key("weight", config.cast_config_weight, 1)] = (w_codes, w_scale)
+    ops.casts[ops.key("input", config.cast_config_input, 1)] = (x_codes, x_scale)
+    return ops.grads(compute_dx, compute_dweight, x_dtype, w_dtype)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., C) as (rows, C). Explicit row count: reshape(-1, 0) is ambiguous for an empty last dim."""
+    return t.reshape(t.shape[:-1].numel(), t.shape[-1])
+
+
+def from_rows(t: torch.Tensor, lead: torch.Size, cols: int) -> torch.Tensor:
+    """A 2-D GEMM output as (*lead, cols). _unsafe_view (as aten.matmul does): the result is not
+    tracked as a view of the 2-D output, so callers may modify it in place (FSDP2 and autograd warn
+    about returned views)."""
+    return torch.ops.aten._unsafe_view(t, (*lead, cols))
+
+
+# ----------------------------------------------------------------------------- ops
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    return from_rows(linear_fwd(as_rows(x), weight, RECIPES[recipe]), x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("titan::fp8_linear", mutates_args=())
+def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """y = x @ weight^T with float8 GEMMs per ``recipe``. x (..., K), weight (N, K) -> (..., N) in
+    x.dtype, contiguous."""
+    return _forward(x, weight, recipe)
+
+
+@fp8_linear_op.register_fake
+def _(x, weight, recipe):
+    return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("titan::fp8_linear_backward", mutates_args=())
+def fp8_linear_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, compute_dx: bool, compute_dweight: bool,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of fp8_linear. dy (..., N), x (..., K), weight (N, K). Returns dx (..., K) in
+    x.dtype and dW (N, K) in weight.dtype, each contiguous; a gradient whose ``compute_*`` flag is
+    False comes back empty with its last dim 0 ((..., 0) and (N, 0)), a placeholder of the same
+    rank, so that every DTensor placement of the real gradient is valid for it too. ``backend``:
+    the backend request in force when the forward ran (None: the one in force now)."""
+    return _backward(dy, x, weight, recipe, compute_dx, compute_dweight, backend)
+
+
+@fp8_linear_backward_op.register_fake
+def _(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
+    dx = x.new_empty((*x.shape[:-1], x.shape[-1] if compute_dx else 0))
+    dw = weight.new_empty((weight.shape[0], weight.shape[1] if compute_dweight else 0))
+    return dx, dw
+
+
+# ----------------------------------------------------------------------------- the one autograd definition
+# The eager fast path (``_Fp8LinearFn``) and the op path (``register_autograd``) save with ``_save`` and
+# differentiate with ``_grads``; the backward's quantize and GEMM kernels run under the backend
+# request captured when the forward ran (``request_context``), whichever path ran.
+
+
+def request_context(request: str | None):
+    """A context in which the titan ops see ``request`` (a backend name, "" for automatic, None:
+    leave the current request as it is)."""
+    if request is None:
+        return contextlib.nullcontext()
+    if request == "":
+        return _backend.automatic()
+    return _backend.use_backend(request)
+
+
+def refuse_double_backward(*tensors: torch.Tensor | None) -> None:
+    """In a backward of fp8_linear: a RuntimeError naming the op under create_graph=True."""
+    refuse_create_graph(OP, *tensors, why="; its float8 casts are not differentiable")
+
+
+def _backward(dy, x, weight, recipe, compute_dx, compute_dweight, request):
+    with request_context(request):
+        dx, dw = linear_bwd(as_rows(dy), as_rows(x), weight, RECIPES[recipe], compute_dx, compute_dweight)
+    dx = from_rows(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
+    dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
+    return dx, dw
+
+
+def _save(ctx, x, weight, recipe, request):
+    ctx.save_for_backward(x, weight)
+    ctx.recipe, ctx.request = recipe, request
+
+
+def _grads(ctx, dy, through_op: bool):
+    x, weight = ctx.saved_tensors
+    refuse_double_backward(dy, x, weight)
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    if through_op:
+        dx, dw = torch.ops.titan.fp8_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
+    else:
+        dx, dw = _backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
+    return (dx if need_dx else None), (dw if need_dw else None), None
+
+
+def _setup_fp8_linear(ctx, inputs, output):
+    x, weight, recipe = inputs
+    # Under torch.compile the request cannot be traced: the backward reads the one in force then.
+    request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
+    _save(ctx, x, weight, recipe, request)
+
+
+def _backward_fp8_linear(ctx, dy):
+    return _grads(ctx, dy, through_op=True)
+
+
+fp8_linear_op.register_autograd(_backward_fp8_linear, setup_context=_setup_fp8_linear)
+
+
+class _Fp8LinearFn(torch.autograd.Function):
+    """The eager fast path: the same forward, ``_save`` and ``_grads`` as the op, without the dispatcher."""
+
+    @staticmethod
+    def forward(ctx, x, weight, recipe):
+        _save(ctx, x, weight, recipe, _backend.requested_backend() or "")
+        return _forward(x, weight, recipe)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _grads(ctx, dy, through_op=False)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise") -> torch.Tensor:
+    """``x @ weight.T`` with its forward, grad_input and grad_weight GEMMs in float8 per ``recipe``.
+
+    Args:
+        x: (..., K) float32 / bfloat16 / float16.
+        weight: (N, K), the same dtype as x.
+        recipe: a name of ``titan_kernels.ops.fp8.config.RECIPES``: "tensorwise", "rowwise" or
+            "rowwise_with_gw_hp" (torchao's meanings; the module docstring gives the dtype and
+            scaling of each GEMM, ``RECIPES[recipe]`` the config).
+
+    Returns:
+        (..., N) in x.dtype. Differentiable in x and weight (dx in x.dtype, dW in weight.dtype).
+
+    Raises:
+        TypeError: x or weight not float32/bf16/fp16, or their dtypes differ.
+        ValueError: weight not (N, K) with K = x.shape[-1], unknown recipe, mixed devices.
+
+    Source: torchao.float8 recipes; Micikevicius et al. 2022, section 4.
+    """
+    _validate(x, weight, recipe)
+    if eager_fast_path(x, weight):
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            return _Fp8LinearFn.apply(x, weight, recipe)
+        return _forward(x, weight, recipe)
+    return torch.ops.titan.fp8_linear(x, weight, recipe)
