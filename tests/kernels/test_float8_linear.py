@@ -23,6 +23,9 @@ from titan_kernels.ops.fp8.gemm import OP as GEMM_OP
 from titan_kernels.ops.fp8 import scaled_mm
 from tests.conftest import TEST_DEVICE
 
+# torch._scaled_mm is checked wherever it runs, on the CPU too (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaled_mm_when_available")
+
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 # Relative norm error against float64: e4m3 operands; e5m2 gradients (tensorwise) have one
 # mantissa bit less; grad_weight in high precision (rowwise_with_gw_hp) is exact up to the dtype.
@@ -372,13 +375,3 @@ def test_compile_fullgraph_forward_backward(be, recipe):
     torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
     for p, g in zip(model.parameters(), grads_e):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-5)
-
-
-@pytest.fixture(autouse=True)
-def _scaled_mm_when_available(monkeypatch):
-    # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8.scaled_mm._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
-    backend.clear_choices()  # choices are cached per case: decide again with the patched timing
-    yield
-    backend.clear_choices()

@@ -18,6 +18,9 @@ from titan_kernels import backend
 from titan_kernels.ops.fp8 import gemm_backend_name, scaled_mm
 from tests.conftest import TEST_DEVICE
 
+# torch._scaled_mm is checked wherever it runs, on the CPU too (tests/kernels/conftest.py).
+pytestmark = pytest.mark.usefixtures("scaled_mm_when_available")
+
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 OUT_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
@@ -256,13 +259,3 @@ def test_compile_fullgraph(be):
         compiled = torch.compile(f, fullgraph=True, dynamic=False)(x, w)
     torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
     assert rel_err(eager, x.double() @ w.double().t()) < 7e-2
-
-
-@pytest.fixture(autouse=True)
-def _scaled_mm_when_available(monkeypatch):
-    # These tests check torch._scaled_mm wherever it runs: on a CPU where it is slower than the
-    # dequantized GEMM the automatic choice skips it (ops.fp8.scaled_mm._cpu_scaled_mm_pays), so take it here.
-    monkeypatch.setattr(scaled_mm, "_cpu_scaled_mm_pays", lambda: True)
-    backend.clear_choices()  # choices are cached per case: decide again with the patched timing
-    yield
-    backend.clear_choices()
