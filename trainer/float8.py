@@ -6,15 +6,14 @@ compared side by side. Both get the same recipe and the same filter:
 
 * ``--float8.filter_fqns``: layers whose name contains one of these strings stay in high precision
   (default ``output``: the vocabulary projection feeds the loss directly);
-* ``--float8.auto_filter_small_kgemms``: also keep layers too small to gain. A float8 layer saves
-  about half of its three GEMMs' time, 3·M·N·K / R seconds for M tokens at the bf16 rate R, and pays
-  for the casts, memory-bound passes over the M×K, M×N and N×K operands: roughly
-  c·(M·K + M·N) bytes / B for M ≫ N, K (B the memory bandwidth, c ≈ 5 bytes per element for
-  tensorwise: read bf16 twice for amax and cast, write fp8; about twice that for the rowwise recipes,
-  which also cast colwise copies). It pays when N·K / (N + K) > c·R / (3·B), about 500 on an H100
-  (989 TFLOP/s, 3.35 TB/s). With a 2x margin for kernel overheads we keep a layer in high precision
-  when N·K / (N + K) < 1024 (tensorwise) or 2048 (rowwise recipes). Llama 3 8B's FFN and wq/wo
-  pass; its 1024-wide wk/wv do not; every layer of the debugmodel is filtered.
+* ``--float8.auto_filter_small_kgemms``: also keep layers too small to gain (the cost model of
+  ``titan_kernels.nn.float8.too_small_for_float8``: N·K / (N + K) under 1024 for tensorwise, 2048
+  for the rowwise recipes; Llama 3 8B's FFN and wq/wo pass, its 1024-wide wk/wv do not, every
+  layer of the debugmodel is filtered).
+
+The recipes, their configs (``Float8LinearConfig``), the module, the conversion and the filter are
+``titan_kernels.nn``'s; this module maps the ``[float8]`` keys (torchtitan's) onto them, picks ours
+or torchao's, and converts the MoE experts.
 
 Mixture-of-experts models: the routed experts (``trainer.models.moe.GroupedExperts``, three grouped
 GEMMs) run on ``titan_kernels.fp8_grouped_mm`` with ``--float8.impl titan``, under the same two
@@ -35,35 +34,15 @@ says so.
 from __future__ import annotations
 
 import logging
-from typing import Callable
 
 from torch import nn
 
+from titan_kernels.nn.float8 import convert_to_float8, module_filter, too_small_for_float8
+
 logger = logging.getLogger("trainer")
 
-_MIN_HARMONIC = {"tensorwise": 1024, "rowwise": 2048, "rowwise_with_gw_hp": 2048}
 # --float8.recipe -> the recipe of the routed experts' titan_kernels.fp8_grouped_mm (module docstring).
 EXPERT_RECIPE = {"tensorwise": "rowwise", "rowwise": "rowwise", "rowwise_with_gw_hp": "rowwise_with_gw_hp"}
-
-
-def too_small_for_float8(in_features: int, out_features: int, recipe: str) -> bool:
-    """Whether a Linear (in_features = K, out_features = N) is expected not to gain from float8
-    with ``recipe`` (the cost model in the module docstring)."""
-    k, n = in_features, out_features
-    return n * k / (n + k) < _MIN_HARMONIC[recipe]
-
-
-def module_filter(filter_fqns: list[str], auto_filter: bool, recipe: str) -> Callable[[nn.Module, str], bool]:
-    """``fn(module, fqn) -> bool``: True when the Linear at ``fqn`` should become float8."""
-
-    def keep(mod: nn.Module, fqn: str) -> bool:
-        if any(f and f in fqn for f in filter_fqns):
-            return False
-        if auto_filter and too_small_for_float8(mod.in_features, mod.out_features, recipe):
-            return False
-        return True
-
-    return keep
 
 
 def _torchao_convert(model: nn.Module, recipe: str, all_gather: bool, fn) -> None:
@@ -129,8 +108,6 @@ def convert_model_to_float8(model: nn.Module, cfg) -> list[str]:
     if cfg.impl == "torchao":
         _torchao_convert(model, cfg.recipe, cfg.enable_fsdp_float8_all_gather, keep)
     else:
-        from titan_kernels.nn import convert_to_float8
-
         convert_to_float8(model, cfg.recipe, keep, enable_fsdp_float8_all_gather=cfg.enable_fsdp_float8_all_gather)
     skipped = len(linears) - len(chosen)
     logger.info(

@@ -16,6 +16,7 @@ from torch import nn
 
 import titan_kernels as tk
 from titan_kernels.nn import Float8Linear, convert_to_float8
+from titan_kernels.nn.float8 import module_filter, too_small_for_float8
 from titan_kernels.ops.fp8.config import (
     HIGH_PRECISION, RECIPES, CastConfig, Float8GemmConfig, Float8LinearConfig, recipe_and_config,
 )
@@ -58,6 +59,21 @@ def test_table_holds_torchaos_meanings():
         assert (c.gemm_config_output, c.gemm_config_grad_input, c.gemm_config_grad_weight) == (
             Float8GemmConfig(True), Float8GemmConfig(False), Float8GemmConfig(False))
     assert [n for n, c in RECIPES.items() if c.supports_fsdp_float8_all_gather] == ["tensorwise"]
+
+
+def test_size_filter_reads_the_config():
+    # N·K / (N + K) of 2048 x 4096 is 1365: enough for tensorwise, too small for the recipes that
+    # cast axiswise (each such operand is cast along two axes: about twice the bytes).
+    for name, config in RECIPES.items():
+        small = too_small_for_float8(2048, 4096, name)
+        assert small == (name != "tensorwise") == config.casts_axiswise
+        assert too_small_for_float8(2048, 4096, config) == small
+        assert not too_small_for_float8(4096, 14336, config) and too_small_for_float8(256, 768, config)
+    keep = module_filter(["output"], auto_filter=True, recipe=RECIPES["rowwise"])
+    model = convert_to_float8(nn.ModuleDict({"w1": nn.Linear(4096, 14336, device="meta"),
+                                             "output": nn.Linear(4096, 14336, device="meta"),
+                                             "wk": nn.Linear(4096, 1024, device="meta")}), "rowwise", keep)
+    assert [type(m).__name__ for m in model.values()] == ["Float8Linear", "Linear", "Linear"]
 
 
 def _written_out(x2, w, dy2, recipe):

@@ -1,6 +1,6 @@
-"""Float8Linear: ``nn.Linear`` with its forward, grad_input and grad_weight GEMMs in float8, and the
+"""Float8Linear: ``nn.Linear`` with its forward, grad_input and grad_weight GEMMs in float8, the
 in-place model converter ``convert_to_float8`` (torchao's ``convert_to_float8_training``: swap the
-``nn.Linear`` layers a filter selects).
+``nn.Linear`` layers a filter selects) and ``module_filter``, a filter by name and by size.
 
 A recipe is given by name or as its ``Float8LinearConfig`` (``titan_kernels.ops.fp8.config``, where
 the table ``RECIPES`` holds torchao's names and meanings): "tensorwise" (dynamic tensorwise scales,
@@ -105,6 +105,41 @@ class Float8Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def too_small_for_float8(in_features: int, out_features: int, recipe: str) -> bool:
+    """Whether a Linear (in_features = K, out_features = N) is expected not to gain from float8 with
+    ``recipe`` (a name of ``RECIPES`` or its config).
+
+    A float8 layer saves about half of its three GEMMs' time, 3·M·N·K / R seconds for M tokens at
+    the bf16 rate R, and pays for the casts, memory-bound passes over the M×K, M×N and N×K operands:
+    roughly c·(M·K + M·N) bytes / B for M ≫ N, K (B the memory bandwidth, c ≈ 5 bytes per element
+    for tensorwise: read bf16 twice for amax and cast, write fp8; about twice that for the rowwise
+    recipes, which also cast colwise copies). It pays when N·K / (N + K) > c·R / (3·B), about 500 on
+    an H100 (989 TFLOP/s, 3.35 TB/s). With a 2x margin for kernel overheads a layer is too small
+    when N·K / (N + K) < 1024, or 2048 for a recipe that casts any operand axiswise (rowwise). Llama 3 8B's FFN and wq/wo
+    pass; its 1024-wide wk/wv do not; every layer of the debugmodel is too small.
+    """
+    _, config = recipe_and_config(recipe)
+    k, n = in_features, out_features
+    return n * k / (n + k) < (2048 if config.casts_axiswise else 1024)
+
+
+def module_filter(filter_fqns: list[str], auto_filter: bool, recipe: str | Float8LinearConfig
+                  ) -> Callable[[nn.Module, str], bool]:
+    """``fn(module, fqn) -> bool`` for ``convert_to_float8``: True when the Linear at ``fqn`` should
+    become float8, i.e. its name contains none of ``filter_fqns`` and, with ``auto_filter``, it is
+    not ``too_small_for_float8`` for ``recipe`` (torchtitan's filter_fqns and
+    auto_filter_small_kgemms)."""
+
+    def keep(mod: nn.Module, fqn: str) -> bool:
+        if any(f and f in fqn for f in filter_fqns):
+            return False
+        if auto_filter and too_small_for_float8(mod.in_features, mod.out_features, recipe):
+            return False
+        return True
+
+    return keep
 
 
 def convert_to_float8(

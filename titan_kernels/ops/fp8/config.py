@@ -124,6 +124,12 @@ class Float8LinearConfig:
         return _NAMES.get(self)
 
     @property
+    def casts_axiswise(self) -> bool:
+        """Whether any operand is cast axiswise (then it is cast along two axes for two GEMMs)."""
+        casts = [getattr(self, name) for g in GEMMS for name in (g.left_cast, g.right_cast)]
+        return any(c.granularity == AXISWISE and not c.high_precision for c in casts)
+
+    @property
     def supports_fsdp_float8_all_gather(self) -> bool:
         """Whether the FSDP2 float8 all-gather can feed this recipe: every use of the weight is one
         e4m3 tensorwise cast without power-of-two rounding (the all-gathered codes), and the weight
