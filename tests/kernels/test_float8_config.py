@@ -20,7 +20,7 @@ from titan_kernels.nn.float8 import module_filter, too_small_for_float8
 from titan_kernels.ops.fp8.config import (
     HIGH_PRECISION, RECIPES, CastConfig, Float8GemmConfig, Float8LinearConfig, recipe_and_config,
 )
-from tests.kernels.test_float8_linear import BACKENDS, randn
+from tests.kernels.test_fp8_linear import BACKENDS, randn
 
 # torch._scaled_mm is checked wherever it runs, on the CPU too (tests/kernels/conftest.py).
 pytestmark = pytest.mark.usefixtures("scaled_mm_when_available")

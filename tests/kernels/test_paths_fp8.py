@@ -17,7 +17,7 @@ from titan_kernels import backend
 from titan_kernels.ops.fp8.gemm import OP as GEMM_OP
 from titan_kernels.ops.fp8 import gemm_backend_name, scaled_mm
 from tests.conftest import TEST_DEVICE
-from tests.kernels.test_float8_linear import BACKENDS, RECIPES, randn, use
+from tests.kernels.test_fp8_linear import BACKENDS, RECIPES, randn, use
 
 PATHS = {
     "fast": lambda x, w, recipe: tk.fp8_linear(x, w, recipe),
