@@ -19,24 +19,15 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor, eager_fast_path
-from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name
+from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name, triton_module
 from titan_kernels.reference import fp8 as _ref
 
 OP = "fp8_gemm"
 OUT_DTYPES = FLOAT_DTYPES
 
 _backend.register_impl(OP, "reference", _ref.fp8_gemm)
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import fp8_gemm as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
+if (_tri := triton_module("fp8_gemm")) is not None:
     _backend.register_impl(OP, "triton", _tri.fp8_gemm)
-
-
-_register_triton()
 
 
 def kernel(device: torch.device):

@@ -11,6 +11,8 @@ eager fast path; it is not differentiable (``fp8_linear`` is the training op bui
 """
 from __future__ import annotations
 
+import importlib
+import types
 from typing import Callable, NamedTuple
 
 import torch
@@ -32,21 +34,21 @@ class QuantizeKernels(NamedTuple):
     quantize_from_amax: Callable  # (x, amax, dtype, round_scales_to_power_of_2) -> (codes, scale)
 
 
+def triton_module(name: str) -> types.ModuleType | None:
+    """``titan_kernels.triton.<name>``, or None where triton is not installed (the family's ops then
+    register no triton implementation, and the backend reports itself unavailable)."""
+    try:
+        return importlib.import_module(f"titan_kernels.triton.{name}")
+    except ImportError:
+        return None
+
+
 _backend.register_impl(
     OP, "reference", QuantizeKernels(_ref.fp8_quantize, lambda x: _ref.amax(x, "tensorwise"), _ref.fp8_quantize_from_amax)
 )
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import fp8_quantize as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
+if (_tri := triton_module("fp8_quantize")) is not None:
     _backend.register_impl(OP, "triton", QuantizeKernels(_tri.fp8_quantize, _tri.tensorwise_amax,
                                                          _tri.fp8_quantize_from_amax))
-
-
-_register_triton()
 
 
 def kernels(device: torch.device) -> QuantizeKernels:
