@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_map_only
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops.fp8 import linear as _linear
+import titan_kernels.ops.fp8.linear as _linear
 from titan_kernels.ops.fp8.config import E4M3, RECIPES
 from titan_kernels.ops.fp8.quantize import fp8_quantize_from_amax, tensorwise_amax
 

@@ -33,8 +33,8 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops._common import check_float, check_same_device, eager_fast_path, refuse_create_graph
-from titan_kernels.ops.fp8 import gemm as _gemm
-from titan_kernels.ops.fp8 import quantize as _quantize
+import titan_kernels.ops.fp8.gemm as _gemm
+import titan_kernels.ops.fp8.quantize as _quantize
 from titan_kernels.ops.fp8.config import (
     GRAD_INPUT, GRAD_WEIGHT, OUTPUT, RECIPES, TENSORWISE, CastConfig, Float8LinearConfig, GemmSpec,
 )
