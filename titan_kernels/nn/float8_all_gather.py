@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from titan_kernels import backend as _backend
 import titan_kernels.ops.fp8.linear as _linear
-from titan_kernels.ops.fp8.config import E4M3, RECIPES
+from titan_kernels.ops.fp8.config import E4M3
 from titan_kernels.ops.fp8.quantize import fp8_quantize_from_amax, tensorwise_amax
 
 aten = torch.ops.aten
@@ -188,11 +188,10 @@ class _PrequantizedLinearFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, recipe):
-        config = RECIPES[recipe]
-        y, xq, xs = _linear.prequantized_fwd(_linear.as_rows(x), weight._data, weight._scale, config)
+        y, xq, xs = _linear.prequantized_fwd(_linear.as_rows(x), weight._data, weight._scale, recipe)
         # The codes, not x: the backward needs nothing else (and they are half of a bf16 x).
         ctx.save_for_backward(xq, xs, weight)
-        ctx.x_shape, ctx.x_dtype, ctx.config = x.shape, x.dtype, config
+        ctx.x_shape, ctx.x_dtype, ctx.recipe = x.shape, x.dtype, recipe
         # The backward runs on the forward's backends; under torch.compile the request cannot be
         # traced (a ContextVar), and the compiled ops read the one in force when they run.
         ctx.request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
@@ -204,7 +203,7 @@ class _PrequantizedLinearFn(torch.autograd.Function):
         _linear.refuse_double_backward(dy, weight)
         with _linear.request_context(ctx.request):
             dx, dw = _linear.prequantized_bwd(
-                _linear.as_rows(dy), xq, xs, weight._data, weight._scale, ctx.config, ctx.x_dtype, weight.dtype,
+                _linear.as_rows(dy), xq, xs, weight._data, weight._scale, ctx.recipe, ctx.x_dtype, weight.dtype,
                 ctx.needs_input_grad[0], ctx.needs_input_grad[1],
             )
         dx = _linear.from_rows(dx, ctx.x_shape[:-1], ctx.x_shape[-1]) if dx is not None else None

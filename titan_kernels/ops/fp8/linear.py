@@ -4,8 +4,8 @@ backward ``torch.ops.titan.fp8_linear_backward``, their one autograd definition 
 
 Math: dynamic scaling as in Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (section 4)
 and torchao.float8, whose training recipes keep their names and meanings here. A recipe is data, a
-``Float8LinearConfig`` of ``titan_kernels.ops.fp8.config.RECIPES``; ``Operands.gemm`` runs any of
-the three GEMMs from it. The named recipes give:
+``Float8LinearConfig`` of ``titan_kernels.ops.fp8.config.RECIPES``, read once into ``PLANS`` (each
+GEMM's casts as ``fp8_quantize`` calls), which ``Operands.gemm`` runs. The named recipes give:
 
   recipe               forward y = x W^T        grad_input dx = dy W          grad_weight dW = dy^T x
   tensorwise           x, W e4m3 tensorwise     dy e5m2 tensorwise, W e4m3    dy e5m2, x e4m3 (tensorwise)
@@ -87,70 +87,99 @@ PUBLIC_KERNELS = Kernels(
                                                          use_fast_accum=fast),
 )
 
-CastKey = tuple  # (tensor name, dtype, granularity, reduction dim or None, power-of-2 scales)
+class Cast(NamedTuple):
+    """One float8 cast of a layer tensor ("input" x (M, K), "weight" W (N, K), "grad_output" dy
+    (M, N)) as ``fp8_quantize`` makes it; also its identity: GEMMs needing equal casts share one."""
+
+    tensor: str
+    dtype: torch.dtype | None  # None: high precision, no cast
+    granularity: str  # fp8_quantize's: "tensorwise", "rowwise" or "colwise"
+    round_scales_to_power_of_2: bool
+
+
+class GemmPlan(NamedTuple):
+    """One GEMM, out = left @ right^T (``fp8_gemm``'s layout), from a config: each operand's cast and
+    whether it is transposed (the GEMM reduces over the tensor's dim 0), and the GEMM option."""
+
+    left: Cast
+    left_t: bool
+    right: Cast
+    right_t: bool
+    use_fast_accum: bool
+
+
+def _operand(config: Float8LinearConfig, tensor: str, cast: CastConfig, reduce_dim: int) -> tuple[Cast, bool]:
+    # An axiswise scale runs along the reduced dim: per row for dim 1, per column for dim 0 (colwise
+    # codes are column-major, so their transpose is the row-major (rows, K) operand).
+    gran = TENSORWISE if cast.granularity == TENSORWISE else ("rowwise" if reduce_dim == 1 else "colwise")
+    return Cast(tensor, cast.dtype, gran, config.round_scales_to_power_of_2), reduce_dim == 0
+
+
+def gemm_plan(config: Float8LinearConfig, spec: GemmSpec) -> GemmPlan:
+    """The GEMM ``spec`` of ``config`` as quantize and GEMM calls."""
+    left = _operand(config, spec.left, getattr(config, spec.left_cast), spec.left_reduce_dim)
+    right = _operand(config, spec.right, getattr(config, spec.right_cast), spec.right_reduce_dim)
+    return GemmPlan(*left, *right, getattr(config, spec.options).use_fast_accum)
+
+
+class Plans(NamedTuple):
+    output: GemmPlan
+    grad_input: GemmPlan
+    grad_weight: GemmPlan
+
+
+# Read from the configs once: each call then only looks its recipe up.
+PLANS = {name: Plans(*(gemm_plan(config, spec) for spec in (OUTPUT, GRAD_INPUT, GRAD_WEIGHT)))
+         for name, config in RECIPES.items()}
 
 
 class Operands:
-    """The layer's 2-D tensors for one pass, "input" x (M, K), "weight" W (N, K) and "grad_output"
-    dy (M, N), and their float8 casts under ``config``, each made once (``casts`` may hold some
-    already: the FSDP2 all-gathered weight's, x's saved by the forward; then the high-precision
-    tensor is not needed)."""
+    """The layer's 2-D tensors for one pass ("input" x (M, K), "weight" W (N, K), "grad_output" dy
+    (M, N), high precision) and their float8 casts, each made once: ``casts`` may hold some already
+    (the FSDP2 all-gathered weight's, x's kept by the forward), and then the tensor is not needed."""
 
-    def __init__(self, config: Float8LinearConfig, kernels: Kernels, tensors: dict[str, torch.Tensor],
-                 casts: dict[CastKey, tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
-        self.config, self.kernels, self.tensors = config, kernels, tensors
-        self.casts = dict(casts or {})
+    def __init__(self, kernels: Kernels, tensors: dict[str, torch.Tensor]) -> None:
+        self.kernels, self.tensors = kernels, tensors
+        self.casts: dict[Cast, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def key(self, name: str, cast: CastConfig, reduce_dim: int) -> CastKey:
-        # A tensorwise scale is the same whichever dim a GEMM reduces over: one cast serves both.
-        axis = None if cast.granularity == TENSORWISE else reduce_dim
-        return name, cast.dtype, cast.granularity, axis, self.config.round_scales_to_power_of_2
+    def cast(self, cast: Cast, transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, scale) of ``cast``, transposed (codes and scale) when asked."""
+        codes_scale = self.casts.get(cast)
+        if codes_scale is None:
+            codes_scale = self.casts[cast] = self.kernels.quantize(
+                self.tensors[cast.tensor], cast.dtype, cast.granularity, cast.round_scales_to_power_of_2)
+        codes, scale = codes_scale
+        return (codes.t(), scale.t()) if transpose else (codes, scale)
 
-    def cast(self, name: str, cast: CastConfig, reduce_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(codes, scale) of tensor ``name`` as the (rows, K) operand of a GEMM that reduces over
-        its dim ``reduce_dim``: axiswise scales along that dim (rowwise for dim 1, colwise for 0,
-        whose codes are column-major so that their transpose is row-major)."""
-        key = self.key(name, cast, reduce_dim)
-        if key not in self.casts:
-            gran = TENSORWISE if cast.granularity == TENSORWISE else ("rowwise" if reduce_dim == 1 else "colwise")
-            self.casts[key] = self.kernels.quantize(self.tensors[name], cast.dtype, gran, key[-1])
-        codes, scale = self.casts[key]
-        return (codes, scale) if reduce_dim == 1 else (codes.t(), scale.t())
+    def gemm(self, plan: GemmPlan, out_dtype: torch.dtype) -> torch.Tensor:
+        """The GEMM ``plan``, rounded once to ``out_dtype``."""
+        if plan.left.dtype is None:  # high precision, and so is right (Float8LinearConfig checks)
+            a, b = self.tensors[plan.left.tensor], self.tensors[plan.right.tensor]
+            return torch.mm(a.t() if plan.left_t else a, b if plan.right_t else b.t()).to(out_dtype)
+        a, a_scale = self.cast(plan.left, plan.left_t)
+        b, b_scale = self.cast(plan.right, plan.right_t)
+        return self.kernels.gemm(a, b, a_scale, b_scale, out_dtype, None, plan.use_fast_accum)
 
-    def gemm(self, spec: GemmSpec, out_dtype: torch.dtype) -> torch.Tensor:
-        """The GEMM ``spec`` (out = left @ right^T) under the config, rounded once to ``out_dtype``."""
-        left, right = getattr(self.config, spec.left_cast), getattr(self.config, spec.right_cast)
-        if left.high_precision:  # and so is right (Float8LinearConfig checks)
-            a, b = self.tensors[spec.left], self.tensors[spec.right]
-            a = a if spec.left_reduce_dim == 1 else a.t()
-            b = b if spec.right_reduce_dim == 1 else b.t()
-            return torch.mm(a, b.t()).to(out_dtype)
-        a, a_scale = self.cast(spec.left, left, spec.left_reduce_dim)
-        b, b_scale = self.cast(spec.right, right, spec.right_reduce_dim)
-        fast = getattr(self.config, spec.options).use_fast_accum
-        return self.kernels.gemm(a, b, a_scale, b_scale, out_dtype, None, fast)
-
-    def grads(self, compute_dx: bool, compute_dweight: bool, x_dtype: torch.dtype, w_dtype: torch.dtype
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def grads(self, plans: Plans, compute_dx: bool, compute_dweight: bool, x_dtype: torch.dtype,
+              w_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(dx (M, K) in x_dtype, dW (N, K) in w_dtype), None where not asked."""
-        dx = self.gemm(GRAD_INPUT, x_dtype) if compute_dx else None
-        dw = self.gemm(GRAD_WEIGHT, w_dtype) if compute_dweight else None
+        dx = self.gemm(plans.grad_input, x_dtype) if compute_dx else None
+        dw = self.gemm(plans.grad_weight, w_dtype) if compute_dweight else None
         return dx, dw
 
 
-def linear_fwd(x2: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig) -> torch.Tensor:
-    """y (M, N) = x2 (M, K) @ weight (N, K)^T in float8 per ``config``, in x2.dtype."""
-    ops = Operands(config, backend_kernels(x2.device), {"input": x2, "weight": weight})
-    return ops.gemm(OUTPUT, x2.dtype)
+def linear_fwd(x2: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+    """y (M, N) = x2 (M, K) @ weight (N, K)^T in float8 per ``recipe``, in x2.dtype."""
+    ops = Operands(backend_kernels(x2.device), {"input": x2, "weight": weight})
+    return ops.gemm(PLANS[recipe].output, x2.dtype)
 
 
 def linear_bwd(
-    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, config: Float8LinearConfig, compute_dx: bool,
-    compute_dweight: bool,
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, recipe: str, compute_dx: bool, compute_dweight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx (M, K) in x2.dtype, dW (N, K) in weight.dtype) per ``config``; None where not asked."""
-    ops = Operands(config, backend_kernels(x2.device), {"input": x2, "weight": weight, "grad_output": dy2})
-    return ops.grads(compute_dx, compute_dweight, x2.dtype, weight.dtype)
+    """(dx (M, K) in x2.dtype, dW (N, K) in weight.dtype) per ``recipe``; None where not asked."""
+    ops = Operands(backend_kernels(x2.device), {"input": x2, "weight": weight, "grad_output": dy2})
+    return ops.grads(PLANS[recipe], compute_dx, compute_dweight, x2.dtype, weight.dtype)
 
 
 # ----------------------------------------------------------------------------- a weight cast in advance
@@ -159,33 +188,35 @@ def linear_bwd(
 # the autograd.Function running these compiles.
 
 
-def _check_all_gather(config: Float8LinearConfig) -> None:
-    if not config.supports_fsdp_float8_all_gather:
-        raise ValueError(f"recipe {config.recipe_name or config}: an all-gathered float8 weight needs one e4m3 "
-                         "tensorwise cast of the weight (recipe 'tensorwise')")
+def _all_gather_plans(recipe: str) -> Plans:
+    if not RECIPES[recipe].supports_fsdp_float8_all_gather:
+        raise ValueError(f"recipe {recipe!r}: an all-gathered float8 weight needs one e4m3 tensorwise cast of the "
+                         "weight (recipe 'tensorwise')")
+    return PLANS[recipe]
 
 
-def prequantized_fwd(x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, config: Float8LinearConfig
+def prequantized_fwd(x2: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, recipe: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y (M, N) in x2.dtype, x's codes, x's scale): the forward GEMM with the weight given as its
     e4m3 tensorwise codes (N, K) and scale ()."""
-    _check_all_gather(config)
-    ops = Operands(config, PUBLIC_KERNELS, {"input": x2})
-    ops.casts[ops.key("weight", config.cast_config_weight, 1)] = (w_codes, w_scale)
-    y = ops.gemm(OUTPUT, x2.dtype)
-    return (y, *ops.cast("input", config.cast_config_input, 1))
+    plans = _all_gather_plans(recipe)
+    ops = Operands(PUBLIC_KERNELS, {"input": x2})
+    ops.casts[plans.output.right] = (w_codes, w_scale)
+    y = ops.gemm(plans.output, x2.dtype)
+    return (y, *ops.casts[plans.output.left])
 
 
 def prequantized_bwd(
     dy2: torch.Tensor, x_codes: torch.Tensor, x_scale: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
-    config: Float8LinearConfig, x_dtype: torch.dtype, w_dtype: torch.dtype, compute_dx: bool, compute_dweight: bool,
+    recipe: str, x_dtype: torch.dtype, w_dtype: torch.dtype, compute_dx: bool, compute_dweight: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The backward of ``prequantized_fwd`` from the casts it used."""
-    _check_all_gather(config)
-    ops = Operands(config, PUBLIC_KERNELS, {"grad_output": dy2})
-    ops.casts[ops.key("weight", config.cast_config_weight, 1)] = (w_codes, w_scale)
-    ops.casts[ops.key("input", config.cast_config_input, 1)] = (x_codes, x_scale)
-    return ops.grads(compute_dx, compute_dweight, x_dtype, w_dtype)
+    """The backward of ``prequantized_fwd`` from the casts it used (the recipe's gradient GEMMs
+    use those same casts of x and W: ``supports_fsdp_float8_all_gather``)."""
+    plans = _all_gather_plans(recipe)
+    ops = Operands(PUBLIC_KERNELS, {"grad_output": dy2})
+    ops.casts[plans.output.right] = (w_codes, w_scale)
+    ops.casts[plans.output.left] = (x_codes, x_scale)
+    return ops.grads(plans, compute_dx, compute_dweight, x_dtype, w_dtype)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -204,7 +235,7 @@ def from_rows(t: torch.Tensor, lead: torch.Size, cols: int) -> torch.Tensor:
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    return from_rows(linear_fwd(as_rows(x), weight, RECIPES[recipe]), x.shape[:-1], weight.shape[0])
+    return from_rows(linear_fwd(as_rows(x), weight, recipe), x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("titan::fp8_linear", mutates_args=())
@@ -262,7 +293,7 @@ def refuse_double_backward(*tensors: torch.Tensor | None) -> None:
 
 def _backward(dy, x, weight, recipe, compute_dx, compute_dweight, request):
     with request_context(request):
-        dx, dw = linear_bwd(as_rows(dy), as_rows(x), weight, RECIPES[recipe], compute_dx, compute_dweight)
+        dx, dw = linear_bwd(as_rows(dy), as_rows(x), weight, recipe, compute_dx, compute_dweight)
     dx = from_rows(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
     dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
     return dx, dw
