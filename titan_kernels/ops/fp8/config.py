@@ -67,7 +67,30 @@ class Float8GemmConfig:
     use_fast_accum: bool = False
 
 
-_CASTS = ("cast_config_input", "cast_config_weight", "cast_config_grad_output")
+@dataclass(frozen=True)
+class GemmSpec:
+    """One GEMM of the linear layer as ``fp8_gemm`` computes it, out = left @ right^T with both
+    operands (rows, K): each operand is a 2-D tensor of the layer ("input" x (M, K), "weight" W
+    (N, K), "grad_output" dy (M, N)) used as it is when the GEMM reduces over its dim 1, transposed
+    when over its dim 0; the names of its casts and GEMM options in ``Float8LinearConfig``."""
+
+    name: str
+    left: str
+    left_reduce_dim: int
+    right: str
+    right_reduce_dim: int
+    left_cast: str
+    right_cast: str
+    options: str
+
+
+OUTPUT = GemmSpec("output", "input", 1, "weight", 1, "cast_config_input", "cast_config_weight", "gemm_config_output")
+GRAD_INPUT = GemmSpec("grad_input", "grad_output", 1, "weight", 0, "cast_config_grad_output",
+                      "cast_config_weight_for_grad_input", "gemm_config_grad_input")
+GRAD_WEIGHT = GemmSpec("grad_weight", "grad_output", 0, "input", 0, "cast_config_grad_output_for_grad_weight",
+                       "cast_config_input_for_grad_weight", "gemm_config_grad_weight")
+GEMMS = (OUTPUT, GRAD_INPUT, GRAD_WEIGHT)
+
 _DERIVED = {  # the second use of each operand -> its first (torchao's defaults)
     "cast_config_input_for_grad_weight": "cast_config_input",
     "cast_config_weight_for_grad_input": "cast_config_weight",
@@ -139,30 +162,6 @@ class Float8LinearConfig:
                 and not self.round_scales_to_power_of_2 and self.cast_config_input.granularity == TENSORWISE
                 and self.cast_config_input_for_grad_weight == self.cast_config_input)
 
-
-@dataclass(frozen=True)
-class GemmSpec:
-    """One GEMM of the linear layer as ``fp8_gemm`` computes it, out = left @ right^T with both
-    operands (rows, K): each operand is a 2-D tensor of the layer ("input" x (M, K), "weight" W
-    (N, K), "grad_output" dy (M, N)) used as it is when the GEMM reduces over its dim 1, transposed
-    when over its dim 0; the names of its casts and GEMM options in ``Float8LinearConfig``."""
-
-    name: str
-    left: str
-    left_reduce_dim: int
-    right: str
-    right_reduce_dim: int
-    left_cast: str
-    right_cast: str
-    options: str
-
-
-OUTPUT = GemmSpec("output", "input", 1, "weight", 1, "cast_config_input", "cast_config_weight", "gemm_config_output")
-GRAD_INPUT = GemmSpec("grad_input", "grad_output", 1, "weight", 0, "cast_config_grad_output",
-                      "cast_config_weight_for_grad_input", "gemm_config_grad_input")
-GRAD_WEIGHT = GemmSpec("grad_weight", "grad_output", 0, "input", 0, "cast_config_grad_output_for_grad_weight",
-                       "cast_config_input_for_grad_weight", "gemm_config_grad_weight")
-GEMMS = (OUTPUT, GRAD_INPUT, GRAD_WEIGHT)
 
 _E4M3_AXISWISE = CastConfig(E4M3, AXISWISE)
 
