@@ -21,6 +21,11 @@ Public API (each op has a reference, a Triton and, where built, a C++/CUDA imple
 """
 from titan_kernels.backend import available_backends, use_backend  # noqa: F401
 from titan_kernels.ops.rms_norm import add_rms_norm, rms_norm  # noqa: F401
+
+try:  # the triton_op variant of rms_norm (registers titan::rms_norm_triton; needs triton and torch.library.triton_op)
+    from titan_kernels.ops import rms_norm_triton_op as _rms_norm_triton_op  # noqa: F401
+except ImportError:
+    pass
 from titan_kernels.ops.rotary import apply_rotary_emb, rope_cos_sin  # noqa: F401
 from titan_kernels.ops.swiglu import swiglu  # noqa: F401
 from titan_kernels.ops.fp8 import fp8_gemm, fp8_grouped_mm, fp8_linear, fp8_quantize  # noqa: F401
@@ -33,4 +38,3 @@ from titan_kernels.ops.fused_adamw import fused_adamw_  # noqa: F401
 from titan_kernels.ops.newton_schulz import newton_schulz  # noqa: F401
 from titan_kernels import nn  # noqa: F401
 from titan_kernels.patch import patch  # noqa: F401
-from titan_kernels import dtensor as _dtensor  # noqa: F401,E402  (registers DTensor sharding rules)

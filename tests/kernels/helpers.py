@@ -3,6 +3,7 @@ RoPE frequency scaling in float64, and the operands, float64 loop and contract c
 grouped GEMMs (grouped_mm, fp8_grouped_mm)."""
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -131,6 +132,24 @@ def noncontiguous_operands(dtype: torch.dtype = torch.float32):
     return x, [w, w2], make_offsets(sizes)
 
 
+@contextlib.contextmanager
+def spied_kernels(op: str, calls: list, forward: str = "forward", backward: str = "backward"):
+    """Every implementation of ``op``, through ``backend.replace_impl``, with its ``forward`` and
+    ``backward`` entry points recording ("fwd" or "bwd", the implementation's name) in ``calls``."""
+    from titan_kernels import backend
+
+    def spy(fn, tag, name):
+        return lambda *a: (calls.append((tag, name)), fn(*a))[1]
+
+    with contextlib.ExitStack() as stack:
+        for impl in backend.implementations(op):
+            k = impl.kernels
+            spied = k._replace(**{forward: spy(getattr(k, forward), "fwd", impl.name),
+                                  backward: spy(getattr(k, backward), "bwd", impl.name)})
+            stack.enter_context(backend.replace_impl(op, impl.name, spied, impl.family))
+        yield calls
+
+
 def check_one_backend(calls: list, fast, op) -> None:
     """``fast(x, w, offsets)`` (the public call) and ``op(x, w, offsets)`` (the registered op) under
     use_backend("reference"), the backward outside the context: each records exactly [("fwd",
@@ -208,12 +227,12 @@ def validation_cases():
     return x, w, o, cases
 
 
-def check_measured_order(monkeypatch, measured_order, dtype: str, run_candidates: bool) -> None:
+def check_measured_order(monkeypatch, measured_order, dtype: torch.dtype, run_candidates: bool) -> None:
     """``measured_order`` (a grouped GEMM's, timed by ``ops.grouped_mm.time_order``) with a stand-in
     timer that makes the later candidate faster, on CPU tensors: the order follows the times, is
     cached per key, and a failing timer keeps the given order. ``run_candidates``: the stand-in also
     runs each candidate (forward and backward)."""
-    from titan_kernels.ops import grouped_mm as gmm
+    from titan_kernels.ops import _common
 
     seen = []
 
@@ -223,16 +242,16 @@ def check_measured_order(monkeypatch, measured_order, dtype: str, run_candidates
         seen.append(device.type)
         return 2.0 if len(seen) == 1 else 1.0
 
-    monkeypatch.setattr(gmm, "_time_call", fake_time)
+    monkeypatch.setattr(_common, "time_call", fake_time)
     measured_order.cache_clear()
-    order = measured_order(("aten", "reference"), "cpu", None, dtype, 16, 8, True)
+    order = measured_order(("aten", "reference"), "cpu", None, dtype, 16, 8)
     assert order == ("reference", "aten") and len(seen) == 2
-    assert measured_order(("aten", "reference"), "cpu", None, dtype, 16, 8, True) == order
+    assert measured_order(("aten", "reference"), "cpu", None, dtype, 16, 8) == order
     assert len(seen) == 2  # cached per key: not timed again
 
     def broken(fn, device, reps=10):
         raise RuntimeError("no timer")
 
-    monkeypatch.setattr(gmm, "_time_call", broken)
-    assert measured_order(("aten", "reference"), "cpu", None, dtype, 32, 8, False) == ("aten", "reference")
+    monkeypatch.setattr(_common, "time_call", broken)
+    assert measured_order(("aten", "reference"), "cpu", None, dtype, 32, 8) == ("aten", "reference")
     measured_order.cache_clear()

@@ -372,8 +372,12 @@ def test_cpu_choices(monkeypatch):
         with tk.use_backend("triton"):
             assert tk.attention_backend(q, k, k).backend == "triton"
         monkeypatch.setenv("TITAN_KERNELS_BACKEND", "triton")
-        assert tk.attention_backend(q, k, k).backend == "triton"
-        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "auto")
+        _backend.reload_environment()
+        try:
+            assert tk.attention_backend(q, k, k).backend == "triton"
+        finally:
+            monkeypatch.setenv("TITAN_KERNELS_BACKEND", "auto")
+            _backend.reload_environment()
     else:
         with tk.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             tk.attention_backend(q, k, k)
@@ -440,7 +444,7 @@ def test_explicit_backend_refuses_lse_gradient_in_both_paths(libs, monkeypatch):
 def test_double_backward_is_refused():
     q, k, v = (torch.randn(1, 10, 2, 16, dtype=torch.float32, requires_grad=True) for _ in range(3))
     for fn in (lambda: tk.flash_attn(q, k, v),
-               lambda: torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25), "")[0]):
+               lambda: torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.25), None)[0]):
         out = fn()
         with pytest.raises(RuntimeError, match="titan::flash_attn: double backward"):
             torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
@@ -452,7 +456,7 @@ def test_backward_on_another_backend_is_correct():
     # around the forward only) is still right: Triton forward, reference backward, via the op path.
     q, k, v = (torch.randn(1, 30, 4, 32, requires_grad=True) for _ in range(3))
     with tk.use_backend("triton"):
-        out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.2, return_lse=True), "")
+        out, lse = torch.ops.titan.flash_attn(q, k, v, None, None, None, *op_args(0.2, return_lse=True), None)
     dout = torch.randn_like(out)
     g = torch.autograd.grad(out, (q, k, v), dout)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))

@@ -113,8 +113,8 @@ def test_failures_are_recorded_and_passed_over(toy):
 
 def test_replace_impl_swaps_and_restores(toy):
     with backend.replace_impl(OP, "fast", "spy") as old:
-        assert old == "fast-fn" and backend.get_impl(OP, CPU, key=2) == "spy"
-    assert backend.get_impl(OP, CPU, key=2) == "fast-fn"
+        assert old == "fast-fn" and backend.kernels(OP, CPU, key=2) == "spy"
+    assert backend.kernels(OP, CPU, key=2) == "fast-fn"
     with pytest.raises(KeyError, match="no implementation 'nope'"):
         with backend.replace_impl(OP, "nope", "x"):
             pass

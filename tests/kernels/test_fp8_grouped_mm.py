@@ -17,7 +17,7 @@ from titan_kernels.ops.fp8 import grouped_mm as fgm
 from titan_kernels.reference import fp8_grouped_mm as qref
 from tests.kernels.helpers import (
     DEV, GROUPED_CASES as CASES, backend_ctx as _ctx, case_id, check_compile_fullgraph, check_double_backward_refused,
-    check_measured_order, check_one_backend, grouped_grads, loop64, loop64_grads, make_offsets, noncontiguous_operands,
+    check_measured_order, check_one_backend, spied_kernels, grouped_grads, loop64, loop64_grads, make_offsets, noncontiguous_operands,
     opcheck_operands, rel_err as rel, validation_cases,
 )
 
@@ -31,7 +31,7 @@ def _backends():
     out = ["reference", "auto"]
     out.append(pytest.param("triton", marks=[] if TRITON.available else pytest.mark.skip(reason=f"triton: {TRITON.reason}")))
     if DEV.type == "cuda":
-        why = fgm.why_not("aten", "cuda", DEV.index, "bfloat16")
+        why = fgm.why_not("aten", "cuda", DEV.index, torch.bfloat16)
         out.append(pytest.param("aten", marks=[pytest.mark.skip(reason=f"aten: {why}")] if why else []))
     return out
 
@@ -286,7 +286,7 @@ def test_scaled_grouped_mm_adaptation(aten_stand_in, case):
     x = (torch.randn(t, k) * 2).to(torch.bfloat16).requires_grad_()
     w = (torch.randn(e, k, n) * k**-0.5).to(torch.bfloat16).requires_grad_()
     offsets = make_offsets(sizes)
-    assert fgm.why_not("aten", "cpu", None, "bfloat16") is None  # the probe passes with the stand-in
+    assert fgm.why_not("aten", "cpu", None, torch.bfloat16) is None  # the probe passes with the stand-in
     y, dy, dx, dw = _run("cpu", x, w, offsets, "rowwise")  # "cpu": aten's kernel of the device
     want = dequantized_grads64(x.detach(), w.detach(), dy, offsets, "rowwise")
     for name, got, ref in zip(("y", "dx", "dw"), (y, dx, dw), want):
@@ -299,14 +299,14 @@ def test_scaled_grouped_mm_tail_rows_zeroed(aten_stand_in):
     sizes, k, n = [3, 0, 18], 32, 16
     x = torch.randn(sum(sizes) + 4, k).to(torch.bfloat16)
     w = torch.randn(3, k, n).to(torch.bfloat16)
-    y = fgm._forward(x, w, make_offsets(sizes), "aten")
+    y = fgm.forward(x, w, make_offsets(sizes), "rowwise", "aten")
     assert not y.isnan().any() and torch.all(y[-4:] == 0)
 
 
 def test_scaled_grouped_mm_refusals():
     # float32 is refused (bf16 output only); on this torch's CPU the probe's reason is torch's own.
-    assert "bfloat16 only" in fgm.why_not("aten", DEV.type, DEV.index, "float32")
-    why = fgm.why_not("aten", "cpu", None, "bfloat16")
+    assert "bfloat16 only" in fgm.why_not("aten", DEV.type, DEV.index, torch.float32)
+    why = fgm.why_not("aten", "cpu", None, torch.bfloat16)
     assert why is None or why.startswith("torch._scaled_grouped_mm refuses it")
     if why is not None:
         x = torch.randn(4, 16, dtype=torch.bfloat16)
@@ -318,13 +318,11 @@ def test_scaled_grouped_mm_refusals():
 # ----------------------------------------------------------------------------- contract
 
 
-def test_one_backend_for_forward_and_backward(monkeypatch):
+def test_one_backend_for_forward_and_backward():
     calls = []
-    fwd, bwd = fgm._forward, fgm._backward_kernel
-    monkeypatch.setattr(fgm, "_forward", lambda *a: (calls.append(("fwd", a[-1])), fwd(*a))[1])
-    monkeypatch.setattr(fgm, "_backward_kernel", lambda *a: (calls.append(("bwd", a[-1])), bwd(*a))[1])
-    check_one_backend(calls, tk.fp8_grouped_mm,
-                      lambda x, w, o: torch.ops.titan.fp8_grouped_mm(x, w, o, "rowwise", "reference"))
+    with spied_kernels(fgm.OP, calls, forward="w_fwd", backward="w_dgrad"):
+        check_one_backend(calls, tk.fp8_grouped_mm,
+                          lambda x, w, o: torch.ops.titan.fp8_grouped_mm(x, w, o, "rowwise", "reference"))
 
 
 def test_double_backward_refused():
@@ -368,7 +366,7 @@ def test_backend_choice_and_reasons():
 
 def test_measured_choice_orders_by_time(monkeypatch):
     # Not run: torch._scaled_grouped_mm has no CPU kernel (the stand-in timer alone orders them).
-    check_measured_order(monkeypatch, fgm.measured_order, "bfloat16", run_candidates=False)
+    check_measured_order(monkeypatch, fgm.measured_order, torch.bfloat16, run_candidates=False)
 
 
 def test_validation_errors():

@@ -189,7 +189,7 @@ def test_counter_past_two_to_the_32():
     out = {}
     for be in [b.values[0] for b in BACKENDS if not b.marks]:
         p, m, v = p0.clone(), torch.zeros(n, device=DEV).bfloat16(), torch.zeros(n, device=DEV).bfloat16()
-        fn = tk.backend.get_impl("fused_adamw", p.device, be)
+        fn = tk.backend.kernels("fused_adamw", p.device, be).forward
         fn([p], [g], [m], [v], 1e-2, 0.9, 0.95, 1e-8, 0.0, 1, [12345], [2**32 - 20])
         out[be] = (p, m, v)
     want = torch.tensor([ref.hash32((c & ref.M32) + ref.hash32(12345 ^ (c >> 32))) for c in range(2**32 - 20, 2**32 + 44)])

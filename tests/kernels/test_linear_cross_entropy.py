@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import titan_kernels as tk
 from titan_kernels import backend
+from titan_kernels.triton import triton_interpret
 from titan_kernels.reference import cross_entropy as ref
 from tests.conftest import TEST_DEVICE
 
@@ -88,7 +89,7 @@ def _interpreter_cost(be, dtype, reduction):
     # The Triton interpreter takes ~6 s per call at N = 1000, V = 5003: by default it runs the fused
     # forward (mean, fp32) and the recomputing backward (none, bf16) there; -m slow runs the rest
     # (test_smaller_shape_all_cases_match_float64 covers every case of it at a smaller shape).
-    if be == "triton" and backend.triton_interpret() and (dtype, reduction) not in (
+    if be == "triton" and triton_interpret() and (dtype, reduction) not in (
             (torch.float32, "mean"), (torch.bfloat16, "none")):
         return [pytest.mark.slow]
     return []

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import titan_kernels as tk
 from titan_kernels import backend
+from titan_kernels.triton import triton_interpret
 from titan_kernels.reference import rms_norm as ref
 from tests.conftest import TEST_DEVICE
 from tests.kernels.helpers import TOL, backends_here, rel_err
@@ -101,7 +102,7 @@ def test_add_rms_norm_forward(be, dtype):
     with tk.use_backend(be):
         y, h = tk.add_rms_norm(x, r, w, 1e-6)
     y64, h_expected = f64_rms_norm(x, w, 1e-6, residual=r)
-    if be == "triton" and dtype == torch.bfloat16 and backend.triton_interpret():
+    if be == "triton" and dtype == torch.bfloat16 and triton_interpret():
         # The Triton interpreter truncates float32 -> bfloat16 (GPUs round to nearest even): allow one ulp.
         assert torch.allclose(h.float(), h_expected.float(), rtol=2**-7, atol=0)
     else:
@@ -323,14 +324,23 @@ def test_unavailable_backend_is_a_clear_error():
 
 
 def test_environment_variable_sets_default(monkeypatch):
+    # The variable is read at import, and again by reload_environment() after a running process sets it.
     monkeypatch.setenv("TITAN_KERNELS_BACKEND", "reference")
-    assert backend.resolve("rms_norm", "cpu") == "reference"
-    monkeypatch.setenv("TITAN_KERNELS_BACKEND", "bogus")
-    with pytest.raises(ValueError, match="TITAN_KERNELS_BACKEND"):
-        backend.resolve("rms_norm", "cpu")
-    monkeypatch.setenv("TITAN_KERNELS_BACKEND", "reference")
-    with tk.use_backend("triton"):  # the context manager wins over the environment
-        assert backend.requested_backend() == "triton"
+    assert backend.requested_backend() is None
+    backend.reload_environment()
+    try:
+        assert backend.resolve("rms_norm", "cpu") == "reference"
+        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "bogus")
+        backend.reload_environment()
+        with pytest.raises(ValueError, match="TITAN_KERNELS_BACKEND"):
+            backend.resolve("rms_norm", "cpu")
+        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "reference")
+        backend.reload_environment()
+        with tk.use_backend("triton"):  # the context manager wins over the environment
+            assert backend.requested_backend() == "triton"
+    finally:
+        monkeypatch.delenv("TITAN_KERNELS_BACKEND")
+        backend.reload_environment()
 
 
 def test_available_backends_reports_reasons():

@@ -113,8 +113,10 @@ def _trace_report() -> dict:
             return True
 
     triton.runtime.driver.set_active(Sm90Target())
-    real_status = backend._status
-    backend._status = lambda name, dev, interp: (
+    from titan_kernels.backend import status
+
+    real_status = status.family_status
+    status.family_status = lambda name, dev, interp: (
         backend.BackendStatus(name, True) if (name == "triton" and dev == "cuda") else real_status(name, dev, interp))
     backend.clear_choices()
     tri._num_programs = lambda device, n_tiles: max(1, min(n_tiles, 2 * 132))  # no device to ask its SM count

@@ -239,7 +239,7 @@ def test_kernels_never_read_out_of_range_rows(be):
     q, k = randn(1, 4, 2, 10), randn(1, 4, 1, 10)
     cos, sin = tables(6, 4)
     pos = ids([[0, 6, -3, 5]])
-    fwd, bwd = backend.get_impl("rotary", DEV, be)
+    fwd, bwd = backend.kernels("rotary", DEV, be)
     for fn in (fwd, bwd):
         qo, ko = fn(q, k, cos, sin, pos, True)
         for out, x in ((qo, q), (ko, k)):

@@ -146,7 +146,7 @@ def test_fast_path_equals_op_path(be):
     g, u, dy = randn(5, 40), randn(5, 40), randn(5, 40)
     fast = run(be, g, u, dy)
     gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
-    y = torch.ops.titan.swiglu(gg, uu, be)  # the dispatcher path with its registered autograd
+    y = torch.ops.titan.swiglu(gg, uu, backend=be)  # the dispatcher path with its registered autograd
     dg, du = torch.autograd.grad(y, (gg, uu), dy)
     for a, b in zip(fast, (y, dg, du)):
         assert torch.equal(a, b)
@@ -157,11 +157,11 @@ def test_backward_uses_the_forward_backend(path, monkeypatch):
     """A forward under use_backend("reference") runs the reference backward, even outside the block."""
     calls = []
     with contextlib.ExitStack() as stack:
-        for impl in list(backend._impls[swiglu_ops.OP]):
-            def spy_bwd(*a, _name=impl.name, _bwd=impl.fn[1]):
+        for impl in list(backend.implementations(swiglu_ops.OP)):
+            def spy_bwd(*a, _name=impl.name, _bwd=impl.kernels.backward):
                 calls.append(_name)
                 return _bwd(*a)
-            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.fn[0], spy_bwd), impl.family))
+            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.kernels.forward, spy_bwd), impl.family))
         g = randn(3, 8).requires_grad_()
         u = randn(3, 8).requires_grad_()
         with tk.use_backend("reference"):
@@ -223,7 +223,7 @@ def test_double_backward_matches_float64(be, path):
 
     def ours(g, u):
         with tk.use_backend(be):
-            return tk.swiglu(g, u) if path == "fast" else torch.ops.titan.swiglu(g, u, be)
+            return tk.swiglu(g, u) if path == "fast" else torch.ops.titan.swiglu(g, u, backend=be)
 
     got = hvp(ours, g, u, dy, vg, vu)
     want = hvp(lambda a, b: F.silu(a) * b, *(t.double() for t in (g, u, dy, vg, vu)))
@@ -239,10 +239,10 @@ def test_opcheck(be):
     g = randn(3, 17).requires_grad_()
     u = randn(3, 17).requires_grad_()
     dy = randn(3, 17).requires_grad_()
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, be))
-    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, be))
+    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.0, None, 0.0, be))
+    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, 1.0, None, 0.0, be))
     torch.library.opcheck(torch.ops.titan.swiglu.default, (randn(2, 5, 8, dtype=torch.bfloat16),
-                                                          randn(2, 5, 8, dtype=torch.bfloat16), be))
+                                                          randn(2, 5, 8, dtype=torch.bfloat16), 1.0, None, 0.0, be))
 
 
 @pytest.mark.parametrize("be", BACKENDS)

@@ -176,12 +176,12 @@ def test_defaults_are_the_plain_kernels_call(be):
     variant passes all three."""
     calls = []
     with contextlib.ExitStack() as stack:
-        for impl in list(backend._impls[swiglu_ops.OP]):
-            def spy_fwd(*a, _fwd=impl.fn[0]):
+        for impl in list(backend.implementations(swiglu_ops.OP)):
+            def spy_fwd(*a, _fwd=impl.kernels.forward):
                 calls.append(("fwd", len(a)))
                 return _fwd(*a)
 
-            def spy_bwd(*a, _bwd=impl.fn[1]):
+            def spy_bwd(*a, _bwd=impl.kernels.backward):
                 calls.append(("bwd", len(a)))
                 return _bwd(*a)
 
@@ -207,7 +207,7 @@ def test_fast_path_equals_op_path(be):
     g, u, dy = straddling(5, 40), straddling(5, 40), torch.randn(5, 40, device=TEST_DEVICE)
     fast = run(be, g, u, dy, GPT_OSS)
     gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
-    y = torch.ops.titan.swiglu(gg, uu, be, 1.702, 7.0, 1.0)  # the dispatcher path with its registered autograd
+    y = torch.ops.titan.swiglu(gg, uu, 1.702, 7.0, 1.0, be)  # the dispatcher path with its registered autograd
     dg, du = torch.autograd.grad(y, (gg, uu), dy)
     for a, b in zip(fast, (y, dg, du)):
         assert torch.equal(a, b)
@@ -217,18 +217,18 @@ def test_fast_path_equals_op_path(be):
 def test_backward_gets_the_forward_backend_and_scalars(path):
     calls = []
     with contextlib.ExitStack() as stack:
-        for impl in list(backend._impls[swiglu_ops.OP]):
-            def spy_bwd(*a, _name=impl.name, _bwd=impl.fn[1]):
+        for impl in list(backend.implementations(swiglu_ops.OP)):
+            def spy_bwd(*a, _name=impl.name, _bwd=impl.kernels.backward):
                 calls.append((_name, a[3:]))
                 return _bwd(*a)
-            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.fn[0], spy_bwd), impl.family))
+            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.kernels.forward, spy_bwd), impl.family))
         g = straddling(3, 8).requires_grad_()
         u = straddling(3, 8).requires_grad_()
         with tk.use_backend("reference"):
             if path == "fast":
                 y = tk.swiglu(g, u, alpha=2, limit=3, up_offset=-1)
             else:
-                y = torch.ops.titan.swiglu(g, u, None, 2.0, 3.0, -1.0)  # backend None: resolved by the setup
+                y = torch.ops.titan.swiglu(g, u, 2.0, 3.0, -1.0, None)  # backend None: resolved by the setup
         y.sum().backward()
     assert calls == [("reference", (2.0, 3.0, -1.0))]
 
@@ -290,7 +290,7 @@ def test_double_backward_matches_float64(be, path):
 
     def ours(g, u):
         with tk.use_backend(be):
-            return tk.swiglu(g, u, **GPT_OSS) if path == "fast" else torch.ops.titan.swiglu(g, u, be, 1.702, 7.0, 1.0)
+            return tk.swiglu(g, u, **GPT_OSS) if path == "fast" else torch.ops.titan.swiglu(g, u, 1.702, 7.0, 1.0, be)
 
     got = hvp(ours, g, u, dy, vg, vu)
     want = hvp(lambda a, b: gate64(a, b, **GPT_OSS), *(t.double() for t in (g, u, dy, vg, vu)))
@@ -306,11 +306,11 @@ def test_opcheck(be):
     g = straddling(3, 17).requires_grad_()
     u = straddling(3, 17).requires_grad_()
     dy = torch.randn(3, 17, device=TEST_DEVICE).requires_grad_()
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, be, 1.702, 7.0, 1.0))
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, be, 1.702, None, 1.0))
-    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, be, 1.702, 7.0, 1.0))
+    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.702, 7.0, 1.0, be))
+    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.702, None, 1.0, be))
+    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, 1.702, 7.0, 1.0, be))
     b16 = straddling(2, 5, 8, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (b16, b16.flip(-1), be, 1.702, 7.0, 1.0))
+    torch.library.opcheck(torch.ops.titan.swiglu.default, (b16, b16.flip(-1), 1.702, 7.0, 1.0, be))
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -355,9 +355,9 @@ def test_fake_tensor_shapes():
     with FakeTensorMode():
         g = torch.empty(3, 4, 10, dtype=torch.bfloat16)
         y = tk.swiglu(g, torch.empty(3, 4, 10, dtype=torch.bfloat16), **GPT_OSS)
-        dg, du = torch.ops.titan.swiglu_backward(y, g, g, None, 1.702, 7.0, 1.0)
+        dg, du = torch.ops.titan.swiglu_backward(y, g, g, 1.702, 7.0, 1.0, None)
         with pytest.raises(ValueError, match="limit: expected None"):
-            torch.ops.titan.swiglu(g, g, None, 1.0, -1.0, 0.0)
+            torch.ops.titan.swiglu(g, g, 1.0, -1.0, 0.0, None)
     assert y.shape == (3, 4, 10) and y.dtype == torch.bfloat16
     assert dg.shape == du.shape == (3, 4, 10)
 
@@ -454,7 +454,7 @@ def test_errors_name_the_argument():
         with pytest.raises(exc, match=msg):
             tk.swiglu(g, g, **kw)
     with pytest.raises(ValueError, match="alpha: expected a finite value > 0"):
-        torch.ops.titan.swiglu(g, g, "reference", -1.0, 7.0, 1.0)  # the op checks too
+        torch.ops.titan.swiglu(g, g, -1.0, 7.0, 1.0, "reference")  # the op checks too
     with pytest.raises(ValueError, match="up_offset: expected a finite value"):
         swiglu_ops.swiglu_backward(g, g, g, "reference", 1.702, 7.0, float("inf"))
     with pytest.raises(TypeError, match="swiglu\\(\\) takes 2 positional arguments"):

@@ -194,14 +194,14 @@ class _PrequantizedLinearFn(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.recipe = x.shape, x.dtype, recipe
         # The backward runs on the forward's backends; under torch.compile the request cannot be
         # traced (a ContextVar), and the compiled ops read the one in force when they run.
-        ctx.request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
+        ctx.request = _backend.capture_request(None)
         return _linear.from_rows(y, x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         xq, xs, weight = ctx.saved_tensors
         _linear.refuse_double_backward(dy, weight)
-        with _linear.request_context(ctx.request):
+        with _backend.request_scope(ctx.request):
             dx, dw = _linear.prequantized_bwd(
                 _linear.as_rows(dy), xq, xs, weight._data, weight._scale, ctx.recipe, ctx.x_dtype, weight.dtype,
                 ctx.needs_input_grad[0], ctx.needs_input_grad[1],

@@ -49,7 +49,8 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
 
     That is allowed only in plain eager mode: nothing is tracing (torch.compile, export, make_fx),
     no torch-function or dispatch mode is active (FakeTensorMode, CommDebugMode, FlopCounterMode...),
-    no functorch transform is on, and every tensor is a plain ``torch.Tensor`` or ``nn.Parameter``
+    no functorch transform is on, the first tensor is not on the meta device (shapes only: the op's
+    fake answers), and every tensor is a plain ``torch.Tensor`` or ``nn.Parameter``
     (no DTensor or other subclass; a Parameter wrapping a subclass keeps the subclass's type). Everything else goes through the registered ``torch.ops.titan`` op, whose fake,
     autograd and sharding rules handle it. This saves the ~2x Python overhead of ``custom_op``.
     """
@@ -58,6 +59,8 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
     for t in tensors:
         if t is not None and type(t) not in _PLAIN:
             return False
+    if tensors and tensors[0] is not None and tensors[0].is_meta:  # shapes only: the op's fake answers
+        return False
     if torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled():
         return False
     if torch._C._are_functorch_transforms_active():
@@ -67,7 +70,11 @@ def eager_fast_path(*tensors: torch.Tensor | None) -> bool:
 
 def needs_grad(*tensors: torch.Tensor | None) -> bool:
     """True when autograd records a call on these tensors (None entries ignored)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:  # a loop, not any(generator): this runs on every op call
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def refuse_create_graph(name: str, *tensors: torch.Tensor | None, why: str = "") -> None:
@@ -102,3 +109,27 @@ def replicate_like(ref: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     if isinstance(ref, DTensor) and not isinstance(t, DTensor):
         return DTensor.from_local(t, ref.device_mesh, [Replicate()] * ref.device_mesh.ndim, run_check=False)
     return t
+
+
+def time_call(fn, device: torch.device, reps: int = 10) -> float:
+    """Median seconds of ``fn()`` on ``device`` after 3 warm-up calls (CUDA events; wall clock
+    elsewhere): the one-time measurements behind the measured automatic orders."""
+    import statistics
+    import time
+
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e-3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)

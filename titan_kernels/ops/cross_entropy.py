@@ -29,36 +29,31 @@ each rank computes the logits of its own vocabulary rows for all tokens, and onl
 statistics (max, sum-exp, target logit) are all-reduced inside the op; hidden is all-gathered
 (never the logits) and its gradient reduced back to hidden's own placement.
 
-There is no separate eager fast path: the op costs milliseconds (three GEMMs; 13 ms forward+backward
-at the debug model's 2048 x 256 x 258), so the dispatcher's cost (0.2 ms per call measured here, a
-tiny input through the op against its implementation called directly) is about 1% of it; one path
-means one autograd definition.
+Built by the op scaffold (``titan_kernels.ops._scaffold``): the custom ops with their fakes, one
+autograd definition for the op path and the eager fast path, the forward's request handed to the
+backward, and the sharding rules of direct op calls below.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from titan_kernels import backend as _backend
 from titan_kernels.ops._common import check_float, check_same_device, check_tensor
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import cross_entropy as _ref
 
 OP = "linear_cross_entropy"
+cross_entropy_def = Op(OP)
 REDUCTIONS = ("mean", "sum", "none")
 _DOUBLE_BACKWARD = (
     "titan::linear_cross_entropy: double backward (differentiating its gradients, e.g. "
     "create_graph=True followed by another backward) is not supported"
 )
 
-
-def _ref_fwd(*args):
-    return _ref.linear_cross_entropy_fwd(*args)
-
-
-def _ref_bwd(*args):
-    return _ref.linear_cross_entropy_bwd(*args)
-
-
-_backend.register_impl(OP, "reference", (_ref_fwd, _ref_bwd))
+# Every implementation: the chunked loop of ``reference.cross_entropy`` (fwd, bwd) with its own
+# elementwise passes; the reference's are aten ops.
+cross_entropy_def.register("reference", (_ref.linear_cross_entropy_fwd, _ref.linear_cross_entropy_bwd))
 
 
 def _register_triton() -> None:
@@ -67,16 +62,10 @@ def _register_triton() -> None:
     except ImportError:  # triton not installed: the backend reports itself unavailable
         return
     # The Triton statistics pass leaves the logits as they are: the gradient pass reads them again.
-    kernels = _ref.Kernels(_tri.softmax_stats, lambda z, m, lse, *rest: _tri.softmax_grad_(z, lse, *rest),
-                           _tri.softmax_grad_)
-
-    def fwd(*args):
-        return _ref.linear_cross_entropy_fwd(*args, kernels=kernels)
-
-    def bwd(*args):
-        return _ref.linear_cross_entropy_bwd(*args, kernels=kernels)
-
-    _backend.register_impl(OP, "triton", (fwd, bwd))
+    passes = _ref.Kernels(_tri.softmax_stats, lambda z, m, lse, *rest: _tri.softmax_grad_(z, lse, *rest),
+                          _tri.softmax_grad_)
+    cross_entropy_def.register("triton", (functools.partial(_ref.linear_cross_entropy_fwd, kernels=passes),
+                                          functools.partial(_ref.linear_cross_entropy_bwd, kernels=passes)))
 
 
 _register_triton()
@@ -111,21 +100,13 @@ def _validate(hidden, weight, labels, ignore_index, reduction) -> None:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
 
 
-# ----------------------------------------------------------------------------- ops
+# ----------------------------------------------------------------------------- the ops
 
 
-@torch.library.custom_op("titan::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    compute_dhidden: bool,
-    compute_dweight: bool,
-    vocab_start: int,
-    vocab_size: int,
-    group: str | None,
+def forward(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int, reduction: str,
+    compute_dhidden: bool, compute_dweight: bool, vocab_start: int, vocab_size: int, group: str | None,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Cross-entropy of the logits ``hidden @ weight.T`` against ``labels``, chunk by chunk.
 
@@ -133,14 +114,14 @@ def linear_cross_entropy_op(
     [0, vocab_size) or ``ignore_index``. ``vocab_start``/``vocab_size``: the first vocabulary row
     this rank holds and the whole vocabulary (-1: V_local, unsplit); ``group``: the process group
     name of the vocabulary split or None. ``compute_dhidden``/``compute_dweight``: compute the
-    gradients in this pass ("mean"/"sum" only).
+    gradients in this pass ("mean"/"sum" only). ``backend``: the request (None: the one in force).
 
     Returns (loss, lse, dhidden, dweight): loss float32, () or (N,) for "none"; lse (N,) float32;
     dhidden (N, D) in hidden.dtype and dweight (V_local, D) in weight.dtype (float32-accumulated),
     or empty (0,) tensors. Under a split, dhidden is this rank's part of the vocabulary sum.
     Raises ValueError for a label out of range (CPU; elsewhere that token's loss is NaN).
     """
-    return _backend.get_impl(OP, hidden.device)[0](
+    return cross_entropy_def.kernels(hidden.device, backend).forward(
         hidden, weight, labels, ignore_index, reduction, compute_dhidden, compute_dweight, vocab_start, vocab_size,
         group,
     )
@@ -150,9 +131,8 @@ def _fused(reduction: str, flag: bool) -> bool:
     return flag and reduction != "none"
 
 
-@linear_cross_entropy_op.register_fake
-def _(hidden, weight, labels, ignore_index, reduction, compute_dhidden, compute_dweight, vocab_start, vocab_size,
-      group):
+def _fake(hidden, weight, labels, ignore_index, reduction, compute_dhidden, compute_dweight, vocab_start, vocab_size,
+          group, backend=None):
     n = hidden.shape[0]
     loss = hidden.new_empty((n,) if reduction == "none" else (), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
@@ -161,48 +141,33 @@ def _(hidden, weight, labels, ignore_index, reduction, compute_dhidden, compute_
     return loss, lse, dh, dw
 
 
-@torch.library.custom_op("titan::linear_cross_entropy_backward", mutates_args=())
-def linear_cross_entropy_backward_op(
-    grad_loss: torch.Tensor,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    reduction: str,
-    compute_dhidden: bool,
-    compute_dweight: bool,
-    vocab_start: int,
-    backend: str,
+def backward(
+    grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor,
+    ignore_index: int, reduction: str, compute_dhidden: bool, compute_dweight: bool, vocab_start: int,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of linear_cross_entropy from its lse, recomputing the logits chunk by chunk.
 
     grad_loss: () for "mean"/"sum", (N,) for "none"; the other tensors as the forward, lse (N,)
-    float32 from it. ``backend``: the one the forward ran on. Returns (dhidden (N, D) in
-    hidden.dtype, dweight (V_local, D) in weight.dtype), each an empty (0,) tensor when not asked.
+    float32 from it. ``backend``: the forward's request. Returns (dhidden (N, D) in hidden.dtype,
+    dweight (V_local, D) in weight.dtype), each an empty (0,) tensor when not asked.
     """
-    return _backend.get_impl(OP, hidden.device, backend)[1](
+    return cross_entropy_def.kernels(hidden.device, backend).backward(
         grad_loss, hidden, weight, labels, lse, ignore_index, reduction, compute_dhidden, compute_dweight, vocab_start
     )
 
 
-@linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, hidden, weight, labels, lse, ignore_index, reduction, compute_dhidden, compute_dweight,
-      vocab_start, backend):
+def _backward_fake(grad_loss, hidden, weight, labels, lse, ignore_index, reduction, compute_dhidden, compute_dweight,
+                   vocab_start, backend=None):
     return (hidden.new_empty(tuple(hidden.shape) if compute_dhidden else (0,)),
             weight.new_empty(tuple(weight.shape) if compute_dweight else (0,)))
 
 
-# ----------------------------------------------------------------------------- autograd
-
-
-def _setup_context(ctx, inputs, output):
-    hidden, weight, labels, ignore_index, reduction, compute_dh, compute_dw, vocab_start, _, _ = inputs
+def _setup(ctx, inputs, output):
+    hidden, weight, labels, ignore_index, reduction, compute_dh, compute_dw, vocab_start = inputs[:8]
     _, lse, dh, dw = output
     ctx.mark_non_differentiable(lse, dh, dw)
     ctx.reduction, ctx.ignore_index, ctx.vocab_start = reduction, ignore_index, vocab_start
-    # The backward runs on the backend the forward chose (same precedence, same context).
-    ctx.backend = _backend.resolve(OP, hidden.device)
     ctx.saved_dh, ctx.saved_dw = _fused(reduction, compute_dh), _fused(reduction, compute_dw)
     if ctx.saved_dh and ctx.saved_dw:
         ctx.save_for_backward(dh, dw)
@@ -225,7 +190,7 @@ def _refuse_double_backward(grads: list[torch.Tensor | None]) -> list[torch.Tens
     return [next(wrapped) if g is not None else None for g in grads]
 
 
-def _backward(ctx, grad_loss, _dlse=None, _ddh=None, _ddw=None):
+def _grads(ctx, grad_loss, _dlse=None, _ddh=None, _ddw=None):
     want_dh, want_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
     saved = ctx.saved_tensors
     with torch.no_grad():
@@ -237,24 +202,35 @@ def _backward(ctx, grad_loss, _dlse=None, _ddh=None, _ddw=None):
         need_dh, need_dw = want_dh and dh is None, want_dw and dw is None
         if need_dh or need_dw:
             hidden, weight, labels, lse = saved[2:]
-            rdh, rdw = torch.ops.titan.linear_cross_entropy_backward(
-                grad_loss, hidden, weight, labels, lse, ctx.ignore_index, ctx.reduction, need_dh, need_dw,
-                ctx.vocab_start, ctx.backend,
-            )
+            rdh, rdw = cross_entropy_def.backward(grad_loss, hidden, weight, labels, lse, ctx.ignore_index,
+                                                  ctx.reduction, need_dh, need_dw, ctx.vocab_start, ctx.backend)
             dh = rdh if need_dh else dh
             dw = rdw if need_dw else dw
     dh, dw = _refuse_double_backward([dh, dw])
     return dh, dw, None, None, None, None, None, None, None, None
 
 
-linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+def _sharding(hidden, weight, labels, *scalars):
+    """The vocabulary-parallel loss (weight Shard(0)) needs collectives between the softmax statistics
+    and the gradient, which a sharding rule cannot express: ``linear_cross_entropy`` handles DTensors
+    itself and calls the op on local shards with the group. This rule covers direct calls of the op
+    with DTensors: replicated inputs run locally (anything else is made Replicate by DTensor, never
+    computed wrong). It depends only on tensor arguments (DTensor leaves the scalars out of its cache key)."""
+    from torch.distributed.tensor import Replicate
+
+    rep = Replicate()
+    return [([rep] * 4, [rep, rep, rep, *[None] * len(scalars)])]
 
 
-def _refuse_backward_of_backward(ctx, *grads):
-    raise RuntimeError(_DOUBLE_BACKWARD)
+def _backward_sharding(grad_loss, hidden, weight, labels, lse, *scalars):
+    from torch.distributed.tensor import Replicate
+
+    rep = Replicate()
+    return [([rep, rep], [rep] * 5 + [None] * len(scalars))]
 
 
-linear_cross_entropy_backward_op.register_autograd(_refuse_backward_of_backward, setup_context=lambda ctx, inputs, output: None)
+cross_entropy_def.define(forward, _fake, setup=_setup, grads=_grads, backward=backward, backward_fake=_backward_fake,
+                         sharding=_sharding, backward_sharding=_backward_sharding)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -262,7 +238,7 @@ linear_cross_entropy_backward_op.register_autograd(_refuse_backward_of_backward,
 
 def _loss_2d(hidden, weight, labels, ignore_index, reduction, vocab_start=0, vocab_size=-1, group=None):
     grad = torch.is_grad_enabled()
-    return torch.ops.titan.linear_cross_entropy(
+    return cross_entropy_def(
         hidden, weight, labels, ignore_index, reduction, grad and hidden.requires_grad, grad and weight.requires_grad,
         vocab_start, vocab_size, group,
     )[0]

@@ -27,21 +27,15 @@ from typing import Optional, Sequence
 
 import torch
 
-from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_tensor, eager_fast_path
+from titan_kernels.ops._common import check_tensor
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import fused_adamw as _ref
 
 OP = "fused_adamw"
+fused_adamw_def = Op("fused_adamw_", impls=OP)  # titan::fused_adamw_: in place, as torch names it
 DTYPES = (torch.float32, torch.bfloat16)
-_backend.register_impl(OP, "reference", _ref.fused_adamw_)
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import fused_adamw as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", _tri.fused_adamw_)
+fused_adamw_def.register("reference", _ref.fused_adamw_)
+fused_adamw_def.register_triton("titan_kernels.triton.fused_adamw", "fused_adamw_")
 
 
 def _native(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, keys, offsets):
@@ -56,8 +50,7 @@ def _native(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_
             [keys[i] for i in idx], [offsets[i] for i in idx])
 
 
-_register_triton()
-_backend.register_impl(OP, "cpu", _native)  # available where csrc is built (backend.py)
+fused_adamw_def.register_native(_native, families=("cpu",))  # available where csrc is built
 
 
 # ----------------------------------------------------------------------------- validation
@@ -146,27 +139,17 @@ def _locals(tensors, params, name: str) -> list[torch.Tensor]:
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("titan::fused_adamw_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"))
-def fused_adamw_op(
+def forward(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
     step: int, keys: list[int], offsets: list[int], backend: Optional[str] = None,
 ) -> None:
-    """One AdamW step in place over contiguous plain tensors (see ``titan_kernels.fused_adamw_``);
-    ``keys``: each tensor's stream key (``reference.fused_adamw.tensor_key``), ``offsets``: counter bases."""
-    _run(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, keys, offsets, backend)
-
-
-@fused_adamw_op.register_fake
-def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, keys, offsets, backend=None):
-    return None
-
-
-def _run(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, keys, offsets, backend):
-    """The kernels on contiguous copies of the non-contiguous tensors (written back after)."""
+    """One AdamW step in place over plain tensors (see ``titan_kernels.fused_adamw_``): the kernels run
+    on contiguous copies of the non-contiguous tensors (written back after). ``keys``: each tensor's
+    stream key (``reference.fused_adamw.tensor_key``), ``offsets``: counter bases."""
     if not params:
         return
-    fn = _backend.get_impl(OP, params[0].device, backend)
+    fn = fused_adamw_def.kernels(params[0].device, backend).forward
     lists = [list(params), list(grads), list(exp_avgs), list(exp_avg_sqs)]
     back = []
     for li, lst in enumerate(lists):
@@ -179,6 +162,11 @@ def _run(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_dec
     fn(*lists, lr, beta1, beta2, eps, weight_decay, step, keys, offsets)
     for t, c in back:
         t.copy_(c)
+
+
+# No sharding rule: the public function runs on the local shards of DTensor inputs.
+fused_adamw_def.define(forward, lambda *args: None, mutates_args=("params", "exp_avgs", "exp_avg_sqs"),
+                       differentiable=False)
 
 
 def fused_adamw_(
@@ -245,7 +233,4 @@ def fused_adamw_(
         raise RuntimeError("fused_adamw_: params require grad and grad mode is on; call it under torch.no_grad() "
                            "(an optimizer step)")
     args = (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step), keys, offsets)
-    if eager_fast_path(*lists[0]):
-        _run(*lists, *args, backend)
-    else:
-        torch.ops.titan.fused_adamw_(*lists, *args, backend)
+    fused_adamw_def.call(*lists, *args, backend)

@@ -6,7 +6,7 @@ cumulative group ends: group e is rows [offsets[e-1], offsets[e]) (offsets[-1] =
 y[group e] = x[group e] @ w[e]. Rows past offsets[E-1] belong to no group and come out zero (padding
 a caller keeps for alignment). Math and backward: ``titan_kernels.reference.moe``.
 
-Backends (``BACKENDS``), the choice made once per (device, dtype, K, N, with-backward) key and cached:
+Backends (``BACKENDS``), the choice made once per (device, dtype, K, N) key and cached:
   aten       ``torch._grouped_mm`` (CPU in torch >= 2.11: fp32/bf16/fp16; CUDA: bf16 on sm_90). It
              refuses row strides that are not a multiple of 16 bytes (K and N here), float64 and,
              on CUDA, other dtypes and architectures; whether it takes a key is asked once, by a
@@ -22,21 +22,21 @@ Backends (``BACKENDS``), the choice made once per (device, dtype, K, N, with-bac
   reference  float32 PyTorch math, one matmul per group (a host loop over the offsets).
 Automatic choice: CPU aten > reference (aten measured 3x faster than the per-expert loop at
 (4096, 256) x 16 x (256, 192) fp32, bench/bench_moe.py). CUDA: measured - when aten and triton both
-take a key, the first call of that key times both (forward, plus dx and dw when a gradient is
-needed) on a synthetic 16-expert problem of its K, N and dtype, and the faster one runs from then on
+take a key, the first call of that key times both (forward, dx and dw: training's three GEMMs) on a
+synthetic 16-expert problem of its K, N and dtype, and the faster one runs from then on
 (``measured_order``, cached per key; ``TITAN_KERNELS_GROUPED_MM_MEASURE=0`` keeps the static order
 aten > triton > reference; nothing is timed while tracing: then the static order). bench/bench_moe.py
 times every backend at Qwen3-30B-A3B shapes on the GPU stage of bench/run_gpu.sh. Overrides: ``use_backend`` /
 ``TITAN_KERNELS_BACKEND`` with "reference", "triton", or "cpu"/"cuda" (aten's native kernel of that
 device); a requested backend that cannot take the case raises RuntimeError with the reason.
 
-One autograd definition: the eager fast path (``_FastPath``) and the op's ``register_autograd``
-call the same ``_forward``, ``_setup`` and ``_grads``; the forward's backend is handed to the
-backward op (its ``backend`` argument). Double backward is refused with a RuntimeError naming the op.
+Built by the op scaffold (``titan_kernels.ops._scaffold``): one autograd definition for the op path
+and the eager fast path, the forward's request handed to the backward (the same key picks the same
+implementation). Double backward is refused with a RuntimeError naming the op.
 
-``fp8_grouped_mm`` is this op with float8 kernels: it shares the pieces below that take its own
-functions or name (``triton_why_not``, ``time_order``, ``register_backends``, ``choose``,
-``choose_for``, ``backend_report``, ``grads_or_empty``, ``fake_grads``, ``saved_grads``, ``call``).
+``fp8_grouped_mm`` is this op with float8 kernels: it shares the backend registration, capability
+probes and measured order below (``triton_why_not``, ``time_order``, ``register_backends``,
+``backend_report``, ``grads_or_empty``, ``fake_grads``, ``case_key``).
 """
 from __future__ import annotations
 
@@ -47,12 +47,14 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops._common import (
-    check_float, check_same_device, check_tensor, eager_fast_path, needs_grad, no_setup, refuse_create_graph,
-    refuse_double_backward, replicate_like,
+    check_float, check_same_device, check_tensor, eager_fast_path, refuse_create_graph, replicate_like,
 )
+from titan_kernels.ops import _common
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import moe as _ref
 
 OP = "grouped_mm"
+grouped_mm_def = Op(OP)
 BACKENDS = ("aten", "triton", "reference")
 AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("aten", "reference")}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -119,10 +121,11 @@ def _triton_bwd(dy, x, w, offsets, need_dx, need_dw):
     return _tri.grouped_mm_bwd(dy, x, w, offsets, need_dx, need_dw)
 
 
+# Every implementation: fwd(x, w, offsets) -> y; bwd(dy, x, w, offsets, need_dx, need_dw) -> (dx, dw).
 _IMPLS = {
-    "aten": (_aten_fwd, _aten_bwd),
-    "triton": (_triton_fwd, _triton_bwd),
-    "reference": (_ref.grouped_mm_fwd, _ref.grouped_mm_bwd),
+    "aten": _backend.Kernels(_aten_fwd, _aten_bwd),
+    "triton": _backend.Kernels(_triton_fwd, _triton_bwd),
+    "reference": _backend.Kernels(_ref.grouped_mm_fwd, _ref.grouped_mm_bwd),
 }
 
 
@@ -145,9 +148,8 @@ def triton_why_not(device_type: str, module: str, refusal: str | None = None) ->
 
 
 @functools.lru_cache(maxsize=None)
-def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, n: int, backward: bool) -> str | None:
+def why_not(name: str, device_type: str, index: int | None, dt: torch.dtype, k: int, n: int) -> str | None:
     """None when backend ``name`` takes grouped_mm for this key, else the reason (asked once per key)."""
-    dt = getattr(torch, dtype)
     if name == "reference":
         return None
     if name == "triton":
@@ -169,10 +171,9 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, 
         w = torch.zeros(2, k, n, dtype=dt, device=dev)
         offs = torch.tensor([1, 3], dtype=torch.int32, device=dev)
         torch._grouped_mm(x, w, offs=offs)
-        if backward:
-            dy = torch.zeros(4, n, dtype=dt, device=dev)
-            torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
-            torch._grouped_mm(x.t(), dy, offs=offs)
+        dy = torch.zeros(4, n, dtype=dt, device=dev)
+        torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)
+        torch._grouped_mm(x.t(), dy, offs=offs)
     except (RuntimeError, NotImplementedError, TypeError) as e:
         return f"torch._grouped_mm refuses it: {str(e).splitlines()[0]}"
     return None
@@ -181,37 +182,13 @@ def why_not(name: str, device_type: str, index: int | None, dtype: str, k: int, 
 MEASURE_ENV = "TITAN_KERNELS_GROUPED_MM_MEASURE"  # "0": the static order, no timing
 
 
-def _time_call(fn, device: torch.device, reps: int = 10) -> float:
-    """Median seconds of ``fn()`` on ``device`` (CUDA events; wall clock elsewhere)."""
-    import statistics
-    import time
-
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e-3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def time_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
-               backward: bool, forward, backward_kernel) -> tuple[str, ...]:
-    """``cands`` (backends that take the key) fastest first, each timed (``_time_call``) on a synthetic
+def time_order(cands: tuple[str, ...], device_type: str, index: int | None, dt: torch.dtype, k: int, n: int,
+               forward, backward_kernel) -> tuple[str, ...]:
+    """``cands`` (backends that take the key) fastest first, each timed (``_common.time_call``) on a synthetic
     MoE problem of the key: 16 experts of 512 rows (a 30B-A3B-like group size), ``forward(x, w,
-    offsets, name)`` (+ ``backward_kernel(dy, x, w, offsets, name)``, dx and dw, with ``backward``).
-    Any failure keeps the given order."""
+    offsets, name)`` + ``backward_kernel(dy, x, w, offsets, name)`` (dx and dw). Any failure keeps
+    the given order."""
     dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
-    dt = getattr(torch, dtype)
     try:
         e, rows = 16, 512
         x = torch.randn(e * rows, k, device=dev, dtype=dt)
@@ -222,24 +199,26 @@ def time_order(cands: tuple[str, ...], device_type: str, index: int | None, dtyp
         def run(name):
             def call():
                 forward(x, w, offs, name)
-                if backward:
-                    backward_kernel(dy, x, w, offs, name)
+                backward_kernel(dy, x, w, offs, name)
             return call
 
-        times = {name: _time_call(run(name), dev) for name in cands}
+        times = {name: _common.time_call(run(name), dev) for name in cands}
     except Exception:  # noqa: BLE001 - a failed measurement must not fail the op: keep the static order
         return cands
     return tuple(sorted(cands, key=lambda name: times[name]))
 
 
 @functools.lru_cache(maxsize=None)
-def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
-                   backward: bool) -> tuple[str, ...]:
-    """``cands`` fastest first, timed once per key by ``time_order`` (forward, + dx and dw with
-    ``backward``)."""
-    return time_order(cands, device_type, index, dtype, k, n, backward,
-                      lambda x, w, offs, name: _IMPLS[name][0](x, w, offs),
-                      lambda dy, x, w, offs, name: _IMPLS[name][1](dy, x, w, offs, True, True))
+def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dt: torch.dtype, k: int,
+                   n: int) -> tuple[str, ...]:
+    """``cands`` fastest first, timed once per key by ``time_order`` (forward, dx and dw), each
+    through the registry (what ``replace_impl`` installs is what is timed)."""
+    def kernels(name):
+        return _backend.implementation(OP, name, device_type).kernels
+
+    return time_order(cands, device_type, index, dt, k, n,
+                      lambda x, w, offs, name: kernels(name).forward(x, w, offs),
+                      lambda dy, x, w, offs, name: kernels(name).backward(dy, x, w, offs, True, True))
 
 
 def _may_measure(device_type: str) -> bool:
@@ -275,47 +254,21 @@ def register_backends(op: str, impls: dict, why_not, order: dict, measured) -> N
 register_backends(OP, _IMPLS, why_not, AUTO_ORDER, measured_order)
 
 
-@torch.compiler.assume_constant_result
-def choose(device_type: str, index: int, dtype: str, k: int, n: int, backward: bool, op: str = OP) -> str:
-    """The backend of a call of ``op`` (grouped_mm or fp8_grouped_mm; one of its ``BACKENDS``), chosen
-    by ``titan_kernels.backend``: the request (use_backend / TITAN_KERNELS_BACKEND; "cpu"/"cuda" mean
-    aten) or the first of the automatic order that takes the key (measured on CUDA). Under
-    torch.compile it is decided once, when the graph is traced. ``index`` -1: no device index. Raises
-    RuntimeError (with the reason) when a requested backend cannot take the key."""
-    dev = torch.device(device_type, index) if index >= 0 else torch.device(device_type)
-    return _backend.choose(op, dev, (dtype, k, n, backward)).backend
+def case_key(x: torch.Tensor, w: torch.Tensor) -> tuple:
+    """The case key of a call (dtype, K, N): what the capabilities and the measured order depend on."""
+    x, w = getattr(x, "_local_tensor", x), getattr(w, "_local_tensor", w)  # a DTensor runs on its shard
+    return x.dtype, int(x.shape[1]), int(w.shape[2])
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor's kernel runs on its local shard: capabilities (16-byte rows) are those of the shard.
-    return getattr(t, "_local_tensor", t)
-
-
-def _case(x: torch.Tensor, w: torch.Tensor, backward: bool) -> tuple[torch.device, tuple]:
-    """(device, case key (dtype, K, N, with-backward)) of a call, from the local shards."""
-    x, w = _local(x), _local(w)
-    return x.device, (_dt(x.dtype), int(x.shape[1]), int(w.shape[2]), backward)
-
-
-def choose_for(op: str, x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
-    """``choose`` for a call of ``op`` on (x, w)."""
-    d, case = _case(x, w, backward)
-    return choose(d.type, -1 if d.index is None else d.index, *case, op=op)
-
-
-def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
-    return choose_for(OP, x, w, backward)
-
-
-def backend_report(op: str, x: torch.Tensor, w: torch.Tensor, backward: bool) -> tuple[str, dict[str, str]]:
+def backend_report(op: str, x: torch.Tensor, w: torch.Tensor) -> tuple[str, dict[str, str]]:
     """(the backend a call of ``op`` on (x, w) would run, {skipped backend: reason}) under the current request."""
-    choice = _backend.choose(op, *_case(x, w, backward))
+    choice = _backend.choose(op, getattr(x, "_local_tensor", x).device, case_key(x, w))
     return choice.backend, dict(choice.skipped)
 
 
-def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
+def backend_for(x: torch.Tensor, w: torch.Tensor) -> tuple[str, dict[str, str]]:
     """(the backend grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    return backend_report(OP, x, w, backward)
+    return backend_report(OP, x, w)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -351,16 +304,7 @@ def _validate_values(x, offsets) -> None:
         raise ValueError(f"offsets: expected non-decreasing group ends in [0, {x.shape[0]}] (T), got {o}")
 
 
-# ----------------------------------------------------------------------------- forward / backward functions
-# The only functions that run kernels; the ops and the eager fast path call them.
-
-
-def _forward(x, w, offsets, backend: str) -> torch.Tensor:
-    return _IMPLS[backend][0](x, w, offsets)
-
-
-def _backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend: str):
-    return _IMPLS[backend][1](dy, x, w, offsets, need_dx, need_dw)
+# ----------------------------------------------------------------------------- the op
 
 
 def grads_or_empty(dx, dw, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -381,112 +325,96 @@ def fake_grads(x: torch.Tensor, w: torch.Tensor, need_dx: bool, need_dw: bool) -
     )
 
 
-# ----------------------------------------------------------------------------- ops
-
-
-@torch.library.custom_op("titan::grouped_mm", mutates_args=())
-def grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """y (T, N) in x.dtype: y[group e] = x[group e] @ w[e], rows past offsets[-1] zero. x (T, K), w
-    (E, K, N) of one float dtype, offsets (E,) int32 cumulative group ends. ``backend``: one of
-    BACKENDS (None: the automatic choice). See ``titan_kernels.grouped_mm``."""
-    if backend is None:
-        backend = _choose_for(x, w, False)
-    return _forward(x, w, offsets, backend)
+    (E, K, N) of one float dtype, offsets (E,) int32 cumulative group ends. ``backend``: the request
+    (None: the one in force). See ``titan_kernels.grouped_mm``."""
+    return grouped_mm_def.kernels(x.device, backend, case_key(x, w)).forward(x, w, offsets)
 
 
-@grouped_mm_op.register_fake
-def _(x, w, offsets, backend=None):
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("titan::grouped_mm_backward", mutates_args=())
-def grouped_mm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
-    need_dx: bool, need_dw: bool, backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, need_dx: bool,
+             need_dw: bool, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of titan::grouped_mm: dx (T, K) = dy[group e] @ w[e]^T per group (rows past the last
     group zero) and dw (E, K, N) = x[group e]^T @ dy[group e] (zero for an empty group), float32
     accumulation. A gradient not asked for comes back as an empty (T, 0) / (E, K, 0) tensor.
-    ``backend``: the forward's (None: the automatic choice)."""
-    if backend is None:
-        backend = _choose_for(x, w, True)
-    return grads_or_empty(*_backward_kernel(dy, x, w, offsets, need_dx, need_dw, backend), x, w)
+    ``backend``: the forward's request (the same key picks the same implementation)."""
+    k = grouped_mm_def.kernels(x.device, backend, case_key(x, w))
+    return grads_or_empty(*k.backward(dy, x, w, offsets, need_dx, need_dw), x, w)
 
 
-@grouped_mm_backward_op.register_fake
-def _(dy, x, w, offsets, need_dx, need_dw, backend=None):
-    return fake_grads(x, w, need_dx, need_dw)
+def save_operands(ctx, inputs, output) -> None:
+    """What a grouped GEMM's backward needs: x, w and the offsets (shared with fp8_grouped_mm)."""
+    ctx.save_for_backward(*inputs[:3])
 
 
-# ----------------------------------------------------------------------------- autograd (one definition)
-
-
-def _setup(ctx, inputs, output):
-    x, w, offsets, backend = inputs
-    ctx.save_for_backward(x, w, offsets)
-    # The forward's choice, handed to the backward (a direct op call with None resolves it here).
-    ctx.backend = backend if backend is not None else _choose_for(x, w, True)
-
-
-def saved_grads(ctx, dy, name: str, run, *args, why: str = ""):
-    """(dx, dw) of a grouped GEMM's backward from ``ctx`` (x, w, offsets saved, ``ctx.backend``), None
-    where no gradient is needed: ``run(dy, x, w, offsets, *args, need_dx, need_dw, backend)`` (the
-    backward kernel or the backward op). Double backward is refused naming ``name`` (+ ``why``)."""
+def _grads(ctx, dy):
     x, w, offsets = ctx.saved_tensors
-    refuse_create_graph(name, dy, x, w, why=why)
+    refuse_create_graph(OP, dy, x, w)
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    dx, dw = run(dy, x, w, offsets, *args, need_dx, need_dw, ctx.backend)
-    return (dx if need_dx else None), (dw if need_dw else None)
+    dx, dw = grouped_mm_def.backward(dy, x, w, offsets, need_dx, need_dw, ctx.backend)
+    return (dx if need_dx else None), (dw if need_dw else None), None
 
 
-def _grads(ctx, dy, fast: bool):
-    return saved_grads(ctx, dy, OP, _backward_kernel if fast else torch.ops.titan.grouped_mm_backward)
+# ----------------------------------------------------------------------------- sharding rules
+# y[group e] = x[group e] @ w[e] is a matmul per group: tensor parallel on the experts runs locally.
+# Colwise (w1/w3: w split on N) -> y split on its last dim; rowwise (w2: x and w split on K) -> y
+# Partial; a Partial x (or w) with the other replicated -> y Partial (linear). The groups are rows of
+# x, so the offsets stay replicated; a split token dim would cut groups: DTensor gathers it. Expert
+# parallel (w split on E with each rank's own token groups) is not a placement of x: the trainer's
+# all-to-all hands each rank local tensors and calls the op on them. Backward: colwise -> dx Partial,
+# dw Shard(2); rowwise -> dx Shard(1), dw Shard(1). A gradient not asked for is an empty (T, 0) /
+# (E, K, 0) tensor, for which the same placements hold (the rules must not depend on the bool flags,
+# the recipe or the backend string, left out of DTensor's cache key). The float8 op (fp8_grouped_mm)
+# shards the same way, each rank scaling its own shards: colwise is exact (every scale of the forward
+# and of the weight gradient sees the whole K of its column; dgrad's per-token scales are per N
+# shard), rowwise takes per-K-shard scales for x and w, equal to the unsharded result to float8
+# accuracy. A Partial input is not taken there (``linear`` False): quantizing each summand with its
+# own scale loses the sum's precision where summands cancel, so DTensor reduces it first.
 
 
-def _backward(ctx, dy):
-    dx, dw = _grads(ctx, dy, fast=False)
-    return dx, dw, None, None
+def sharding_rules(n_scalars: int, linear: bool) -> list:
+    """The forward's rules, for ``n_scalars`` non-tensor arguments after (x, w, offsets)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep, flags = Replicate(), [None] * n_scalars
+    rules = [
+        ([rep], [rep, rep, rep, *flags]),
+        ([Shard(1)], [rep, Shard(2), rep, *flags]),
+        ([Partial()], [Shard(1), Shard(1), rep, *flags]),
+    ]
+    if linear:
+        rules += [([Partial()], [Partial(), rep, rep, *flags]), ([Partial()], [rep, Partial(), rep, *flags])]
+    return rules
 
 
-grouped_mm_op.register_autograd(_backward, setup_context=_setup)
-grouped_mm_backward_op.register_autograd(refuse_double_backward("grouped_mm_backward", of=OP), setup_context=no_setup)
+def backward_sharding_rules(n_scalars: int) -> list:
+    """The backward's rules, for ``n_scalars`` non-tensor arguments after (dy, x, w, offsets)."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep, flags = Replicate(), [None] * n_scalars
+    return [
+        ([rep, rep], [rep, rep, rep, rep, *flags]),
+        ([Partial(), Shard(2)], [Shard(1), rep, Shard(2), rep, *flags]),
+        ([Shard(1), Shard(1)], [rep, Shard(1), Shard(1), rep, *flags]),
+    ]
 
 
-class _FastPath(torch.autograd.Function):
-    """The eager fast path of titan::grouped_mm and titan::fp8_grouped_mm: the op's own ``_forward``,
-    ``_setup`` and ``_grads`` (``fns``), without the dispatcher. ``args``: the op's arguments after
-    the offsets, the backend last."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets, fns, *args):
-        forward, setup, ctx.grads = fns
-        y = forward(x, w, offsets, args[-1])
-        setup(ctx, (x, w, offsets, *args), y)
-        ctx.n_args = len(args)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = ctx.grads(ctx, dy, fast=True)
-        return (dx, dw, None, None) + (None,) * ctx.n_args
+grouped_mm_def.define(forward, lambda x, w, offsets, backend=None: x.new_empty((x.shape[0], w.shape[2])),
+                      setup=save_operands, grads=_grads, backward=backward,
+                      backward_fake=lambda dy, x, w, offsets, need_dx, need_dw, backend=None: fake_grads(
+                          x, w, need_dx, need_dw),
+                      sharding=lambda x, w, offsets, *rest: sharding_rules(len(rest), linear=True),
+                      backward_sharding=lambda dy, x, w, offsets, *rest: backward_sharding_rules(len(rest)))
 
 
-def call(op: str, op_fn, fns: tuple, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *args) -> torch.Tensor:
-    """A validated call of ``op`` (grouped_mm or fp8_grouped_mm): its backend chosen (with the backward
-    when a gradient is needed), then in plain eager mode the offsets' values checked and ``fns`` (the
-    op's ``_forward``, ``_setup``, ``_grads``) run through ``_FastPath`` (``_forward`` alone without a
-    gradient); otherwise ``op_fn`` (the registered op) on (x, w, offsets, *args, backend), the
-    offsets replicated next to a DTensor x."""
-    grad = needs_grad(x, w)
-    backend = choose_for(op, x, w, grad)
-    if eager_fast_path(x, w, offsets) and not x.is_meta:  # meta tensors: the op's fake gives the shape
-        _validate_values(x, offsets)
-        if grad:
-            return _FastPath.apply(x, w, offsets, fns, *args, backend)
-        return fns[0](x, w, offsets, backend)
-    if torch.distributed.is_available():
-        offsets = replicate_like(x, offsets)
-    return op_fn(x, w, offsets, *args, backend)
+def prepare_offsets(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """The offsets as a call passes them on: their values checked in plain eager mode (on the CPU,
+    where it costs no sync), replicated next to a DTensor x (they are the same on every rank)."""
+    if eager_fast_path(x, w, offsets):
+        if not x.is_meta:  # meta tensors: the op's fake gives the shape
+            _validate_values(x, offsets)
+        return offsets
+    return replicate_like(x, offsets) if torch.distributed.is_available() else offsets
 
 
 # ----------------------------------------------------------------------------- public API
@@ -520,4 +448,4 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
     al. 2022, "MegaBlocks", block-sparse grouped matmul).
     """
     _validate(x, w, offsets)
-    return call(OP, torch.ops.titan.grouped_mm, (_forward, _setup, _grads), x, w, offsets)
+    return grouped_mm_def(x, w, prepare_offsets(x, w, offsets))

@@ -12,24 +12,33 @@ buffer's gradient and the scores' gradient in one pass. Math: ``titan_kernels.re
 
 Backends (``titan_kernels.backend``): ``reference`` (aten index ops in float32; also registered as
 ``cpu``, aten's native CPU index kernels, the automatic choice on CPU tensors) and ``triton`` (the
-automatic choice on CUDA). The backend is chosen once in the forward and handed to the backward; the
-eager fast path and the ops' ``register_autograd`` run the same functions. Double backward is
-refused with a RuntimeError naming the op.
+automatic choice on CUDA). Built by the op scaffold (``titan_kernels.ops._scaffold``): the forward's
+request is handed to the backward; the eager fast path and the ops' autograd run the same functions.
+Double backward is refused with a RuntimeError naming the op.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
-from titan_kernels import backend as _backend
 from titan_kernels.ops._common import (
-    check_float, check_same_device, check_tensor, eager_fast_path, needs_grad, no_setup, refuse_create_graph,
-    refuse_double_backward, replicate_like,
+    check_float, check_same_device, check_tensor, eager_fast_path, refuse_create_graph, replicate_like,
 )
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import moe as _ref
 
 OP = "moe_permute"
+moe_permute_def = Op(OP)
+moe_unpermute_def = Op("moe_unpermute", impls=OP)
+
+
+class MoEKernels(NamedTuple):
+    """The two row movers of one implementation (contracts: ``reference.moe.permute_rows`` /
+    ``combine_rows``): permute (and the unpermute's backward) and combine (and the permute's backward)."""
+
+    permute_rows: Callable
+    combine_rows: Callable
 
 
 def _float64_on_reference(device, float64: bool) -> str | None:
@@ -37,35 +46,14 @@ def _float64_on_reference(device, float64: bool) -> str | None:
     return "float64 runs on the reference (the kernels accumulate in float32)" if float64 else None
 
 
-_backend.register_impl(OP, "reference", (_ref.permute_rows, _ref.combine_rows))
+moe_permute_def.register("reference", MoEKernels(_ref.permute_rows, _ref.combine_rows))
 # aten's CPU index kernels
-_backend.register_impl(OP, "cpu", (_ref.permute_rows, _ref.combine_rows), auto=_float64_on_reference)
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import moe_permute as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", (_tri.permute_rows, _tri.combine_rows), auto=_float64_on_reference)
-
-
-_register_triton()
+moe_permute_def.register("cpu", MoEKernels(_ref.permute_rows, _ref.combine_rows), auto=_float64_on_reference)
+moe_permute_def.register_triton("titan_kernels.triton.moe_permute", "permute_rows", "combine_rows", kind=MoEKernels,
+                                auto=_float64_on_reference)
 
 _INT = (torch.int32, torch.int64)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-@torch.compiler.assume_constant_result
-def _choose(device_type: str, float64: bool = False) -> str:
-    """The backend for this call (use_backend > env > automatic); under torch.compile decided once,
-    when the graph is traced. Float64 runs on the reference unless asked otherwise (the kernels
-    accumulate in float32)."""
-    return _backend.resolve(OP, device_type, key=bool(float64))
-
-
-def _impl(device: torch.device, backend: str | None):
-    return _backend.get_impl(OP, device, backend)
 
 
 def _dt(dtype) -> str:
@@ -129,165 +117,116 @@ def moe_routing(expert_indices: torch.Tensor, num_experts: int, align: int = 1) 
     return MoERouting(offsets, counts, dst, src)
 
 
-# ----------------------------------------------------------------------------- forward / backward functions
-# The only functions that run kernels; the ops and the eager fast path call them.
+# ----------------------------------------------------------------------------- the ops
 
 
-def _permute(x, src, top_k, backend):
-    return _impl(x.device, backend)[0](x, src, top_k)[0]
+def _kernels(t: torch.Tensor, backend: str | None) -> MoEKernels:
+    # The case key: whether the rows are float64 (the kernels accumulate in float32).
+    return moe_permute_def.kernels(t.device, backend, t.dtype == torch.float64)
 
 
-def _permute_backward(dxp, dst, backend):
-    return _impl(dxp.device, backend)[1](dxp, dst, None)
-
-
-def _unpermute(yp, dst, scores, backend):
-    return _impl(yp.device, backend)[1](yp, dst, scores)
-
-
-def _unpermute_backward(dout, yp, src, top_k, scores, need_dscores, backend):
-    """(dyp (R, D) in yp.dtype, dscores (T, top_k) in scores.dtype or None)."""
-    dot_with = yp if (need_dscores and scores is not None) else None
-    dyp, dots = _impl(yp.device, backend)[0](dout, src, top_k, scores, dot_with)
-    return dyp, (dots.to(scores.dtype) if dots is not None else None)
-
-
-# ----------------------------------------------------------------------------- ops
-
-
-@torch.library.custom_op("titan::moe_permute", mutates_args=())
-def moe_permute_op(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def permute_forward(x: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """xp (R, D) in x.dtype: xp[r] = x[src[r] // top_k], zero where src[r] = -1. x (T, D); src (R,)
-    and dst (T, top_k) int64 from ``moe_routing``. ``backend``: None = the automatic choice."""
-    return _permute(x, src, dst.shape[1], backend)
+    and dst (T, top_k) int64 from ``moe_routing``. ``backend``: the request (None: the one in force)."""
+    return _kernels(x, backend).permute_rows(x, src, dst.shape[1])[0]
 
 
-@moe_permute_op.register_fake
-def _(x, src, dst, backend=None):
-    return x.new_empty((src.shape[0], x.shape[1]))
-
-
-@torch.library.custom_op("titan::moe_permute_backward", mutates_args=())
-def moe_permute_backward_op(dxp: torch.Tensor, dst: torch.Tensor, backend: str | None = None) -> torch.Tensor:
+def permute_backward(dxp: torch.Tensor, dst: torch.Tensor, backend: str | None = None) -> torch.Tensor:
     """dx (T, D) in dxp.dtype: dx[t] = sum_j dxp[dst[t, j]] (float32 accumulation)."""
-    return _permute_backward(dxp, dst, backend)
+    return _kernels(dxp, backend).combine_rows(dxp, dst, None)
 
 
-@moe_permute_backward_op.register_fake
-def _(dxp, dst, backend=None):
-    return dxp.new_empty((dst.shape[0], dxp.shape[1]))
-
-
-@torch.library.custom_op("titan::moe_unpermute", mutates_args=())
-def moe_unpermute_op(
-    yp: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, scores: torch.Tensor | None, backend: str | None = None
-) -> torch.Tensor:
+def unpermute_forward(yp: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, scores: torch.Tensor | None,
+                      backend: str | None = None) -> torch.Tensor:
     """out (T, D) in yp.dtype: out[t] = sum_j scores[t, j] * yp[dst[t, j]] (scores None: 1), float32
     accumulation. yp (R, D); src (R,), dst (T, top_k) int64; scores (T, top_k) float."""
-    return _unpermute(yp, dst, scores, backend)
+    return _kernels(yp, backend).combine_rows(yp, dst, scores)
 
 
-@moe_unpermute_op.register_fake
-def _(yp, src, dst, scores, backend=None):
-    return yp.new_empty((dst.shape[0], yp.shape[1]))
-
-
-@torch.library.custom_op("titan::moe_unpermute_backward", mutates_args=())
-def moe_unpermute_backward_op(
-    dout: torch.Tensor, yp: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, scores: torch.Tensor | None,
-    need_dscores: bool, backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def unpermute_backward(dout: torch.Tensor, yp: torch.Tensor, src: torch.Tensor, dst: torch.Tensor,
+                       scores: torch.Tensor | None, need_dscores: bool,
+                       backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(dyp (R, D) in yp.dtype: dyp[dst[t, j]] = scores[t, j] * dout[t], padding rows 0;
     dscores (T, top_k) in scores.dtype: <dout[t], yp[dst[t, j]]>, or an empty (T, 0) tensor when not
     asked for or scores is None), in one pass."""
-    dyp, ds = _unpermute_backward(dout, yp, src, dst.shape[1], scores, need_dscores, backend)
-    if ds is None:
-        ds = yp.new_empty((dst.shape[0], 0), dtype=scores.dtype if scores is not None else yp.dtype)
-    return dyp, ds
+    dot_with = yp if (need_dscores and scores is not None) else None
+    dyp, dots = _kernels(yp, backend).permute_rows(dout, src, dst.shape[1], scores, dot_with)
+    if dots is None:
+        return dyp, yp.new_empty((dst.shape[0], 0), dtype=scores.dtype if scores is not None else yp.dtype)
+    return dyp, dots.to(scores.dtype)
 
 
-@moe_unpermute_backward_op.register_fake
-def _(dout, yp, src, dst, scores, need_dscores, backend=None):
+def _unpermute_backward_fake(dout, yp, src, dst, scores, need_dscores, backend=None):
     k = dst.shape[1] if (need_dscores and scores is not None) else 0
     return (yp.new_empty(yp.shape), yp.new_empty((dst.shape[0], k), dtype=scores.dtype if scores is not None else yp.dtype))
 
 
-# ----------------------------------------------------------------------------- autograd (one definition)
-
-
-def _setup_permute(ctx, inputs, output):
-    x, src, dst, backend = inputs
-    ctx.save_for_backward(dst)
-    ctx.backend = backend if backend is not None else _choose(x.device.type, x.dtype == torch.float64)
-
-
-def _grads_permute(ctx, dxp, fast: bool):
+def _permute_grads(ctx, dxp):
     refuse_create_graph("moe_permute", dxp)
     (dst,) = ctx.saved_tensors
-    if fast:
-        return _permute_backward(dxp, dst, ctx.backend)
-    return torch.ops.titan.moe_permute_backward(dxp, dst, ctx.backend)
+    return moe_permute_def.backward(dxp, dst, ctx.backend), None, None
 
 
-def _backward_permute(ctx, dxp):
-    return _grads_permute(ctx, dxp, fast=False), None, None, None
-
-
-def _setup_unpermute(ctx, inputs, output):
-    yp, src, dst, scores, backend = inputs
-    ctx.save_for_backward(yp, src, dst, scores)
-    ctx.backend = backend if backend is not None else _choose(yp.device.type, yp.dtype == torch.float64)
-
-
-def _grads_unpermute(ctx, dout, fast: bool):
+def _unpermute_grads(ctx, dout):
     yp, src, dst, scores = ctx.saved_tensors
     refuse_create_graph("moe_unpermute", dout, yp, scores)
     need_ds = scores is not None and ctx.needs_input_grad[3]
-    if fast:
-        dyp, ds = _unpermute_backward(dout, yp, src, dst.shape[1], scores, need_ds, ctx.backend)
-    else:
-        dyp, ds = torch.ops.titan.moe_unpermute_backward(dout, yp, src, dst, scores, need_ds, ctx.backend)
-    return (dyp if ctx.needs_input_grad[0] else None), (ds if need_ds else None)
+    dyp, ds = moe_unpermute_def.backward(dout, yp, src, dst, scores, need_ds, ctx.backend)
+    return (dyp if ctx.needs_input_grad[0] else None), None, None, (ds if need_ds else None)
 
 
-def _backward_unpermute(ctx, dout):
-    dyp, ds = _grads_unpermute(ctx, dout, fast=False)
-    return dyp, None, None, ds, None
+# ----------------------------------------------------------------------------- sharding rules
+# Rows move whole: tokens split on the hidden dim (dim 1) permute and combine locally with the routing
+# indices (and scores) replicated. Both are linear in the moved rows: a Partial buffer (after a rowwise
+# w2) combines to a Partial result, reduced after the (smaller) combine, and the Partial gradient of a
+# colwise GEMM's input goes back through the permute still Partial. The unpermute backward on split
+# columns (or of a Partial buffer) gives each rank a share of the scores' gradient: Partial.
 
 
-moe_permute_op.register_autograd(_backward_permute, setup_context=_setup_permute)
-moe_unpermute_op.register_autograd(_backward_unpermute, setup_context=_setup_unpermute)
-moe_permute_backward_op.register_autograd(refuse_double_backward("moe_permute_backward"), setup_context=no_setup)
-moe_unpermute_backward_op.register_autograd(refuse_double_backward("moe_unpermute_backward"), setup_context=no_setup)
+def _rows(n_index: int) -> list:
+    """Rules of a row-moving op: its first tensor (and output) any of Replicate, Shard(1), Partial,
+    then ``n_index`` index tensors replicated."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    return [([p], [p, *[Replicate()] * n_index]) for p in (Replicate(), Shard(1), Partial())]
 
 
-class _PermuteFn(torch.autograd.Function):
-    """The eager fast path of titan::moe_permute: the same functions as the op's autograd."""
-
-    @staticmethod
-    def forward(ctx, x, src, dst, backend):
-        xp = _permute(x, src, dst.shape[1], backend)
-        _setup_permute(ctx, (x, src, dst, backend), xp)
-        return xp
-
-    @staticmethod
-    def backward(ctx, dxp):
-        return _grads_permute(ctx, dxp, fast=True), None, None, None
+def _flags(rules: list, *rest) -> list:
+    """``rules`` with the placements ``rest`` appended to each one's inputs (None: not a tensor)."""
+    return [(outs, [*ins, *rest]) for outs, ins in rules]
 
 
-class _UnpermuteFn(torch.autograd.Function):
-    """The eager fast path of titan::moe_unpermute: the same functions as the op's autograd."""
+def _rep_or_none(t):
+    from torch.distributed.tensor import Replicate
 
-    @staticmethod
-    def forward(ctx, yp, src, dst, scores, backend):
-        out = _unpermute(yp, dst, scores, backend)
-        _setup_unpermute(ctx, (yp, src, dst, scores, backend), out)
-        return out
+    return Replicate() if t is not None else None
 
-    @staticmethod
-    def backward(ctx, dout):
-        dyp, ds = _grads_unpermute(ctx, dout, fast=True)
-        return dyp, None, None, ds, None
+
+def _unpermute_backward_sharding(dout, yp, src, dst, scores, need_dscores, backend=None):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep, s = Replicate(), _rep_or_none(scores)
+    return _flags([
+        ([rep, rep], [rep, rep, rep, rep, s]),
+        ([Shard(1), Partial()], [Shard(1), Shard(1), rep, rep, s]),
+        # A Partial buffer (the forward combined it unreduced): dyp = scores * dout needs only dout,
+        # and <dout, sum of shares> is the sum of the per-rank dots: dscores Partial.
+        ([rep, Partial()], [rep, Partial(), rep, rep, s]),
+    ], None, None)
+
+
+moe_permute_def.define(
+    permute_forward, lambda x, src, dst, backend=None: x.new_empty((src.shape[0], x.shape[1])),
+    setup=lambda ctx, inputs, output: ctx.save_for_backward(inputs[2]), grads=_permute_grads,
+    backward=permute_backward, backward_fake=lambda dxp, dst, backend=None: dxp.new_empty((dst.shape[0], dxp.shape[1])),
+    sharding=lambda x, src, dst, backend=None: _flags(_rows(2), None),
+    backward_sharding=lambda dxp, dst, backend=None: _flags(_rows(1), None))
+moe_unpermute_def.define(
+    unpermute_forward, lambda yp, src, dst, scores, backend=None: yp.new_empty((dst.shape[0], yp.shape[1])),
+    setup=lambda ctx, inputs, output: ctx.save_for_backward(*inputs[:4]), grads=_unpermute_grads,
+    backward=unpermute_backward, backward_fake=_unpermute_backward_fake,
+    sharding=lambda yp, src, dst, scores, backend=None: _flags(_rows(2), _rep_or_none(scores), None),
+    backward_sharding=_unpermute_backward_sharding)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -327,15 +266,10 @@ def moe_permute(
                          f"got {tuple(expert_indices.shape)}")
     check_same_device({"x": x, "expert_indices": expert_indices})
     routing = moe_routing(expert_indices, num_experts, align)
-    backend = _choose(x.device.type, x.dtype == torch.float64)
-    if eager_fast_path(x):
-        if needs_grad(x):
-            return _PermuteFn.apply(x, routing.src, routing.dst, backend), routing
-        return _permute(x, routing.src, routing.dst.shape[1], backend), routing
     src, dst = routing.src, routing.dst
-    if torch.distributed.is_available():  # a DTensor x (split on dim): the indices are replicated
+    if not eager_fast_path(x) and torch.distributed.is_available():  # a DTensor x: the indices are replicated
         src, dst = replicate_like(x, src), replicate_like(x, dst)
-    return torch.ops.titan.moe_permute(x, src, dst, backend), routing
+    return moe_permute_def(x, src, dst), routing
 
 
 def moe_unpermute(yp: torch.Tensor, routing: MoERouting, scores: torch.Tensor | None = None) -> torch.Tensor:
@@ -368,13 +302,8 @@ def moe_unpermute(yp: torch.Tensor, routing: MoERouting, scores: torch.Tensor | 
         if tuple(scores.shape) != tuple(routing.dst.shape):
             raise ValueError(f"scores: expected shape {tuple(routing.dst.shape)} (T, top_k), got {tuple(scores.shape)}")
     check_same_device({"yp": yp, "dst": routing.dst, "scores": scores})
-    backend = _choose(yp.device.type, yp.dtype == torch.float64)
-    if eager_fast_path(yp, scores):
-        if needs_grad(yp, scores):
-            return _UnpermuteFn.apply(yp, routing.src, routing.dst, scores, backend)
-        return _unpermute(yp, routing.dst, scores, backend)
     src, dst = routing.src, routing.dst
-    if torch.distributed.is_available():
+    if not eager_fast_path(yp, scores) and torch.distributed.is_available():
         src, dst = replicate_like(yp, src), replicate_like(yp, dst)
         scores = replicate_like(yp, scores) if scores is not None else None
-    return torch.ops.titan.moe_unpermute(yp, src, dst, scores, backend)
+    return moe_unpermute_def(yp, src, dst, scores)

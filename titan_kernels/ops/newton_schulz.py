@@ -12,8 +12,8 @@ Backends (automatic order, fastest first):
 The reference computes in float32 whatever ``dtype`` asks (the ground truth); the others iterate in
 ``dtype`` (float32 / bfloat16 / float16) with float32 accumulation.
 
-No autograd: the op is an optimizer step's transform (inputs needing grad are refused). DTensor
-(``titan_kernels.dtensor``): leading (batch) dims may be sharded and run locally; the matrix dims
+No autograd: the op is an optimizer step's transform (inputs needing grad are refused). DTensor (the
+rule beside the op): leading (batch) dims may be sharded and run locally; the matrix dims
 must be whole, so a matrix sharded there is gathered by DTensor first (the distributed Muon in
 ``trainer.optim`` gathers each matrix on one rank instead).
 """
@@ -27,10 +27,13 @@ from typing import Optional
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, eager_fast_path
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float
+from titan_kernels.ops import _common
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import newton_schulz as _ref
 
 OP = "newton_schulz"
+newton_schulz_def = Op(OP)
 MEASURE_ENV = "TITAN_KERNELS_MEASURE"  # "0": keep the static order on CUDA (no timing)
 
 
@@ -60,13 +63,11 @@ def _triton(g, steps, a, b, c, eps, dtype):
 
 
 def _triton_why_not(device: torch.device, case) -> str | None:
-    from titan_kernels.backend import backend_status
-
     try:
         import titan_kernels.triton.newton_schulz  # noqa: F401
     except ImportError as e:
         return f"the Triton kernels do not import: {e}"
-    st = backend_status("triton", device)
+    st = _backend.backend_status("triton", device)
     return None if st.available else st.reason
 
 
@@ -81,16 +82,14 @@ def _bucket(m: int, n: int) -> tuple[int, int]:
 
 @functools.lru_cache(maxsize=None)
 def _measured(cands: tuple[str, ...], index: int | None, dtype: str, m: int, n: int) -> tuple[str, ...]:
-    """``cands`` fastest first, timed once per (dtype, shape bucket) on a (m, n) matrix; any failure
-    keeps the given order."""
-    from titan_kernels.ops.grouped_mm import _time_call
-
+    """``cands`` fastest first, timed once per (dtype, shape bucket) on a (m, n) matrix, each through
+    the registry; any failure keeps the given order."""
     dev = torch.device("cuda", index) if index is not None else torch.device("cuda")
     dt = getattr(torch, dtype)
     try:
         g = torch.randn(m, n, device=dev, dtype=dt)
-        fns = {"aten": _aten, "triton": _triton}
-        times = {name: _time_call(lambda name=name: fns[name](g, 5, *_ref.COEFFICIENTS, _ref.EPS, dt), dev, reps=3)
+        fns = {name: _backend.implementation(OP, name, dev).kernels.forward for name in cands}
+        times = {name: _common.time_call(lambda name=name: fns[name](g, 5, *_ref.COEFFICIENTS, _ref.EPS, dt), dev, reps=3)
                  for name in cands}
     except Exception:  # noqa: BLE001 - a failed measurement keeps the static order
         return cands
@@ -106,10 +105,9 @@ def _rank(device: torch.device, case, names: tuple[str, ...]) -> tuple[str, ...]
     return names
 
 
-_backend.register_impl(OP, "reference", _reference)
-for _fam in ("cpu", "cuda"):
-    _backend.register_impl(OP, _fam, _aten, name="aten", why_not=_aten_why_not)
-_backend.register_impl(OP, "triton", _triton, why_not=_triton_why_not)
+newton_schulz_def.register("reference", _reference)
+newton_schulz_def.register_native(_aten, name="aten", why_not=_aten_why_not)
+newton_schulz_def.register("triton", _triton, why_not=_triton_why_not)
 _backend.set_order(OP, {"cpu": ("aten", "reference"), "cuda": ("triton", "aten", "reference")}, rank=_rank)
 
 
@@ -137,22 +135,27 @@ def _validate(g, steps, coefficients, eps, dtype) -> None:
 # ----------------------------------------------------------------------------- the op
 
 
-@torch.library.custom_op("titan::newton_schulz", mutates_args=())
-def newton_schulz_op(g: torch.Tensor, steps: int, a: float, b: float, c: float, eps: float,
-                     dtype: Optional[torch.dtype] = None, backend: Optional[str] = None) -> torch.Tensor:
+def forward(g: torch.Tensor, steps: int, a: float, b: float, c: float, eps: float,
+            dtype: Optional[torch.dtype] = None, backend: Optional[str] = None) -> torch.Tensor:
     """Newton-Schulz of every matrix of g (..., m, n); see ``titan_kernels.newton_schulz``."""
-    return _compute(g, steps, a, b, c, eps, dtype, backend)
-
-
-@newton_schulz_op.register_fake
-def _(g, steps, a, b, c, eps, dtype=None, backend=None):
-    return torch.empty(g.shape, dtype=g.dtype, device=g.device)
-
-
-def _compute(g, steps, a, b, c, eps, dtype, backend):
     dt = dtype or g.dtype
     key = (str(dt).replace("torch.", ""), *_bucket(g.shape[-2], g.shape[-1]))
-    return _backend.get_impl(OP, g.device, backend, key)(g, steps, a, b, c, eps, dt)
+    return newton_schulz_def.kernels(g.device, backend, key).forward(g, steps, a, b, c, eps, dt)
+
+
+def _sharding(g, *scalars):
+    """Each matrix of the batch is orthogonalised on its own: the leading (batch) dims, e.g. MoE
+    experts split by expert parallel, shard freely; the two matrix dims must be whole (a matrix split
+    there is all-gathered by DTensor; the distributed Muon gathers it on one rank instead)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    flags = [None] * len(scalars)
+    return [([p], [p, *flags]) for p in (Replicate(), *map(Shard, range(len(g.shape) - 2)))]
+
+
+# Not differentiable: an optimizer's step (the public function refuses a g that requires grad).
+newton_schulz_def.define(forward, lambda g, *args: torch.empty(g.shape, dtype=g.dtype, device=g.device),
+                         sharding=_sharding, differentiable=False)
 
 
 def newton_schulz(g: torch.Tensor, *, steps: int = _ref.STEPS, coefficients: tuple = _ref.COEFFICIENTS,
@@ -187,6 +190,4 @@ def newton_schulz(g: torch.Tensor, *, steps: int = _ref.STEPS, coefficients: tup
     """
     _validate(g, steps, coefficients, eps, dtype)
     a, b, c = (float(v) for v in coefficients)
-    if eager_fast_path(g):
-        return _compute(g, steps, a, b, c, float(eps), dtype, backend)
-    return torch.ops.titan.newton_schulz(g, steps, a, b, c, float(eps), dtype, backend)
+    return newton_schulz_def.call(g, steps, a, b, c, float(eps), dtype, backend)

@@ -4,22 +4,13 @@
 Math: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4 (see
 ``titan_kernels.reference.rms_norm`` for the forward and backward formulas).
 
-Every op is a ``torch.library.custom_op`` whose real implementation picks the backend at run time
-(``titan_kernels.backend``), with a fake implementation (torch.compile, FakeTensorMode), autograd
-through ``register_autograd`` (the backward is itself an op) and DTensor sharding rules
-(``titan_kernels.dtensor``). In plain eager mode the public functions skip the dispatcher and call the
-backend directly through a ``torch.autograd.Function`` (``eager_fast_path``), which costs about a
-third of a ``custom_op`` call. On CUDA, traced code can use the ``triton_op`` variant instead
-(``rms_norm_triton_op.py``, ``TITAN_KERNELS_TRITON_OP=1``), which Inductor traces into.
+Built by the op scaffold (``titan_kernels.ops._scaffold``): custom ops with fakes, autograd, the
+eager fast path and the sharding rules below. ``add_rms_norm`` shares rms_norm's implementations and
+backward op. On CUDA, traced code can use the ``triton_op`` variant instead (``rms_norm_triton_op.py``,
+``TITAN_KERNELS_TRITON_OP=1``), which Inductor traces into; it saves and differentiates with the same
+``save_*`` and ``gradients``.
 
-One autograd definition: the eager ``autograd.Function``s, the custom ops' ``register_autograd`` and
-the triton_op variant all save with ``_save`` and differentiate with ``_grads``. The backend request
-(``use_backend`` / ``TITAN_KERNELS_BACKEND``; None = automatic) is captured when the forward runs and
-handed to the backward (the ``backend`` argument of ``titan::rms_norm_backward``), so the backward
-runs on the forward's backend in every path, whatever context it runs in. Under torch.compile the
-request is captured when the graph is traced.
-
-Double backward (create_graph=True) is implemented: ``_grads`` then computes the gradients with the
+Double backward (create_graph=True) is implemented: ``gradients`` then computes them with the
 differentiable float32 reference math (``reference.rms_norm.rms_norm_bwd_differentiable``, which
 recomputes rstd from x) instead of the kernel, so second derivatives are exact in both paths.
 """
@@ -29,20 +20,17 @@ import os
 
 import torch
 
-from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_eps, check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops._common import check_eps, check_float, check_same_device, check_tensor, eager_fast_path, needs_grad
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import rms_norm as _ref
 
 OP = "rms_norm"
-_backend.register_impl(OP, "reference", (_ref.rms_norm_fwd, _ref.rms_norm_bwd))
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import rms_norm as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", (_tri.rms_norm_fwd, _tri.rms_norm_bwd))
+rms_norm_def = Op(OP)
+add_rms_norm_def = Op("add_rms_norm", impls=OP)
+# Every implementation: fwd(x, residual, weight, eps) -> (y, h or None, rstd);
+# bwd(dy, x, weight, rstd, dresidual, compute_dweight) -> (dx, dweight or None).
+rms_norm_def.register("reference", (_ref.rms_norm_fwd, _ref.rms_norm_bwd))
+rms_norm_def.register_triton("titan_kernels.triton.rms_norm", "rms_norm_fwd", "rms_norm_bwd")
 
 
 def _native_fwd(x, residual, weight, eps):
@@ -54,28 +42,7 @@ def _native_bwd(dy, x, weight, rstd, dresidual, compute_dweight):
     return dx, (dw if compute_dweight and weight is not None else None)
 
 
-_register_triton()
-for _name in ("cpu", "cuda"):
-    _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
-
-
-def _impl(device: torch.device, backend: str | None = None):
-    return _backend.get_impl(OP, device, backend)
-
-
-# ----------------------------------------------------------------------------- forward / backward functions
-# The only functions that run kernels; the ops, the triton_op variant and the eager fast path call them.
-
-
-def _forward(x, residual, weight, eps, backend: str | None):
-    """(y, h or None, rstd) on ``backend`` (None: the automatic choice)."""
-    return _impl(x.device, backend)[0](x, residual, weight, eps)
-
-
-def _backward_kernel(dy, x, weight, rstd, dresidual, compute_dweight, backend: str | None):
-    """(dx, dweight or None) on ``backend``: the forward's request."""
-    return _impl(x.device, backend)[1](dy, x, weight, rstd, dresidual, compute_dweight)
-
+rms_norm_def.register_native((_native_fwd, _native_bwd))
 
 # ----------------------------------------------------------------------------- validation
 
@@ -100,41 +67,34 @@ def _validate(x, weight, eps, residual=None) -> float:
     return check_eps(eps)
 
 
-# ----------------------------------------------------------------------------- ops
+# ----------------------------------------------------------------------------- the ops
 
 
-@torch.library.custom_op("titan::rms_norm", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """y = x * rsqrt(mean(x^2, -1) + eps) * weight, and the per-row rstd.
 
     x: (..., N) float32/bf16/fp16; weight: (N,) or None. Returns y (..., N) in x.dtype and
-    rstd (...,) float32 (saved for the backward).
+    rstd (...,) float32 (saved for the backward). ``backend``: the request (None: the one in force).
     """
-    y, _, rstd = _forward(x, None, weight, eps, None)
+    y, _, rstd = rms_norm_def.kernels(x.device, backend).forward(x, None, weight, eps)
     return y, rstd
 
 
-@rms_norm_op.register_fake
-def _(x, weight, eps):
+def _fake(x, weight, eps, backend=None):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("titan::add_rms_norm", mutates_args=())
-def add_rms_norm_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """h = x + residual (in x.dtype); y = rms_norm(h). Returns (y, h, rstd); shapes as rms_norm."""
-    y, h, rstd = _forward(x, residual, weight, eps, None)
+    y, h, rstd = rms_norm_def.kernels(x.device, backend).forward(x, residual, weight, eps)
     return y, h, rstd
 
 
-@add_rms_norm_op.register_fake
-def _(x, residual, weight, eps):
-    return (
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        x.new_empty(x.shape[:-1], dtype=torch.float32),
-    )
+def _add_fake(x, residual, weight, eps, backend=None):
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
 
 
 def dweight_or_empty(dw: torch.Tensor | None, x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
@@ -145,145 +105,109 @@ def dweight_or_empty(dw: torch.Tensor | None, x: torch.Tensor, weight: torch.Ten
     return dw
 
 
-@torch.library.custom_op("titan::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    dresidual: torch.Tensor | None,
-    compute_dweight: bool,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, rstd: torch.Tensor,
+             dresidual: torch.Tensor | None, compute_dweight: bool,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of rms_norm. dy, x: (..., N); rstd: (...,) float32; dresidual: (..., N) or None,
     added to dx (the residual branch of add_rms_norm). Returns dx (..., N) in x.dtype, a fresh
     buffer (never an alias of dy or dresidual), and dweight (N,) in weight.dtype accumulated in
     float32, or an empty (0,) tensor when ``compute_dweight`` is False or weight is None.
-    ``backend``: the forward's request (None: the automatic choice).
+    ``backend``: the forward's request.
     """
-    dx, dw = _backward_kernel(dy, x, weight, rstd, dresidual, compute_dweight, backend)
+    dx, dw = rms_norm_def.kernels(x.device, backend).backward(dy, x, weight, rstd, dresidual, compute_dweight)
     return dx, dweight_or_empty(dw, x, weight)
 
 
-@rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd, dresidual, compute_dweight, backend=None):
+def _backward_fake(dy, x, weight, rstd, dresidual, compute_dweight, backend=None):
     n = x.shape[-1] if (compute_dweight and weight is not None) else 0
-    return (
-        torch.empty(x.shape, dtype=x.dtype, device=x.device),
-        x.new_empty((n,), dtype=weight.dtype if weight is not None else x.dtype),
-    )
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            x.new_empty((n,), dtype=weight.dtype if weight is not None else x.dtype))
 
 
 # ----------------------------------------------------------------------------- the one autograd definition
+# Shared with the triton_op variant, which passes its own backward op to ``gradients``.
 
 
-def _save(ctx, x, weight, rstd, eps, backend: str | None) -> None:
-    """x: the normalized input (h for add_rms_norm, an output there: double backward flows through it)."""
-    ctx.save_for_backward(x, weight, rstd)
+def save_rms_norm(ctx, inputs, output) -> None:
+    x, weight, eps = inputs[:3]
+    ctx.save_for_backward(x, weight, output[1])
     ctx.eps = eps
-    ctx.backend = backend
 
 
-def _create_graph(*tensors) -> bool:
-    # Grad mode is on inside a backward only under create_graph=True.
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+def save_add_rms_norm(ctx, inputs, output) -> None:
+    # h, an output, is the normalized input: double backward flows through it.
+    ctx.save_for_backward(output[1], inputs[2], output[2])
+    ctx.eps = inputs[3]
 
 
-def _grads(ctx, dy, dresidual, need_dw: bool, backward_op):
-    """(dx, dweight or None) from the saved state, on the forward's backend. ``backward_op()`` is the
-    op path's backward op (``titan::rms_norm_backward`` or the triton_op variant's); None on the eager
-    fast path, which calls the same kernel function without the dispatcher. Under create_graph the
-    differentiable reference math runs instead (double backward)."""
+def gradients(ctx, dy, dresidual, need_dw: bool, run_backward):
+    """(dx, dweight or None) from the saved (x or h, weight, rstd): ``run_backward`` (the backward op's
+    call) on the forward's backend, or under create_graph the differentiable reference math."""
     x, weight, rstd = ctx.saved_tensors
     if dy is None:  # only h's gradient reached add_rms_norm (the op path does not materialize zeros)
         dy = torch.zeros_like(x)
-    if _create_graph(dy, x, weight, dresidual):
+    if needs_grad(dy, x, weight, dresidual):  # grad mode is on inside a backward only under create_graph
         dx, dw = _ref.rms_norm_bwd_differentiable(dy, x, weight, ctx.eps, dresidual, need_dw)
-    elif backward_op is None:
-        dx, dw = _backward_kernel(dy, x, weight, rstd, dresidual, need_dw, ctx.backend)
     else:
-        dx, dw = backward_op()(dy, x, weight, rstd, dresidual, need_dw, ctx.backend)
+        dx, dw = run_backward(dy, x, weight, rstd, dresidual, need_dw, ctx.backend)
     return dx, (dw if need_dw else None)
 
 
-def _setup_rms_norm(ctx, inputs, output):
-    x, weight, eps = inputs
-    _save(ctx, x, weight, output[1], eps, _backend.capture_request(OP))
+def _grads(ctx, dy, _drstd):
+    dx, dw = gradients(ctx, dy, None, ctx.needs_input_grad[1], rms_norm_def.backward)
+    return dx, dw, None
 
 
-def make_rms_norm_backward(backward_op):
-    """The autograd backward of rms_norm, calling ``backward_op()`` off the fast path (the custom op,
-    or the triton_op variant's backward in ``rms_norm_triton_op``): one definition for all."""
-
-    def _backward_rms_norm(ctx, dy, _drstd):
-        dx, dw = _grads(ctx, dy, None, ctx.needs_input_grad[1], backward_op)
-        return dx, dw, None
-
-    return _backward_rms_norm
+def _add_grads(ctx, dy, dh, _drstd):
+    dx, dw = gradients(ctx, dy, dh, ctx.needs_input_grad[2], rms_norm_def.backward)
+    # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
+    return dx, dx, dw, None
 
 
-def _backward_op():
-    return torch.ops.titan.rms_norm_backward
+# ----------------------------------------------------------------------------- sharding rules
+# Mirrors PyTorch's rules for aten._fused_rms_norm: rows (every dim but the last) shard freely, the
+# hidden dim must be whole on every rank, the weight is replicated and its gradient comes out Partial
+# (a per-rank sum over local rows, reduced later by whoever owns the parameter, e.g. FSDP or TP).
+# A placement not listed makes DTensor redistribute first, never compute a wrong answer.
 
 
-rms_norm_op.register_autograd(make_rms_norm_backward(_backward_op), setup_context=_setup_rms_norm)
+def _row_placements(x) -> list:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate(), *map(Shard, range(len(x.shape) - 1))]
 
 
-def _setup_add_rms_norm(ctx, inputs, output):
-    _, _, weight, eps = inputs
-    _save(ctx, output[1], weight, output[2], eps, _backend.capture_request(OP))
+def _sharding(x, weight, eps, backend=None):
+    from torch.distributed.tensor import Replicate
+
+    w = Replicate() if weight is not None else None
+    return [([p, p], [p, w, None, None]) for p in _row_placements(x)]
 
 
-def make_add_rms_norm_backward(backward_op):
-    """The autograd backward of add_rms_norm, calling ``backward_op()`` (see make_rms_norm_backward)."""
+def _add_sharding(x, residual, weight, eps, backend=None):
+    from torch.distributed.tensor import Replicate
 
-    def _backward_add_rms_norm(ctx, dy, dh, _drstd):
-        dx, dw = _grads(ctx, dy, dh, ctx.needs_input_grad[2], backward_op)
-        # d(x + residual)/dx = d/dresidual = 1: both inputs get the same gradient, as aten.add's backward.
-        return dx, dx, dw, None
-
-    return _backward_add_rms_norm
+    w = Replicate() if weight is not None else None
+    return [([p, p, p], [p, p, w, None, None]) for p in _row_placements(x)]
 
 
-add_rms_norm_op.register_autograd(make_add_rms_norm_backward(_backward_op), setup_context=_setup_add_rms_norm)
+def _backward_sharding(dy, x, weight, rstd, dresidual, compute_dweight, backend=None):
+    from torch.distributed.tensor import Partial, Replicate
+
+    w = Replicate() if weight is not None else None
+    rules = []
+    for p in _row_placements(x):
+        # With no weight, dweight is an empty placeholder: keep it Replicate (nothing to reduce).
+        dw = Partial() if (weight is not None and p != Replicate()) else Replicate()
+        rules.append(([p, dw], [p, p, w, p, p if dresidual is not None else None, None, None]))
+    return rules
 
 
-# ----------------------------------------------------------------------------- eager fast path
+rms_norm_def.define(forward, _fake, setup=save_rms_norm, grads=_grads, backward=backward,
+                    backward_fake=_backward_fake, sharding=_sharding, backward_sharding=_backward_sharding)
+add_rms_norm_def.define(add_forward, _add_fake, setup=save_add_rms_norm, grads=_add_grads, sharding=_add_sharding)
 
-
-class _RMSNormFn(torch.autograd.Function):
-    """The eager fast path of titan::rms_norm: the same ``_forward``, ``_save`` and ``_grads``."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, backend):
-        y, _, rstd = _forward(x, None, weight, eps, backend)
-        _save(ctx, x, weight, rstd, eps, backend)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx, dw = _grads(ctx, dy, None, ctx.needs_input_grad[1], None)
-        return dx, dw, None, None
-
-
-class _AddRMSNormFn(torch.autograd.Function):
-    """The eager fast path of titan::add_rms_norm: the same ``_forward``, ``_save`` and ``_grads``."""
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps, backend):
-        y, h, rstd = _forward(x, residual, weight, eps, backend)
-        _save(ctx, h, weight, rstd, eps, backend)
-        return y, h
-
-    @staticmethod
-    def backward(ctx, dy, dh):
-        dx, dw = _grads(ctx, dy, dh, ctx.needs_input_grad[2], None)
-        return dx, dx, dw, None, None
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
+# ----------------------------------------------------------------------------- the triton_op route
 
 # The triton_op variant (rms_norm_triton_op.py) on the traced CUDA path; off by default until measured.
 TRITON_OP_ENV = "TITAN_KERNELS_TRITON_OP"
@@ -291,11 +215,13 @@ _TRITON_OP = os.environ.get(TRITON_OP_ENV, "0") == "1"
 
 
 def _route_triton_op(*tensors) -> bool:
-    if not _TRITON_OP or tensors[0].device.type != "cuda":
+    """Whether a call goes to the triton_op variant: asked for, CUDA, traced (not the eager fast
+    path), no DTensor (only the custom op has sharding rules), and the variant registered."""
+    if not _TRITON_OP or tensors[0].device.type != "cuda" or eager_fast_path(*tensors):
         return False
     from torch.distributed.tensor import DTensor
 
-    return not any(isinstance(t, DTensor) for t in tensors if t is not None)
+    return not any(isinstance(t, DTensor) for t in tensors if t is not None) and hasattr(torch.ops.titan, "rms_norm_triton")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -322,13 +248,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1
     Source: Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", eq. 4.
     """
     eps = _validate(x, weight, eps)
-    if eager_fast_path(x, weight):
-        if _needs_grad(x, weight):  # the request is captured only when a backward will need it
-            return _RMSNormFn.apply(x, weight, eps, _backend.capture_request(OP))
-        return _forward(x, None, weight, eps, None)[0]
-    if _route_triton_op(x, weight):
+    if _TRITON_OP and _route_triton_op(x, weight):
         return torch.ops.titan.rms_norm_triton(x, weight, eps)[0]
-    return torch.ops.titan.rms_norm(x, weight, eps)[0]
+    return rms_norm_def(x, weight, eps)[0]
 
 
 def add_rms_norm(
@@ -353,24 +275,10 @@ def add_rms_norm(
     """
     check_tensor(residual, "residual")
     eps = _validate(x, weight, eps, residual)
-    if eager_fast_path(x, residual, weight):
-        if _needs_grad(x, residual, weight):
-            return _AddRMSNormFn.apply(x, residual, weight, eps, _backend.capture_request(OP))
-        y, h, _ = _forward(x, residual, weight, eps, None)
-        return y, h
-    if _route_triton_op(x, residual, weight):
+    if _TRITON_OP and _route_triton_op(x, residual, weight):
         y, h, _ = torch.ops.titan.add_rms_norm_triton(x, residual, weight, eps)
-        return y, h
-    y, h, _ = torch.ops.titan.add_rms_norm(x, residual, weight, eps)
+    else:
+        y, h, _ = add_rms_norm_def(x, residual, weight, eps)
     return y, h
 
 
-def _register_triton_op() -> None:
-    try:
-        from titan_kernels.ops import rms_norm_triton_op  # noqa: F401  (defines the titan::*_triton ops)
-    except ImportError:  # no triton, or a torch without torch.library.triton_op: the custom op only
-        global _TRITON_OP
-        _TRITON_OP = False
-
-
-_register_triton_op()

@@ -24,7 +24,7 @@ when ``titan_kernels`` is imported. Default off: the custom op stays until the G
 (bench/run_gpu.sh, headline stage) shows that the triton_op pays. ``rms_norm_triton_op`` and
 ``add_rms_norm_triton_op`` call this variant directly.
 
-Autograd: the same setup and backward functions as the custom op (``titan_kernels.ops.rms_norm``),
+Autograd: the same save and gradient functions as the custom op (``titan_kernels.ops.rms_norm``),
 with ``titan::rms_norm_backward_triton`` as the backward op.
 
 What the CPU can check (tests/kernels/test_rms_norm_triton_op.py): eager results on CPU tensors under
@@ -44,9 +44,8 @@ from titan_kernels.ops import rms_norm as _rn
 def _launch_wrapper(device: torch.device, backend: str | None = None):
     """(fwd, bwd, wrap): the implementation chosen for ``device`` (``backend``: the forward's request,
     None: the current one) and whether its launches are wrapped."""
-    fwd, bwd = _rn._impl(device, backend)
-    wrap = wrap_triton if _backend.resolve(_rn.OP, device, backend) == "triton" else None
-    return fwd, bwd, wrap
+    choice = _backend.choose(_rn.OP, device, backend=backend)
+    return choice.kernels.forward, choice.kernels.backward, (wrap_triton if choice.family == "triton" else None)
 
 
 def _fwd(x, residual, weight, eps):
@@ -89,14 +88,29 @@ def rms_norm_backward_triton_def(
     return dx, _rn.dweight_or_empty(dw, x, weight)
 
 
-def _backward_op():
-    return torch.ops.titan.rms_norm_backward_triton
+def _setup(save):
+    def setup_context(ctx, inputs, output):
+        ctx.backend = _backend.capture_request(_rn.OP)
+        save(ctx, inputs, output)
+
+    return setup_context
 
 
-rms_norm_triton_def.register_autograd(_rn.make_rms_norm_backward(_backward_op), setup_context=_rn._setup_rms_norm)
-add_rms_norm_triton_def.register_autograd(
-    _rn.make_add_rms_norm_backward(_backward_op), setup_context=_rn._setup_add_rms_norm
-)
+def _backward_triton(*args):
+    return torch.ops.titan.rms_norm_backward_triton(*args)
+
+
+def _grads(ctx, dy, _drstd):
+    return (*_rn.gradients(ctx, dy, None, ctx.needs_input_grad[1], _backward_triton), None)
+
+
+def _add_grads(ctx, dy, dh, _drstd):
+    dx, dw = _rn.gradients(ctx, dy, dh, ctx.needs_input_grad[2], _backward_triton)
+    return dx, dx, dw, None
+
+
+rms_norm_triton_def.register_autograd(_grads, setup_context=_setup(_rn.save_rms_norm))
+add_rms_norm_triton_def.register_autograd(_add_grads, setup_context=_setup(_rn.save_add_rms_norm))
 
 
 def rms_norm_triton_op(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:

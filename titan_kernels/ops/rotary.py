@@ -5,37 +5,27 @@ Math: Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embed
 ``titan_kernels.reference.rotary``); the tables and their Llama 3.1 / YaRN frequency scaling in
 ``titan_kernels.ops.rope_tables``.
 
-Both ops are ``torch.library.custom_op``s whose real implementation picks the backend at run time
-(``titan_kernels.backend``), with fake implementations, autograd through ``register_autograd`` (the
-backward is itself an op) and DTensor sharding rules (``titan_kernels.dtensor``). In plain eager mode
-``apply_rotary_emb`` skips the dispatcher and calls the backend through a ``torch.autograd.Function``.
-
-One autograd definition: the eager ``autograd.Function`` (``_RotaryFn``, for both ops) and
-``register_autograd`` run the same ``_forward`` / ``_backward_kernel``, ``_save`` and ``_grads``. The backend
-request (``use_backend`` / ``TITAN_KERNELS_BACKEND``, None = automatic) is captured when the forward
-runs and passed to the backward (the ``backend`` argument of both ops), so the backward runs on the
-forward's backend in both paths (under torch.compile both ops read the request when they run). Double backward is implemented, to any order: rotary is the linear
-map R(theta) of q and k, its backward is R(-theta) and the backward's adjoint is R(theta) again.
+Both ops are built by the op scaffold (``titan_kernels.ops._scaffold``): custom ops with fakes, one
+autograd definition for the op path and the eager fast path, the backend request handed from the
+forward to the backward, and the sharding rules below. Double backward is implemented, to any order:
+rotary is the linear map R(theta) of q and k, its backward is R(-theta) and the backward's adjoint is
+R(theta) again.
 """
 from __future__ import annotations
 
 import torch
 
-from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops._common import check_float, check_same_device, check_tensor
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.ops.rope_tables import rope_cos_sin  # noqa: F401  (re-exported: the tables' builder)
 from titan_kernels.reference import rotary as _ref
 
 OP = "rotary"
-_backend.register_impl(OP, "reference", (_ref.rotary_fwd, _ref.rotary_bwd))
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import rotary as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", (_tri.rotary_fwd, _tri.rotary_bwd))
+rotary_def = Op(OP)
+# Every implementation: fwd(q, k, cos, sin, position_ids, interleaved) -> (q_out, k_out) = R(theta)(q, k);
+# bwd(dq, dk, cos, sin, position_ids, interleaved) -> R(-theta)(dq, dk).
+rotary_def.register("reference", (_ref.rotary_fwd, _ref.rotary_bwd))
+rotary_def.register_triton("titan_kernels.triton.rotary", "rotary_fwd", "rotary_bwd")
 
 
 def _native_fwd(q, k, cos, sin, position_ids, interleaved):
@@ -46,24 +36,7 @@ def _native_bwd(dq, dk, cos, sin, position_ids, interleaved):
     return tuple(torch.ops.titan.rotary_bwd_native(dq, dk, cos, sin, position_ids, interleaved))
 
 
-_register_triton()
-for _name in ("cpu", "cuda"):  # available only where the csrc extension is built (backend.py checks)
-    _backend.register_impl(OP, _name, (_native_fwd, _native_bwd))
-
-
-def _impl(device: torch.device, backend: str | None = None):
-    return _backend.get_impl(OP, device, backend)
-
-
-def _forward(q, k, cos, sin, position_ids, interleaved, backend: str | None):
-    """(q_out, k_out) = R(theta) (q, k) on ``backend`` (None: the automatic choice)."""
-    return _impl(q.device, backend)[0](q, k, cos, sin, position_ids, interleaved)
-
-
-def _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend: str | None):
-    """(dq_in, dk_in) = R(-theta) (dq, dk) on ``backend``."""
-    return _impl(dq.device, backend)[1](dq, dk, cos, sin, position_ids, interleaved)
-
+rotary_def.register_native((_native_fwd, _native_bwd))  # available where the csrc extension is built
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -159,116 +132,77 @@ def _check_position_values(position_ids: torch.Tensor | None, max_positions: int
         )
 
 
-# ----------------------------------------------------------------------------- ops
+# ----------------------------------------------------------------------------- the ops
 
 
-@torch.library.custom_op("titan::rotary", mutates_args=())
-def rotary_op(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            position_ids: torch.Tensor | None, interleaved: bool,
+            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q (batch, seq, n_heads, head_dim) and k (batch, seq, n_kv_heads, head_dim)
     with cos/sin (max_positions, R) float32 at position_ids (None, (seq,) or (batch, seq) int).
     Returns new contiguous (q_out, k_out) in the input dtype; see ``apply_rotary_emb``. ``backend``:
-    the request (None: the current one)."""
-    return _forward(q, k, cos, sin, position_ids, interleaved, backend)
+    the request (None: the one in force)."""
+    return rotary_def.kernels(q.device, backend).forward(q, k, cos, sin, position_ids, interleaved)
 
 
-@rotary_op.register_fake
-def _(q, k, cos, sin, position_ids, interleaved, backend=None):
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device)
-
-
-@torch.library.custom_op("titan::rotary_backward", mutates_args=())
-def rotary_backward_op(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             position_ids: torch.Tensor | None, interleaved: bool,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of titan::rotary with respect to q and k: (dq, dk) rotated by -theta. Shapes and
     dtypes as titan::rotary; returns new contiguous tensors. ``backend``: the forward's request."""
-    return _backward_kernel(dq, dk, cos, sin, position_ids, interleaved, backend)
+    return rotary_def.kernels(dq.device, backend).backward(dq, dk, cos, sin, position_ids, interleaved)
 
 
-@rotary_backward_op.register_fake
-def _(dq, dk, cos, sin, position_ids, interleaved, backend=None):
-    return (
-        torch.empty(dq.shape, dtype=dq.dtype, device=dq.device),
-        torch.empty(dk.shape, dtype=dk.dtype, device=dk.device),
-    )
+def _fake(a, b, *rest):
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device), torch.empty(b.shape, dtype=b.dtype, device=b.device)
 
 
-# ----------------------------------------------------------------------------- the one autograd definition
-
-
-def _save(ctx, cos, sin, position_ids, interleaved, backend: str | None, inverse: bool) -> None:
+def _save(ctx, inputs, output) -> None:
+    _, _, cos, sin, position_ids, interleaved, _ = inputs
     ctx.save_for_backward(cos, sin, position_ids)
     ctx.interleaved = interleaved
-    ctx.backend = backend
-    ctx.inverse = inverse  # the map differentiated: R(theta) (titan::rotary) or R(-theta) (titan::rotary_backward)
 
 
 def _grads(ctx, da, db):
-    """Gradients of the saved map w.r.t. its two inputs: its adjoint, R(-theta) for titan::rotary and
-    R(theta) for titan::rotary_backward, differentiable (double backward to any order)."""
+    """The adjoint of R(theta) (titan::rotary): R(-theta), differentiable."""
     cos, sin, position_ids = ctx.saved_tensors
-    return _rotate(da, db, cos, sin, position_ids, ctx.interleaved, ctx.backend, inverse=not ctx.inverse)
+    return (*rotary_def.backward(da, db, cos, sin, position_ids, ctx.interleaved, ctx.backend), None, None, None, None)
 
 
-def _setup(ctx, inputs, output, inverse: bool = False):
-    _, _, cos, sin, position_ids, interleaved, backend = inputs
-    # A direct op call without a request: the one in force as the forward ran (read right after it).
-    request = backend if backend is not None else _backend.capture_request(OP)
-    _save(ctx, cos, sin, position_ids, interleaved, request, inverse)
+def _grads_of_backward(ctx, da, db):
+    """The adjoint of R(-theta) (titan::rotary_backward): R(theta) again (double backward, any order)."""
+    cos, sin, position_ids = ctx.saved_tensors
+    return (*rotary_def.call(da, db, cos, sin, position_ids, ctx.interleaved, ctx.backend), None, None, None, None)
 
 
-def _setup_backward(ctx, inputs, output):
-    _setup(ctx, inputs, output, inverse=True)
+def _sharding(q, k, cos, sin, position_ids, interleaved, backend=None):
+    """Every head of every token is rotated on its own, by angles that depend only on the token's
+    position: q/k split on batch (dim 0) or heads (dim 2) run locally with cos/sin replicated and
+    2-D position_ids split on batch like q. k may stay replicated while q is split on heads (fewer kv
+    heads than ranks). seq (dim 1) is local only with explicit position_ids split the same way
+    (without them each shard would count positions from 0). head_dim (dim 3) is never split: a pair
+    may straddle ranks, so DTensor gathers it first. DTensor requires cos/sin (and position_ids) to
+    be DTensors too (e.g. Replicate), or the call to run under ``implicit_replication()``. The
+    backward has the same signature and the same rules."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    rep, flags = Replicate(), [None, None]
+    pos = rep if position_ids is not None else None
+    rules = [
+        ([rep, rep], [rep, rep, rep, rep, pos, *flags]),
+        ([Shard(2), Shard(2)], [Shard(2), Shard(2), rep, rep, pos, *flags]),
+        ([Shard(2), rep], [Shard(2), rep, rep, rep, pos, *flags]),
+    ]
+    pos_batch = None if position_ids is None else (Shard(0) if position_ids.ndim == 2 else rep)
+    rules.append(([Shard(0), Shard(0)], [Shard(0), Shard(0), rep, rep, pos_batch, *flags]))
+    if position_ids is not None:
+        rules.append(([Shard(1), Shard(1)], [Shard(1), Shard(1), rep, rep, Shard(position_ids.ndim - 1), *flags]))
+    return rules
 
 
-def _op_backward(ctx, da, db):
-    return (*_grads(ctx, da, db), None, None, None, None, None)
-
-
-rotary_op.register_autograd(_op_backward, setup_context=_setup)
-rotary_backward_op.register_autograd(_op_backward, setup_context=_setup_backward)
-
-
-class _RotaryFn(torch.autograd.Function):
-    """The eager fast path of titan::rotary (``inverse`` False) and of titan::rotary_backward
-    (``inverse`` True, when its result needs a gradient: create_graph): the same kernels, ``_save``
-    and ``_grads`` as the ops."""
-
-    @staticmethod
-    def forward(ctx, a, b, cos, sin, position_ids, interleaved, backend, inverse):
-        _save(ctx, cos, sin, position_ids, interleaved, backend, inverse)
-        run = _backward_kernel if inverse else _forward
-        return run(a, b, cos, sin, position_ids, interleaved, backend)
-
-    @staticmethod
-    def backward(ctx, da, db):
-        return (*_op_backward(ctx, da, db), None)
-
-
-def _rotate(a, b, cos, sin, position_ids, interleaved, backend, inverse: bool):
-    """R(-theta) (inverse) or R(theta) of (a, b) on ``backend``: the kernel on the eager fast path (an
-    autograd.Function when a gradient is needed), else the op."""
-    if eager_fast_path(a, b, cos, sin, position_ids):
-        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-            return _RotaryFn.apply(a, b, cos, sin, position_ids, interleaved, backend, inverse)
-        run = _backward_kernel if inverse else _forward
-        return run(a, b, cos, sin, position_ids, interleaved, backend)
-    op = torch.ops.titan.rotary_backward if inverse else torch.ops.titan.rotary
-    return op(a, b, cos, sin, position_ids, interleaved, backend)
+rotary_def.define(forward, _fake, setup=_save, grads=_grads, backward=backward, backward_fake=_fake,
+                  backward_setup=_save, backward_grads=_grads_of_backward, sharding=_sharding,
+                  backward_sharding=_sharding)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -321,7 +255,4 @@ def apply_rotary_emb(
     """
     _validate(q, k, cos, sin, position_ids, interleaved)
     _check_position_values(position_ids, cos.shape[0])
-    # The request is captured now, for the backward; under torch.compile (which cannot trace the
-    # use_backend context) both ops read it when they run.
-    request = _backend.capture_request(OP)
-    return _rotate(q, k, cos, sin, position_ids, interleaved, request, inverse=False)
+    return rotary_def(q, k, cos, sin, position_ids, interleaved)

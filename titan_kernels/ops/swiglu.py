@@ -9,13 +9,10 @@ recomputes sigmoid in the same kernel (Liger's scheme), so the activation is nev
 variant's scalars (alpha, limit, up_offset) ride along as op arguments and autograd attributes; the
 plain SwiGLU (alpha 1, no limit, up_offset 0) runs every backend's unchanged plain code.
 
-Both ops are ``torch.library.custom_op``s with fake implementations, autograd through
-``register_autograd`` (the backward is itself an op, with its own autograd: double backward is
-implemented) and DTensor sharding rules (``titan_kernels.dtensor``). In plain eager mode
-``swiglu`` skips the dispatcher and runs the same forward/backward functions through a
-``torch.autograd.Function`` (``eager_fast_path``). One autograd definition serves both paths
-(``_setup``/``_backward`` and ``_setup_bwd``/``_backward_bwd``), and the backend is chosen once, when
-the forward runs, and passed on to the backward, so both always run the same backend.
+Both ops are built by the op scaffold (``titan_kernels.ops._scaffold``): custom ops with fakes, one
+autograd definition for the op path and the eager fast path (the backward is itself an op, with its
+own autograd: double backward is implemented), the forward's request handed to the backward, and
+the sharding rules below.
 
 Backends (automatic order: cpu > reference on CPU tensors; triton > reference on CUDA):
 ``reference`` (aten ops in float32), ``triton`` and ``cpu`` (csrc/cpu, at::vec + OpenMP).
@@ -28,24 +25,16 @@ import math
 
 import torch
 
-from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, check_tensor, eager_fast_path
+from titan_kernels.ops._common import check_float, check_same_device, check_tensor
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import swiglu as _ref
 
 OP = "swiglu"
-_backend.register_impl(OP, "reference", (_ref.swiglu_fwd, _ref.swiglu_bwd))
-
-
-def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import swiglu as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
-    _backend.register_impl(OP, "triton", (_tri.swiglu_fwd, _tri.swiglu_bwd))
-
-
+swiglu_def = Op(OP)
 # Every implementation takes (gate, up[, alpha, limit, up_offset]) / (dy, gate, up[, ...]): the plain
-# SwiGLU passes no scalars (see _variant), so its calls are exactly what they were.
+# SwiGLU passes no scalars, so its calls are exactly what they were before the variant existed.
+swiglu_def.register("reference", (_ref.swiglu_fwd, _ref.swiglu_bwd))
+swiglu_def.register_triton("titan_kernels.triton.swiglu", "swiglu_fwd", "swiglu_bwd")
 
 
 def _native_fwd(gate, up, *scalars):
@@ -60,19 +49,7 @@ def _native_bwd(dy, gate, up, *scalars):
     return tuple(torch.ops.titan.swiglu_bwd_native(dy, gate, up))
 
 
-_register_triton()
-_backend.register_impl(OP, "cpu", (_native_fwd, _native_bwd))  # available where csrc is built (backend.py)
-
-
-@torch.compiler.assume_constant_result
-def _choose(device_type: str) -> str:
-    """The backend for this call (explicit > use_backend > env > automatic). Under torch.compile it
-    is decided once, when the graph is traced (reading the use_backend context cannot be traced)."""
-    return _backend.resolve(OP, device_type)
-
-
-def _impl(device: torch.device, backend: str | None):
-    return _backend.get_impl(OP, device, backend)
+swiglu_def.register_native((_native_fwd, _native_bwd), families=("cpu",))
 
 
 # ----------------------------------------------------------------------------- validation
@@ -133,138 +110,91 @@ def _validate_backward(dy, gate, up) -> None:
     check_same_device({"gate": gate, "dy": dy})
 
 
-# ----------------------------------------------------------------------------- forward / backward functions
-# The only functions that run kernels; both the op path and the eager fast path call them.
+# ----------------------------------------------------------------------------- the op
 
 
-# scalars: (alpha, limit, up_offset), checked, or () for the plain SwiGLU, whose call stays the plain
-# (gate, up) one: no argument unpacking on the eager hot path (it measurably costs there).
+def _plain(alpha, limit, up_offset) -> bool:
+    return limit is None and alpha == 1.0 and up_offset == 0.0
 
 
-def _forward(gate: torch.Tensor, up: torch.Tensor, backend: str | None, scalars: tuple = ()) -> torch.Tensor:
-    fwd = _impl(gate.device, backend)[0]
-    return fwd(gate, up, *scalars) if scalars else fwd(gate, up)
-
-
-def _backward_kernel(dy, gate, up, backend: str | None, scalars: tuple = ()) -> tuple[torch.Tensor, torch.Tensor]:
-    bwd = _impl(gate.device, backend)[1]
-    return bwd(dy, gate, up, *scalars) if scalars else bwd(dy, gate, up)
-
-
-# ----------------------------------------------------------------------------- ops
-
-
-# backend stays the third argument (callers pass it positionally); the variant's scalars follow it.
-
-
-@torch.library.custom_op("titan::swiglu", mutates_args=())
-def swiglu_op(
-    gate: torch.Tensor, up: torch.Tensor, backend: str | None = None, alpha: float = 1.0,
-    limit: float | None = None, up_offset: float = 0.0,
-) -> torch.Tensor:
+def forward(gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0, limit: float | None = None,
+            up_offset: float = 0.0, backend: str | None = None) -> torch.Tensor:
     """y = (clamp(up, -limit, limit) + up_offset) * g_c * sigmoid(alpha * g_c), g_c = min(gate, limit);
     silu(gate) * up with the defaults. gate, up: (..., H) of one dtype (float32/bf16/fp16), any
     strides. Returns a new contiguous (..., H) tensor in that dtype, computed in float32. ``backend``:
-    the implementation to run (None: the automatic choice). See ``titan_kernels.swiglu`` (which
-    validates the tensors; the fake checks them too, the scalars are checked here)."""
-    return _forward(gate, up, backend, _variant(alpha, limit, up_offset))
+    the request (None: the one in force). See ``titan_kernels.swiglu`` (which validates the tensors;
+    the fake checks them too, the scalars are checked here)."""
+    fwd = swiglu_def.kernels(gate.device, backend).forward
+    if _plain(alpha, limit, up_offset):  # the plain call, no argument unpacking (it measurably costs)
+        return fwd(gate, up)
+    return fwd(gate, up, *_variant(alpha, limit, up_offset))
 
 
-@swiglu_op.register_fake
-def _(gate, up, backend=None, alpha=1.0, limit=None, up_offset=0.0):
+def _fake(gate, up, alpha=1.0, limit=None, up_offset=0.0, backend=None):
     _validate(gate, up)
     _variant(alpha, limit, up_offset)
     return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
-@torch.library.custom_op("titan::swiglu_backward", mutates_args=())
-def swiglu_backward_op(
-    dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, backend: str | None = None, alpha: float = 1.0,
-    limit: float | None = None, up_offset: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, alpha: float = 1.0,
+             limit: float | None = None, up_offset: float = 0.0,
+             backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of titan::swiglu with the same scalars: (dgate, dup) = (dy * v * sw'(g_c) * [gate <=
     limit], dy * sw(g_c) * [-limit <= up <= limit]) with sw(x) = x * sigmoid(alpha x), v = u_c +
     up_offset, sigmoid recomputed; plain (dy * up * silu'(gate), dy * silu(gate)) with the defaults.
     dy, gate, up: (..., H) of one dtype; returns new contiguous tensors in that dtype, computed in
     float32."""
     _validate_backward(dy, gate, up)
-    return _backward_kernel(dy, gate, up, backend, _variant(alpha, limit, up_offset))
+    bwd = swiglu_def.kernels(gate.device, backend).backward
+    if _plain(alpha, limit, up_offset):
+        return bwd(dy, gate, up)
+    return bwd(dy, gate, up, *_variant(alpha, limit, up_offset))
 
 
-@swiglu_backward_op.register_fake
-def _(dy, gate, up, backend=None, alpha=1.0, limit=None, up_offset=0.0):
+def _fake_backward(dy, gate, up, alpha=1.0, limit=None, up_offset=0.0, backend=None):
     _validate_backward(dy, gate, up)
     _variant(alpha, limit, up_offset)
-    return (
-        torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-        torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-    )
-
-
-# ----------------------------------------------------------------------------- autograd (one definition)
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device), torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
 
 
 def _setup(ctx, inputs, output):
-    gate, up, backend = inputs[0], inputs[1], inputs[2]
-    ctx.save_for_backward(gate, up)
-    # The forward's choice, handed to the backward (a direct op call with None resolves it here).
-    ctx.backend = backend if backend is not None else _backend.resolve(OP, gate.device)
-    ctx.scalars = inputs[3:]  # (alpha, limit, up_offset) as given, () on the plain fast path
+    ctx.save_for_backward(*inputs[:-4])  # (gate, up) or, for the backward op, (dy, gate, up)
+    ctx.scalars = inputs[-4:-1]  # (alpha, limit, up_offset)
 
 
-def _backward(ctx, dy):
+def _grads(ctx, dy):
     gate, up = ctx.saved_tensors
-    dgate, dup = swiglu_backward(dy, gate, up, ctx.backend, *ctx.scalars)
-    return dgate, dup, None, *(None,) * len(ctx.scalars)
+    return (*swiglu_def.backward(dy, gate, up, *ctx.scalars, ctx.backend), None, None, None)
 
 
-def _setup_bwd(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], inputs[1], inputs[2])
-    ctx.scalars = inputs[4:]
-
-
-def _backward_bwd(ctx, ddgate, ddup):
-    # Double backward in differentiable aten ops (float32 math), so any order of gradient is exact:
-    # the clamps' masks are piecewise constant (reference.swiglu.swiglu_bwd_bwd).
+def _double_backward(ctx, ddgate, ddup):
+    # In differentiable aten ops (float32 math), so any order of gradient is exact: the clamps' masks
+    # are piecewise constant (reference.swiglu.swiglu_bwd_bwd).
     dy, gate, up = ctx.saved_tensors
-    d_dy, d_gate, d_up = _ref.swiglu_bwd_bwd(ddgate, ddup, dy, gate, up, *ctx.scalars)
-    return d_dy, d_gate, d_up, None, *(None,) * len(ctx.scalars)
+    return (*_ref.swiglu_bwd_bwd(ddgate, ddup, dy, gate, up, *_variant(*ctx.scalars)), None, None, None)
 
 
-swiglu_op.register_autograd(_backward, setup_context=_setup)
-swiglu_backward_op.register_autograd(_backward_bwd, setup_context=_setup_bwd)
+def _sharding(gate, up, *rest):
+    # Elementwise: gate and up split the same way on any dim run locally, the hidden dim included
+    # (tensor parallel: w1/w3 colwise give Shard(-1) outputs), and the output keeps that placement.
+    # Partial inputs are not local (silu is not linear): DTensor reduces them first. The clamped
+    # variant's scalars change nothing. rest: the scalars and backend (no placement).
+    from torch.distributed.tensor import Replicate, Shard
+
+    flags = [None] * len(rest)
+    return [([p], [p, p, *flags]) for p in (Replicate(), *map(Shard, range(len(gate.shape))))]
 
 
-class _SwiGLUFn(torch.autograd.Function):
-    """Eager fast path of titan::swiglu: the same functions as the op's autograd."""
+def _backward_sharding(dy, gate, up, *rest):
+    from torch.distributed.tensor import Replicate, Shard
 
-    @staticmethod
-    def forward(ctx, gate, up, backend, *scalars):
-        y = _forward(gate, up, backend, scalars)
-        _setup(ctx, (gate, up, backend) + scalars, y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _backward(ctx, dy)
+    flags = [None] * len(rest)
+    return [([p, p], [p, p, p, *flags]) for p in (Replicate(), *map(Shard, range(len(gate.shape))))]
 
 
-class _SwiGLUBackwardFn(torch.autograd.Function):
-    """Eager fast path of titan::swiglu_backward when its result needs a gradient (create_graph)."""
-
-    @staticmethod
-    def forward(ctx, dy, gate, up, backend, *scalars):
-        out = _backward_kernel(dy, gate, up, backend, scalars)
-        _setup_bwd(ctx, (dy, gate, up, backend) + scalars, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, ddgate, ddup):
-        return _backward_bwd(ctx, ddgate, ddup)
-
-
-def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+swiglu_def.define(forward, _fake, setup=_setup, grads=_grads, backward=backward, backward_fake=_fake_backward,
+                  backward_setup=_setup, backward_grads=_double_backward, sharding=_sharding,
+                  backward_sharding=_backward_sharding)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -275,15 +205,10 @@ def swiglu_backward(
     limit: float | None = None, up_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dgate, dup) of ``swiglu`` with the same alpha, limit, up_offset, for an incoming gradient dy,
-    all (..., H) of one dtype. ``backend`` as chosen by the forward (None: the automatic choice).
-    Differentiable (double backward)."""
-    var = _variant(alpha, limit, up_offset)
-    if eager_fast_path(dy, gate, up):
-        _validate_backward(dy, gate, up)
-        if _needs_grad(dy, gate, up):
-            return _SwiGLUBackwardFn.apply(dy, gate, up, backend, *var)
-        return _backward_kernel(dy, gate, up, backend, var)
-    return torch.ops.titan.swiglu_backward(dy, gate, up, backend, *var)
+    all (..., H) of one dtype. ``backend``: the forward's request (None: the one in force).
+    Differentiable (double backward). Raises as ``swiglu``, plus dy of another shape or dtype."""
+    _variant(alpha, limit, up_offset)
+    return swiglu_def.backward(dy, gate, up, alpha, limit, up_offset, backend)
 
 
 def swiglu(
@@ -334,12 +259,6 @@ def swiglu(
     implementation (2025) and Hugging Face ``GptOssExperts._apply_gate``.
     """
     _validate(gate, up)
-    # The plain SwiGLU's check inline (this is the eager per-call cost); _variant checks the rest.
-    plain = limit is None and alpha == 1.0 and up_offset == 0.0 and type(alpha) in _NUM and type(up_offset) in _NUM
-    var = () if plain else _variant(alpha, limit, up_offset)
-    backend = _choose(gate.device.type)
-    if eager_fast_path(gate, up):
-        if _needs_grad(gate, up):
-            return _SwiGLUFn.apply(gate, up, backend, *var)
-        return _forward(gate, up, backend, var)
-    return torch.ops.titan.swiglu(gate, up, backend, *var)
+    if not (limit is None and alpha == 1.0 and up_offset == 0.0 and type(alpha) in _NUM and type(up_offset) in _NUM):
+        _variant(alpha, limit, up_offset)  # the plain SwiGLU's check is the line above (the eager per-call cost)
+    return swiglu_def(gate, up, alpha, limit, up_offset)

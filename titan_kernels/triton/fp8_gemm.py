@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor

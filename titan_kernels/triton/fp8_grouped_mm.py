@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 from titan_kernels.reference.fp8 import FP8_MAX
 from titan_kernels.triton.fp8_quantize import (
     _FORMAT, _nanmax, _reduce_nanmax, _scale_from_amax, _to_fp8_grid, fp8_quantize,

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 from titan_kernels.reference.fp8 import AMAX_EPS, FP8_MAX, empty_colwise, scale_from_amax
 
 _AMAX_EPS = tl.constexpr(AMAX_EPS)

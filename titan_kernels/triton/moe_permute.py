@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 from titan_kernels.reference.swiglu import is_plain
 
 MAX_BLOCK_N = 2048

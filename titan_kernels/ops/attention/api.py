@@ -20,9 +20,9 @@ _BACKEND_NAMES = _d.ATTENTION_BACKENDS + ("cpu", "cuda")
 _FULL = (-1, -1)
 
 
-def _check_backend_arg(backend) -> str:
+def _check_backend_arg(backend) -> str | None:
     if backend is None or backend == "":
-        return ""
+        return None
     if not isinstance(backend, str) or backend not in _BACKEND_NAMES:
         raise ValueError(f"backend: expected None or one of {_BACKEND_NAMES}, got {backend!r}")
     return backend
@@ -218,4 +218,4 @@ def attention_backend(
         scale = 1.0
     a = _args(q, k, cu_seqlens_q, scale, causal, window_size, softcap, chunk_size, return_lse, max_seqlen_q,
               max_seqlen_k)
-    return _d.choose_backend(_d.make_case(q, k, v, cu_seqlens_q, a, backward), backend or None)
+    return _d.choose_backend(_d.make_case(q, k, v, cu_seqlens_q, a, backward), backend)

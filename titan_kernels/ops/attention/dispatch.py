@@ -325,10 +325,7 @@ _register()
 def impl(name: str, device_type: str):
     """(fwd, bwd) of backend ``name`` as registered for ``device_type``, both with the contract of
     ``titan_kernels.reference.attention`` (the adapters, called directly in tests and benchmarks)."""
-    for i in _backend._impls[OP]:
-        if i.name == name and (i.family not in ("cpu", "cuda") or i.family == device_type):
-            return i.fn
-    raise KeyError(f"no attention backend {name!r} for {device_type} tensors")
+    return _backend.implementation(OP, name, device_type).kernels
 
 
 # ----------------------------------------------------------------------------- the choice

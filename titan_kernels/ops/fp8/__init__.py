@@ -16,8 +16,8 @@ and torchao.float8, whose recipe names and meanings we keep (``titan_kernels.ref
 ``reference.fp8_grouped_mm`` have the exact formulas; the Triton kernels are in
 ``titan_kernels.triton``). The module layer (``Float8Linear``) is ``titan_kernels.nn.float8``.
 
-Under DTensor, ``fp8_linear`` and ``fp8_grouped_mm`` run on local shards (rules in
-``titan_kernels.dtensor``); ``fp8_quantize`` and ``fp8_gemm`` have no sharding rule (DTensor refuses
+Under DTensor, ``fp8_linear`` and ``fp8_grouped_mm`` run on local shards (rules beside each op);
+``fp8_quantize`` and ``fp8_gemm`` have no sharding rule (DTensor refuses
 them with an error) because a tensorwise amax would need a collective.
 """
 from titan_kernels.ops.fp8.config import (  # noqa: F401

@@ -9,31 +9,31 @@ Backends: ``reference`` (dequantize + float32 matmul) and ``triton`` (our persis
 sm_90), registered here; ``scaled_mm``, ``torch._scaled_mm``, the native implementation of both the
 ``cpu`` and ``cuda`` families, registered by ``titan_kernels.ops.fp8.scaled_mm`` beside its
 adapter. The automatic choice takes it first where torch has it for the device and, on the CPU,
-where a one-time timing shows it is not slower than the reference GEMM. The op follows the
-rms_norm pattern: ``custom_op`` + fake, and an eager fast path; it is not differentiable
-(``fp8_linear`` is the training op built on it).
+where a one-time timing shows it is not slower than the reference GEMM. The op is built by the op
+scaffold (its schema: the reference's signature); it is not differentiable (``fp8_linear`` is the
+training op built on it).
 """
 from __future__ import annotations
 
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor, eager_fast_path
-from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name, triton_module
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from titan_kernels.ops._scaffold import Op
+from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name
 from titan_kernels.reference import fp8 as _ref
 
 OP = "fp8_gemm"
 OUT_DTYPES = FLOAT_DTYPES
-
-_backend.register_impl(OP, "reference", _ref.fp8_gemm)
-if (_tri := triton_module("fp8_gemm")) is not None:
-    _backend.register_impl(OP, "triton", _tri.fp8_gemm)
+gemm_def = Op(OP)
+gemm_def.register("reference", _ref.fp8_gemm)
+gemm_def.register_triton("titan_kernels.triton.fp8_gemm", "fp8_gemm")
 
 
 def kernel(device: torch.device):
     """The GEMM implementation for ``device``, chosen by ``titan_kernels.backend`` (torch._scaled_mm
     as the native one, else triton / reference)."""
-    return _backend.get_impl(OP, device)
+    return gemm_def.kernels(device).forward
 
 
 def gemm_backend_name(device: torch.device | str) -> str:
@@ -84,20 +84,15 @@ def _validate(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum) -> None:
 # ----------------------------------------------------------------------------- op
 
 
-def _run(a, *rest):
+def _forward(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum, backend=None):
     """(a * a_scale) @ (b * b_scale)^T (+ bias) on the chosen backend; see ``fp8_gemm``."""
-    return kernel(a.device)(a, *rest)
+    return gemm_def.kernels(a.device, backend).forward(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
 
 
-# The schema is the reference's signature: the contract every backend implements, written once.
-fp8_gemm_op = torch.library.custom_op(
-    "titan::fp8_gemm", _run, mutates_args=(), schema=torch.library.infer_schema(_ref.fp8_gemm, mutates_args=())
-)
-
-
-@fp8_gemm_op.register_fake
-def _(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum):
-    return torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
+gemm_def.define(
+    _forward, lambda a, b, a_scale, b_scale, out_dtype, *rest: torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype,
+                                                                            device=a.device),
+    signature=_ref.fp8_gemm, differentiable=False)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -143,6 +138,4 @@ def fp8_gemm(
     _validate(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
     if bias is not None:
         bias = bias.detach()
-    if eager_fast_path(a, b, a_scale, b_scale, bias):
-        return _run(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
-    return torch.ops.titan.fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
+    return gemm_def.call(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum, None)

@@ -32,7 +32,7 @@ pad every group on the device to a multiple of 16, at least 16, no host sync). W
 gradient's precision is in doubt, ``rowwise_with_gw_hp`` costs one bf16 GEMM of three.
 
 Backends (``BACKENDS``, registered in ``titan_kernels.backend`` as grouped_mm's), chosen once per
-(device, dtype, K, N, with-backward) key and cached:
+(device, dtype, K, N) key and cached:
   aten       ``torch._scaled_grouped_mm`` (CUTLASS, CUDA sm_90; not on the CPU: torch 2.13 has no CPU
              kernel). It takes e4m3 operands with bfloat16 output only, so x must be bfloat16; K and N
              are zero-padded to multiples of 16 (its 16-byte strides), the token groups of the weight
@@ -50,11 +50,10 @@ keeps the static order). Overrides: ``use_backend`` / ``TITAN_KERNELS_BACKEND`` 
 case raises RuntimeError with the reason. ``rowwise_with_gw_hp``'s weight gradient runs on
 grouped_mm's backend of the same name where it takes the key, else on grouped_mm's automatic choice.
 
-One autograd definition, as ``grouped_mm`` (whose shared pieces run it: the backend registration,
-choice and timing, ``saved_grads``, ``call`` and its eager fast path ``_FastPath``): the fast path
-and the op's ``register_autograd`` share ``_forward``, ``_setup`` and ``_grads``; the forward's
-backend is handed to the backward op. Double backward is refused with a RuntimeError naming the op.
-DTensor rules: ``titan_kernels.dtensor`` (tensor parallel on the experts, shared with grouped_mm).
+Built by the op scaffold, as ``grouped_mm`` (whose backend registration, choice and timing it
+shares): one autograd definition for the op path and the eager fast path, the forward's request
+handed to the backward op. Double backward is refused with a RuntimeError naming the op.
+DTensor rules: grouped_mm's (tensor parallel on the experts), without Partial inputs.
 """
 from __future__ import annotations
 
@@ -65,11 +64,13 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops import grouped_mm as _gmm
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, no_setup, refuse_double_backward
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, refuse_create_graph
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.ops.fp8.config import RECIPES as LINEAR_RECIPES
 from titan_kernels.reference import fp8_grouped_mm as _ref
 
 OP = "fp8_grouped_mm"
+fp8_grouped_mm_def = Op(OP)
 BACKENDS = ("aten", "triton", "reference")
 AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
 RECIPES = ("rowwise", "rowwise_with_gw_hp")  # the recipes implemented here (axiswise, as above)
@@ -186,65 +187,74 @@ def aten_why_not(device_type: str, index: int | None) -> str | None:
 # ----------------------------------------------------------------------------- backends
 
 
-@functools.lru_cache(maxsize=None)
-def _kernels(name: str, device_type: str, interpret: bool) -> Kernels:
-    if name == "reference":
-        r = _ref
-        return Kernels(r.rows, r.w_fwd, r.w_dgrad, r.group_cols, r.gmm, r.gmm_dw)
-    if name == "triton":
+def _quantizers(t: torch.Tensor) -> Kernels:
+    """The quantizers aten's GEMMs take: the Triton ones where Triton runs on t's device, else the
+    reference ones (bit-identical codes and scales)."""
+    name = "triton" if _backend.backend_status("triton", t.device).available else "reference"
+    return _backend.implementation(OP, name).kernels
+
+
+def _aten_quantizer(field: str) -> Callable:
+    def quantize(t, *args):
+        return getattr(_quantizers(t), field)(t, *args)
+
+    quantize.__name__ = f"aten_{field}"
+    return quantize
+
+
+def _triton_kernels() -> Kernels | None:
+    try:
         from titan_kernels.triton import fp8_grouped_mm as t
-
-        return Kernels(t.rows, t.w_fwd, t.w_dgrad, t.group_cols, t.gmm, t.gmm_dw)
-    assert name == "aten", name
-    q = _kernels("triton" if _backend.backend_status("triton", device_type).available else "reference",
-                 device_type, interpret)
-    return Kernels(q.rows, q.w_fwd, q.w_dgrad, q.group_cols, aten_gmm, aten_gmm_dw)
+    except ImportError:  # triton not installed: the family reports itself unavailable
+        return None
+    return Kernels(t.rows, t.w_fwd, t.w_dgrad, t.group_cols, t.gmm, t.gmm_dw)
 
 
-def kernels(name: str, device: torch.device) -> Kernels:
-    """The quantizers and GEMMs of backend ``name`` on ``device``."""
-    return _kernels(name, device.type, _backend.triton_interpret())
+_IMPLS = {
+    "aten": Kernels(*map(_aten_quantizer, ("rows", "w_fwd", "w_dgrad", "group_cols")), aten_gmm, aten_gmm_dw),
+    "triton": _triton_kernels(),
+    "reference": Kernels(_ref.rows, _ref.w_fwd, _ref.w_dgrad, _ref.group_cols, _ref.gmm, _ref.gmm_dw),
+}
 
 
 @functools.lru_cache(maxsize=None)
-def why_not(name: str, device_type: str, index: int | None, dtype: str) -> str | None:
+def why_not(name: str, device_type: str, index: int | None, dtype: torch.dtype) -> str | None:
     """None when backend ``name`` takes fp8_grouped_mm for this key, else the reason (asked once per key)."""
     if name == "reference":
         return None
     if name == "triton":
         return _gmm.triton_why_not(device_type, "titan_kernels.triton.fp8_grouped_mm")
     assert name == "aten", name
-    if dtype != "bfloat16":
-        return f"torch._scaled_grouped_mm writes bfloat16 only; x is {dtype}"
+    if dtype != torch.bfloat16:
+        return f"torch._scaled_grouped_mm writes bfloat16 only; x is {_dt(dtype)}"
     return aten_why_not(device_type, index)
 
 
 @functools.lru_cache(maxsize=None)
-def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: str, k: int, n: int,
-                   backward: bool) -> tuple[str, ...]:
-    """``cands`` fastest first, timed once per key on 16 experts of 512 rows, forward (+ dx and dw,
-    recipe rowwise, with ``backward``): ``grouped_mm.time_order``."""
-    return _gmm.time_order(cands, device_type, index, dtype, k, n, backward,
-                           _forward,
-                           lambda dy, x, w, offs, name: _backward_kernel(dy, x, w, offs, "rowwise", True, True, name))
+def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, dtype: torch.dtype, k: int,
+                   n: int) -> tuple[str, ...]:
+    """``cands`` fastest first, timed once per key on 16 experts of 512 rows, forward, dx and dw
+    (recipe rowwise): ``grouped_mm.time_order``."""
+    def kernels(name):
+        return _backend.implementation(OP, name, device_type).kernels
+
+    return _gmm.time_order(cands, device_type, index, dtype, k, n,
+                           lambda x, w, offs, name: _forward(kernels(name), x, w, offs),
+                           lambda dy, x, w, offs, name: _backward(kernels(name), name, dy, x, w, offs, "rowwise",
+                                                                  True, True))
 
 
 # As grouped_mm's: aten in the cpu and cuda families (the native kernel of each device), triton,
-# reference; automatic order AUTO_ORDER, measured on CUDA. The case key is (dtype, K, N,
-# with-backward); capabilities depend on the dtype alone.
-_gmm.register_backends(OP, {name: name for name in BACKENDS},
+# reference; automatic order AUTO_ORDER, measured on CUDA. The case key is (dtype, K, N);
+# capabilities depend on the dtype alone.
+_gmm.register_backends(OP, {name: k for name, k in _IMPLS.items() if k is not None},
                        lambda name, device_type, index, dtype, *_: why_not(name, device_type, index, dtype),
                        AUTO_ORDER, measured_order)
 
 
-def _choose_for(x: torch.Tensor, w: torch.Tensor, backward: bool) -> str:
-    """The backend of an fp8_grouped_mm call: ``grouped_mm.choose`` with this op's registry entry."""
-    return _gmm.choose_for(OP, x, w, backward)
-
-
-def backend_for(x: torch.Tensor, w: torch.Tensor, backward: bool = True) -> tuple[str, dict[str, str]]:
+def backend_for(x: torch.Tensor, w: torch.Tensor) -> tuple[str, dict[str, str]]:
     """(the backend fp8_grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    return _gmm.backend_report(OP, x, w, backward)
+    return _gmm.backend_report(OP, x, w)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -257,36 +267,33 @@ def _validate(x, w, offsets, recipe) -> None:
         raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
 
 
-# ----------------------------------------------------------------------------- forward / backward functions
-# The only functions that run kernels; the ops and the eager fast path call them.
+# ----------------------------------------------------------------------------- the op
 
 
 def _empty(x, w) -> bool:
     return x.shape[0] == 0 or x.shape[1] == 0 or w.shape[2] == 0
 
 
-def _forward(x, w, offsets, backend: str) -> torch.Tensor:
+def _forward(k: Kernels, x, w, offsets) -> torch.Tensor:
     if _empty(x, w):  # nothing to quantize: an empty sum (or no rows / columns)
         return x.new_zeros((x.shape[0], w.shape[2]))
-    k = kernels(backend, x.device)
     xq, sx = k.rows(x)
     wq, sw = k.w_fwd(w)
     return k.gmm(xq, sx, wq, sw, offsets, x.dtype)
 
 
-def _high_precision_dw(dy, x, w, offsets, backend: str) -> torch.Tensor:
+def _high_precision_dw(dy, x, w, offsets, name: str) -> torch.Tensor:
+    """dw through grouped_mm: on its implementation of the same name where that takes the key, else
+    on its automatic choice."""
     d = x.device
-    name = backend
-    if _gmm.why_not(name, d.type, d.index, _dt(x.dtype), int(x.shape[1]), int(w.shape[2]), True) is not None:
-        with _backend.automatic():
-            name = _gmm._choose_for(x, w, True)
-    return _gmm._backward_kernel(dy, x, w, offsets, False, True, name)[1]
+    key = _gmm.case_key(x, w)
+    request = name if _gmm.why_not(name, d.type, d.index, *key) is None else _backend.AUTO
+    return _gmm.grouped_mm_def.kernels(d, request, key).backward(dy, x, w, offsets, False, True)[1]
 
 
-def _backward_kernel(dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: bool, backend: str):
+def _backward(k: Kernels, name: str, dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: bool):
     dx = dw = None
     empty = _empty(x, w)
-    k = kernels(backend, x.device)
     if need_dx:
         if empty:
             dx = x.new_zeros(x.shape)
@@ -298,7 +305,7 @@ def _backward_kernel(dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: boo
         if empty:
             dw = w.new_zeros(w.shape)
         elif LINEAR_RECIPES[recipe].cast_config_input_for_grad_weight.high_precision:
-            dw = _high_precision_dw(dy, x, w, offsets, backend)
+            dw = _high_precision_dw(dy, x, w, offsets, name)
         else:
             xq, sx = k.group_cols(x, offsets)
             dyq, sdy = k.group_cols(dy, offsets)
@@ -306,67 +313,46 @@ def _backward_kernel(dy, x, w, offsets, recipe: str, need_dx: bool, need_dw: boo
     return dx, dw
 
 
-# ----------------------------------------------------------------------------- ops
-
-
-@torch.library.custom_op("titan::fp8_grouped_mm", mutates_args=())
-def fp8_grouped_mm_op(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
-                      backend: str | None = None) -> torch.Tensor:
+def forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
+            backend: str | None = None) -> torch.Tensor:
     """y (T, N) in x.dtype: y[group e] = x[group e] @ w[e] with float8 rowwise operands, rows past
-    offsets[-1] zero. ``backend``: one of BACKENDS (None: the automatic choice). See
+    offsets[-1] zero. ``backend``: the request (None: the one in force). See
     ``titan_kernels.fp8_grouped_mm``."""
-    if backend is None:
-        backend = _choose_for(x, w, False)
-    return _forward(x, w, offsets, backend)
+    return _forward(fp8_grouped_mm_def.kernels(x.device, backend, _gmm.case_key(x, w)), x, w, offsets)
 
 
-@fp8_grouped_mm_op.register_fake
-def _(x, w, offsets, recipe, backend=None):
-    return x.new_empty((x.shape[0], w.shape[2]))
-
-
-@torch.library.custom_op("titan::fp8_grouped_mm_backward", mutates_args=())
-def fp8_grouped_mm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
-    need_dx: bool, need_dw: bool, backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
+             need_dx: bool, need_dw: bool, backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of titan::fp8_grouped_mm: dx (T, K) in x.dtype (float8 dgrad, rows past the last
     group zero) and dw (E, K, N) in w.dtype (float8 wgrad for ``rowwise``, high precision for
     ``rowwise_with_gw_hp``; zero for an empty group). A gradient not asked for comes back as an
-    empty (T, 0) / (E, K, 0) tensor. ``backend``: the forward's (None: the automatic choice)."""
-    if backend is None:
-        backend = _choose_for(x, w, True)
-    return _gmm.grads_or_empty(*_backward_kernel(dy, x, w, offsets, recipe, need_dx, need_dw, backend), x, w)
-
-
-@fp8_grouped_mm_backward_op.register_fake
-def _(dy, x, w, offsets, recipe, need_dx, need_dw, backend=None):
-    return _gmm.fake_grads(x, w, need_dx, need_dw)
-
-
-# ----------------------------------------------------------------------------- autograd (one definition)
+    empty (T, 0) / (E, K, 0) tensor. ``backend``: the forward's request."""
+    choice = _backend.choose(OP, x.device, _gmm.case_key(x, w), backend=backend)
+    dx, dw = _backward(choice.kernels, choice.backend, dy, x, w, offsets, recipe, need_dx, need_dw)
+    return _gmm.grads_or_empty(dx, dw, x, w)
 
 
 def _setup(ctx, inputs, output):
-    x, w, offsets, recipe, backend = inputs
-    ctx.save_for_backward(x, w, offsets)
-    ctx.recipe = recipe
-    ctx.backend = backend if backend is not None else _choose_for(x, w, True)
+    _gmm.save_operands(ctx, inputs, output)
+    ctx.recipe = inputs[3]
 
 
-def _grads(ctx, dy, fast: bool):
-    run = _backward_kernel if fast else torch.ops.titan.fp8_grouped_mm_backward
-    return _gmm.saved_grads(ctx, dy, OP, run, ctx.recipe, why="; its float8 casts are not differentiable")
+def _grads(ctx, dy):
+    x, w, offsets = ctx.saved_tensors
+    refuse_create_graph(OP, dy, x, w, why="; its float8 casts are not differentiable")
+    need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    dx, dw = fp8_grouped_mm_def.backward(dy, x, w, offsets, ctx.recipe, need_dx, need_dw, ctx.backend)
+    return (dx if need_dx else None), (dw if need_dw else None), None, None
 
 
-def _backward(ctx, dy):
-    dx, dw = _grads(ctx, dy, fast=False)
-    return dx, dw, None, None, None
-
-
-fp8_grouped_mm_op.register_autograd(_backward, setup_context=_setup)
-fp8_grouped_mm_backward_op.register_autograd(refuse_double_backward("fp8_grouped_mm_backward", of=OP),
-                                             setup_context=no_setup)
+fp8_grouped_mm_def.define(
+    forward, lambda x, w, offsets, recipe, backend=None: x.new_empty((x.shape[0], w.shape[2])),
+    setup=_setup, grads=_grads, backward=backward,
+    backward_fake=lambda dy, x, w, offsets, recipe, need_dx, need_dw, backend=None: _gmm.fake_grads(
+        x, w, need_dx, need_dw),
+    # grouped_mm's rules (its module says why), without taking a Partial input.
+    sharding=lambda x, w, offsets, *rest: _gmm.sharding_rules(len(rest), linear=False),
+    backward_sharding=lambda dy, x, w, offsets, *rest: _gmm.backward_sharding_rules(len(rest)))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -407,4 +393,4 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, r
     DeepSeek-V3 (2024, section 3.3: fine-grained scaling, float32 promotion of tensor-core sums).
     """
     _validate(x, w, offsets, recipe)
-    return _gmm.call(OP, torch.ops.titan.fp8_grouped_mm, (_forward, _setup, _grads), x, w, offsets, recipe)
+    return fp8_grouped_mm_def(x, w, _gmm.prepare_offsets(x, w, offsets), recipe)

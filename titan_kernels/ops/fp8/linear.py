@@ -16,23 +16,23 @@ Every axiswise scale is taken along the reduction dim of its GEMM; the rowwise r
 down to powers of two, as torchao does. The forward GEMM uses fast accumulation, the gradient GEMMs
 do not (torchao's defaults). A cast two GEMMs share (dy of the tensorwise recipe) is made once. The
 backward re-quantizes x and W from the high-precision tensors saved by the forward (the same memory
-as a bf16 Linear; the same codes as the forward). The op follows the rms_norm pattern: ``custom_op``
-+ fake + ``register_autograd``, and an eager fast path that saves and differentiates with the same
-functions (DESIGN.md section 2, item 6).
+as a bf16 Linear; the same codes as the forward). The op is built by the op scaffold as a composite
+op (its kernels are fp8_quantize's and fp8_gemm's): the forward captures the backend request as it
+is, and both bodies run their kernels under it (``request_scope``), whichever path ran.
 
-Under DTensor, ``fp8_linear`` runs on local shards (rules in ``titan_kernels.dtensor``): each
+Under DTensor, ``fp8_linear`` runs on local shards (the rules below): each
 shard is scaled on its own (per-shard amax), which is exact dequantized math for that shard; the
 result matches the unsharded one to fp8 accuracy, not bit for bit.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Callable, NamedTuple
 
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, eager_fast_path, refuse_create_graph
+from titan_kernels.ops._common import check_float, check_same_device, refuse_create_graph
+from titan_kernels.ops._scaffold import Op
 import titan_kernels.ops.fp8.gemm as _gemm
 import titan_kernels.ops.fp8.quantize as _quantize
 from titan_kernels.ops.fp8.config import (
@@ -42,6 +42,7 @@ from titan_kernels.ops.fp8.gemm import fp8_gemm
 from titan_kernels.ops.fp8.quantize import dtype_name, fp8_quantize
 
 OP = "fp8_linear"
+fp8_linear_def = Op(OP, composite=True)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -234,24 +235,14 @@ def from_rows(t: torch.Tensor, lead: torch.Size, cols: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- ops
 
 
-def _forward(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    return from_rows(linear_fwd(as_rows(x), weight, recipe), x.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("titan::fp8_linear", mutates_args=())
-def fp8_linear_op(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
+def forward(x: torch.Tensor, weight: torch.Tensor, recipe: str, backend: str | None = None) -> torch.Tensor:
     """y = x @ weight^T with float8 GEMMs per ``recipe``. x (..., K), weight (N, K) -> (..., N) in
-    x.dtype, contiguous."""
-    return _forward(x, weight, recipe)
+    x.dtype, contiguous. ``backend``: the request its kernels run under (None: the one in force)."""
+    with _backend.request_scope(backend):
+        return from_rows(linear_fwd(as_rows(x), weight, recipe), x.shape[:-1], weight.shape[0])
 
 
-@fp8_linear_op.register_fake
-def _(x, weight, recipe):
-    return torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype, device=x.device)
-
-
-@torch.library.custom_op("titan::fp8_linear_backward", mutates_args=())
-def fp8_linear_backward_op(
+def backward(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, recipe: str, compute_dx: bool, compute_dweight: bool,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,30 +251,17 @@ def fp8_linear_backward_op(
     False comes back empty with its last dim 0 ((..., 0) and (N, 0)), a placeholder of the same
     rank, so that every DTensor placement of the real gradient is valid for it too. ``backend``:
     the backend request in force when the forward ran (None: the one in force now)."""
-    return _backward(dy, x, weight, recipe, compute_dx, compute_dweight, backend)
-
-
-@fp8_linear_backward_op.register_fake
-def _(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
-    dx = x.new_empty((*x.shape[:-1], x.shape[-1] if compute_dx else 0))
-    dw = weight.new_empty((weight.shape[0], weight.shape[1] if compute_dweight else 0))
+    with _backend.request_scope(backend):
+        dx, dw = linear_bwd(as_rows(dy), as_rows(x), weight, recipe, compute_dx, compute_dweight)
+    dx = from_rows(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
+    dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
     return dx, dw
 
 
-# ----------------------------------------------------------------------------- the one autograd definition
-# The eager fast path (``_Fp8LinearFn``) and the op path (``register_autograd``) save with ``_save`` and
-# differentiate with ``_grads``; the backward's quantize and GEMM kernels run under the backend
-# request captured when the forward ran (``request_context``), whichever path ran.
-
-
-def request_context(request: str | None):
-    """A context in which the titan ops see ``request`` (a backend name, "" for automatic, None:
-    leave the current request as it is)."""
-    if request is None:
-        return contextlib.nullcontext()
-    if request == "":
-        return _backend.automatic()
-    return _backend.use_backend(request)
+def _backward_fake(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
+    dx = x.new_empty((*x.shape[:-1], x.shape[-1] if compute_dx else 0))
+    dw = weight.new_empty((weight.shape[0], weight.shape[1] if compute_dweight else 0))
+    return dx, dw
 
 
 def refuse_double_backward(*tensors: torch.Tensor | None) -> None:
@@ -291,55 +269,64 @@ def refuse_double_backward(*tensors: torch.Tensor | None) -> None:
     refuse_create_graph(OP, *tensors, why="; its float8 casts are not differentiable")
 
 
-def _backward(dy, x, weight, recipe, compute_dx, compute_dweight, request):
-    with request_context(request):
-        dx, dw = linear_bwd(as_rows(dy), as_rows(x), weight, recipe, compute_dx, compute_dweight)
-    dx = from_rows(dx, x.shape[:-1], x.shape[-1]) if dx is not None else x.new_empty((*x.shape[:-1], 0))
-    dw = dw if dw is not None else weight.new_empty((weight.shape[0], 0))
-    return dx, dw
+def _save(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.recipe = inputs[2]
 
 
-def _save(ctx, x, weight, recipe, request):
-    ctx.save_for_backward(x, weight)
-    ctx.recipe, ctx.request = recipe, request
-
-
-def _grads(ctx, dy, through_op: bool):
+def _grads(ctx, dy):
     x, weight = ctx.saved_tensors
     refuse_double_backward(dy, x, weight)
     need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    if through_op:
-        dx, dw = torch.ops.titan.fp8_linear_backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
-    else:
-        dx, dw = _backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.request)
+    dx, dw = fp8_linear_def.backward(dy, x, weight, ctx.recipe, need_dx, need_dw, ctx.backend)
     return (dx if need_dx else None), (dw if need_dw else None), None
 
 
-def _setup_fp8_linear(ctx, inputs, output):
-    x, weight, recipe = inputs
-    # Under torch.compile the request cannot be traced: the backward reads the one in force then.
-    request = None if torch.compiler.is_compiling() else (_backend.requested_backend() or "")
-    _save(ctx, x, weight, recipe, request)
+# ----------------------------------------------------------------------------- sharding rules
+# fp8_linear is y = x W^T with x (..., K) and W (N, K); it shards as a matmul: tokens (any dim of x
+# but the last) with W replicated, colwise (W split on N -> y split on its last dim) and rowwise (x
+# and W split on K -> y Partial). Each rank quantizes its own shards with their own scales: exact
+# dequantized math per shard, equal to the unsharded result to fp8 accuracy. The backward: tokens ->
+# dW Partial; colwise -> dx Partial, dW Shard(0); rowwise -> dx split on K, dW Shard(1). A gradient
+# that is not asked for is an empty (..., 0) / (N, 0) tensor, for which the same placements are valid
+# (the rules must not depend on the bool flags, which DTensor leaves out of its sharding cache key).
+# The rules hold for every recipe (the string argument is not in the cache key either). fp8_quantize
+# and fp8_gemm have no rules: their tensorwise scale would need a collective, so DTensor refuses them.
 
 
-def _backward_fp8_linear(ctx, dy):
-    return _grads(ctx, dy, through_op=True)
+def _sharding(x, weight, recipe, backend=None):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep, k, flags = Replicate(), len(x.shape) - 1, [None, None]
+    rules = [
+        ([rep], [rep, rep, *flags]),
+        ([Shard(k)], [rep, Shard(0), *flags]),
+        ([Partial()], [Shard(k), Shard(1), *flags]),
+    ]
+    for d in range(k):
+        rules.append(([Shard(d)], [Shard(d), rep, *flags]))
+    return rules
 
 
-fp8_linear_op.register_autograd(_backward_fp8_linear, setup_context=_setup_fp8_linear)
+def _backward_sharding(dy, x, weight, recipe, compute_dx, compute_dweight, backend=None):
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    rep, k, flags = Replicate(), len(x.shape) - 1, [None, None, None, None]
+    rules = [
+        ([rep, rep], [rep, rep, rep, *flags]),
+        ([Partial(), Shard(0)], [Shard(k), rep, Shard(0), *flags]),
+        ([Shard(k), Shard(1)], [rep, Shard(k), Shard(1), *flags]),
+    ]
+    for d in range(k):
+        rules.append(([Shard(d), Partial()], [Shard(d), Shard(d), rep, *flags]))
+    return rules
 
 
-class _Fp8LinearFn(torch.autograd.Function):
-    """The eager fast path: the same forward, ``_save`` and ``_grads`` as the op, without the dispatcher."""
-
-    @staticmethod
-    def forward(ctx, x, weight, recipe):
-        _save(ctx, x, weight, recipe, _backend.requested_backend() or "")
-        return _forward(x, weight, recipe)
-
-    @staticmethod
-    def backward(ctx, dy):
-        return _grads(ctx, dy, through_op=False)
+fp8_linear_def.define(
+    forward, lambda x, weight, recipe, backend=None: torch.empty((*x.shape[:-1], weight.shape[0]), dtype=x.dtype,
+                                                                  device=x.device),
+    setup=_save, grads=_grads, backward=backward, backward_fake=_backward_fake, sharding=_sharding,
+    backward_sharding=_backward_sharding)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -365,8 +352,4 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, recipe: str = "tensorwise"
     Source: torchao.float8 recipes; Micikevicius et al. 2022, section 4.
     """
     _validate(x, weight, recipe)
-    if eager_fast_path(x, weight):
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            return _Fp8LinearFn.apply(x, weight, recipe)
-        return _forward(x, weight, recipe)
-    return torch.ops.titan.fp8_linear(x, weight, recipe)
+    return fp8_linear_def(x, weight, recipe)

@@ -6,19 +6,18 @@ Math: dynamic scaling as in Micikevicius et al. 2022, "FP8 Formats for Deep Lear
 and torchao.float8; ``titan_kernels.reference.fp8`` has the exact formulas and is the ground truth.
 
 Backends (registered here, each once): ``reference`` and ``triton``; each provides the three
-functions of ``QuantizeKernels``. The op follows the rms_norm pattern: ``custom_op`` + fake, and an
-eager fast path; it is not differentiable (``fp8_linear`` is the training op built on it).
+functions of ``QuantizeKernels``. The op is built by the op scaffold (its schema: the reference's
+signature, the contract every backend implements, written once); it is not differentiable
+(``fp8_linear`` is the training op built on it).
 """
 from __future__ import annotations
 
-import importlib
-import types
 from typing import Callable, NamedTuple
 
 import torch
 
-from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, eager_fast_path
+from titan_kernels.ops._common import check_float
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import fp8 as _ref
 from titan_kernels.reference.fp8 import FP8_DTYPES, GRANULARITIES
 
@@ -34,26 +33,17 @@ class QuantizeKernels(NamedTuple):
     quantize_from_amax: Callable  # (x, amax, dtype, round_scales_to_power_of_2) -> (codes, scale)
 
 
-def triton_module(name: str) -> types.ModuleType | None:
-    """``titan_kernels.triton.<name>``, or None where triton is not installed (the family's ops then
-    register no triton implementation, and the backend reports itself unavailable)."""
-    try:
-        return importlib.import_module(f"titan_kernels.triton.{name}")
-    except ImportError:
-        return None
-
-
-_backend.register_impl(
-    OP, "reference", QuantizeKernels(_ref.fp8_quantize, lambda x: _ref.amax(x, "tensorwise"), _ref.fp8_quantize_from_amax)
+quantize_def = Op(OP)
+quantize_def.register(
+    "reference", QuantizeKernels(_ref.fp8_quantize, lambda x: _ref.amax(x, "tensorwise"), _ref.fp8_quantize_from_amax)
 )
-if (_tri := triton_module("fp8_quantize")) is not None:
-    _backend.register_impl(OP, "triton", QuantizeKernels(_tri.fp8_quantize, _tri.tensorwise_amax,
-                                                         _tri.fp8_quantize_from_amax))
+quantize_def.register_triton("titan_kernels.triton.fp8_quantize", "fp8_quantize", "tensorwise_amax",
+                             "fp8_quantize_from_amax", kind=QuantizeKernels)
 
 
 def kernels(device: torch.device) -> QuantizeKernels:
     """The quantizers of the backend ``titan_kernels.backend`` chooses for ``device`` now."""
-    return _backend.get_impl(OP, device)
+    return quantize_def.kernels(device)
 
 
 # ----------------------------------------------------------------------------- validation (shared by the family)
@@ -90,18 +80,11 @@ def _validate(x, dtype, granularity, round_scales_to_power_of_2) -> None:
 # ----------------------------------------------------------------------------- op
 
 
-def _run(x, *rest):
-    return kernels(x.device).quantize(x, *rest)
+def _forward(x, dtype, granularity, round_scales_to_power_of_2, backend=None):
+    return quantize_def.kernels(x.device, backend).quantize(x, dtype, granularity, round_scales_to_power_of_2)
 
 
-# The schema is the reference's signature: the contract every backend implements, written once.
-fp8_quantize_op = torch.library.custom_op(
-    "titan::fp8_quantize", _run, mutates_args=(), schema=torch.library.infer_schema(_ref.fp8_quantize, mutates_args=())
-)
-
-
-@fp8_quantize_op.register_fake
-def _(x, dtype, granularity, round_scales_to_power_of_2):
+def _fake(x, dtype, granularity, round_scales_to_power_of_2, backend=None):
     if granularity == "colwise":
         codes = _ref.empty_colwise(x.shape[0], x.shape[1], dtype, x.device)
         return codes, x.new_empty((1, x.shape[1]), dtype=torch.float32)
@@ -109,6 +92,9 @@ def _(x, dtype, granularity, round_scales_to_power_of_2):
     if granularity == "rowwise":
         return codes, x.new_empty((x.shape[0], 1), dtype=torch.float32)
     return codes, x.new_empty((), dtype=torch.float32)
+
+
+quantize_def.define(_forward, _fake, signature=_ref.fp8_quantize, differentiable=False)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -148,10 +134,7 @@ def fp8_quantize(
     (``reference.fp8`` has the exact formulas).
     """
     _validate(x, dtype, granularity, round_scales_to_power_of_2)
-    x = x.detach()
-    if eager_fast_path(x):
-        return _run(x, dtype, granularity, round_scales_to_power_of_2)
-    return torch.ops.titan.fp8_quantize(x, dtype, granularity, round_scales_to_power_of_2)
+    return quantize_def.call(x.detach(), dtype, granularity, round_scales_to_power_of_2, None)
 
 
 def tensorwise_amax(x: torch.Tensor) -> torch.Tensor:

@@ -140,7 +140,7 @@ def scaled_mm_gemm(
         if bias is not None:
             y = y + bias.float()
     else:
-        impl = _backend.get_impl(OP_GEMM, dev, "triton" if _backend.backend_status("triton", dev).available else "reference")
+        impl = _backend.kernels(OP_GEMM, dev, "triton" if _backend.backend_status("triton", dev).available else "reference").forward
         return impl(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum)
     return y.to(out_dtype).contiguous()
 

@@ -34,7 +34,7 @@ import torch
 import triton
 
 from titan_kernels.attention_mask import AttentionArgs
-from titan_kernels.backend import triton_interpret
+from titan_kernels.triton import triton_interpret
 from titan_kernels.triton.flash_attn.bwd import (
     _bwd_delta_kernel,
     _bwd_dkdv_kernel,

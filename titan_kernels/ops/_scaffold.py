@@ -1,0 +1,248 @@
+"""The op scaffold: an op declares its implementations, its forward and backward bodies with their
+fakes, what its forward saves and how it differentiates, and its sharding rules, once; ``Op`` builds
+the rest of the op contract from them (DESIGN.md, "Add an op"):
+
+- the custom ops ``titan::{name}`` and ``titan::{name}_backward`` (``torch.library.custom_op``, the
+  schema from the bodies' annotations) with their fake implementations;
+- autograd through ``register_autograd`` on the op path and, for plain eager calls, an
+  ``autograd.Function`` that runs the same bodies and the same ``setup``/``grads`` without the
+  dispatcher (``eager_fast_path``; about a third of a ``custom_op`` call's cost);
+- the hand-off of the backend request from the forward to the backward, in one idiom: every body's
+  last parameter is ``backend: str | None = None``; a forward gets ``capture_request(name)``, and
+  ``ctx.backend`` (that request, or the one in force when a direct op call ran) goes to the backward;
+- a RuntimeError naming the op for a derivative it does not implement (never a silent zero);
+- the DTensor sharding rules (``register_sharding``), when torch.distributed is available.
+
+An op's own module keeps what is particular to it: its validation, its kernels' adapters, its bodies,
+``setup`` and ``grads``, and its public function, which validates and calls ``op(*args)``.
+
+``grads(ctx, *grad_outputs)`` returns one gradient per argument of the body but ``backend``; it runs
+the backward through ``op.backward(*args, ctx.backend)``, which takes the fast path or the op as the
+forward did (eager or traced, plain tensors or DTensor), so one definition serves both paths.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import operator
+import typing
+from typing import Any, Callable
+
+import torch
+
+from titan_kernels import backend as _backend
+from titan_kernels.backend import Kernels, capture_request
+from titan_kernels.ops._common import eager_fast_path, needs_grad
+
+_TENSOR_TYPES = (torch.Tensor, typing.Optional[torch.Tensor], torch.Tensor | None)
+
+
+def _tensor_positions(fn: Callable) -> tuple[int, ...]:
+    """The positions of ``fn``'s tensor (or optional tensor) parameters: what the fast path checks."""
+    hints = typing.get_type_hints(fn)
+    params = list(inspect.signature(fn).parameters)
+    return tuple(i for i, p in enumerate(params) if hints.get(p) in _TENSOR_TYPES)
+
+
+def _check_backend_last(fn: Callable, qualname: str) -> None:
+    params = list(inspect.signature(fn).parameters.values())
+    if not params or params[-1].name != "backend" or params[-1].default is not None:
+        raise TypeError(f"{qualname}: the body's last parameter must be `backend: str | None = None`")
+
+
+def _schema_with_backend(signature: Callable, mutates_args: tuple[str, ...]) -> str:
+    """The schema of ``signature`` (a kernel contract, e.g. the reference's function) with the
+    trailing ``str? backend=None`` every body takes."""
+    schema = torch.library.infer_schema(signature, mutates_args=mutates_args)
+    params, ret = schema.split(" -> ", 1)
+    return f"{params[:-1]}{', ' if params != '()' else ''}str? backend=None) -> {ret}"
+
+
+def _placements_for_given(rule: Callable) -> Callable:
+    """``rule`` declares placements for every argument of the schema; a call that leaves trailing
+    defaults out (``backend``) gets the rules of the arguments it gave."""
+
+    def given(*args):
+        return [(outs, ins[:len(args)]) for outs, ins in rule(*args)]
+
+    return given
+
+
+def _refusal(qualname: str, what: str) -> Callable:
+    msg = f"{qualname}: {what} is not implemented"
+
+    def backward(ctx, *grads):
+        raise RuntimeError(msg)
+
+    return backward
+
+
+class _Direction:
+    """One custom op of an ``Op`` (its forward or its backward) and everything that calls it."""
+
+    def __init__(self, op: "Op", suffix: str, body: Callable, fake: Callable, setup: Callable | None,
+                 grads: Callable | None, mutates_args: tuple[str, ...], materialize_grads: bool,
+                 differentiable: bool = True, fast_body: Callable | None = None, signature: Callable | None = None):
+        self.qualname = f"titan::{op.name}{suffix}"
+        _check_backend_last(body, self.qualname)
+        self.body = fast_body or body  # what the fast path runs
+        positions = _tensor_positions(signature or body)
+        # The tensors of a call as a tuple (itemgetter: C speed, on every call).
+        self.tensors = operator.itemgetter(*positions) if len(positions) > 1 else (
+            (lambda args, _i=positions[0]: (args[_i],)) if positions else (lambda args: ()))
+        schema = None if signature is None else _schema_with_backend(signature, mutates_args)
+        self.custom_op = torch.library.custom_op(self.qualname, body, mutates_args=mutates_args, schema=schema)
+        self.custom_op.register_fake(fake)
+        self.overload = getattr(torch.ops.titan, op.name + suffix).default
+        self.fn_cls = None
+        if not differentiable:  # an optimizer's step: no autograd at all (its public function refuses grads)
+            return
+        name = op.request_of
+        if grads is None:
+            what = "double backward" if suffix else "a backward (it is not differentiable)"
+            backward, setup_context = _refusal(self.qualname, what), (lambda ctx, inputs, output: None)
+        else:
+            def setup_context(ctx, inputs, output):
+                request = inputs[-1]
+                ctx.backend = request if request is not None else capture_request(name)
+                if setup is not None:
+                    setup(ctx, inputs, output)
+
+            def backward(ctx, *grad_outputs):
+                return (*grads(ctx, *grad_outputs), None)
+
+        self.custom_op.register_autograd(backward, setup_context=setup_context)
+
+        fast = self.body
+
+        def fn_forward(ctx, *args):
+            if not materialize_grads:
+                ctx.set_materialize_grads(False)
+            out = fast(*args)
+            setup_context(ctx, args, out)
+            return out
+
+        # The eager fast path: the same body, setup and grads, as an autograd.Function of this op.
+        self.fn_cls = type(f"{op.name}{suffix}_eager", (torch.autograd.Function,), {
+            "forward": staticmethod(fn_forward), "backward": staticmethod(backward),
+            "__doc__": f"The eager fast path of {self.qualname}.",
+        })
+
+    def call(self, args: tuple) -> Any:
+        """The body on ``args`` (its arguments, ``backend`` last): directly in plain eager mode (through
+        the autograd.Function when a gradient is recorded), else through the custom op."""
+        if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
+            tensors = self.tensors(args)
+            if eager_fast_path(*tensors):
+                if self.fn_cls is not None and needs_grad(*tensors):
+                    return self.fn_cls.apply(*args)
+                return self.body(*args)
+        return self.overload(*args)
+
+
+class Op:
+    """A titan op in the making: ``Op(name)``, then its implementations (``register``,
+    ``register_triton``, ``register_native``), then ``define`` with its bodies; ``op(*args)`` runs it.
+
+    ``kernels(device, backend, key)`` inside a body gives the chosen implementation's ``Kernels``.
+    """
+
+    def __init__(self, name: str, impls: str | None = None, composite: bool = False):
+        self.name = name
+        self.impls = impls or name  # the registry entry: its own, or another op's (add_rms_norm: rms_norm's)
+        # A composite op's kernels are other titan ops (fp8_linear: fp8_quantize, fp8_gemm): it captures
+        # the request as it is and its bodies run under ``request_scope(backend)``.
+        self.request_of = None if composite else self.impls
+        self._forward: _Direction | None = None
+        self._backward: _Direction | None = None
+
+    # ------------------------------------------------------------------------- implementations
+
+    def register(self, family: str, kernels: Any, **options: Any) -> None:
+        """``titan_kernels.backend.register_impl`` for this op (``options``: name, why_not, auto)."""
+        _backend.register_impl(self.impls, family, kernels, **options)
+
+    def register_triton(self, module: str, *names: str, kind: type = Kernels, **options: Any) -> None:
+        """Register the Triton kernels ``module.<names>`` (as ``kind(*those)``: by default
+        ``Kernels(forward, backward)``) when the module imports; without triton installed the family
+        reports itself unavailable."""
+        try:
+            mod = importlib.import_module(module)
+        except ImportError:
+            return
+        self.register("triton", kind(*(getattr(mod, n) for n in names)), **options)
+
+    def register_native(self, kernels: Any, families: tuple[str, ...] = ("cpu", "cuda"), **options: Any) -> None:
+        """Register the csrc kernels in each native family (available where the extension is built)."""
+        for family in families:
+            self.register(family, kernels, **options)
+
+    def kernels(self, device: torch.device, backend: str | None = None, key: Any = None) -> Kernels:
+        """The ``Kernels`` of the implementation chosen for ``device`` and ``key`` under ``backend`` (a
+        body's ``backend`` argument: a request, ``AUTO`` or None for the one in force)."""
+        return _backend.choose(self.impls, device, key, backend=backend).kernels
+
+    # ------------------------------------------------------------------------- the ops
+
+    def define(self, forward: Callable, fake: Callable, *, setup: Callable | None = None,
+               grads: Callable | None = None, backward: Callable | None = None,
+               backward_fake: Callable | None = None, backward_setup: Callable | None = None,
+               backward_grads: Callable | None = None, sharding: Callable | None = None,
+               backward_sharding: Callable | None = None, mutates_args: tuple[str, ...] = (),
+               materialize_grads: bool = True, differentiable: bool = True,
+               fast_forward: Callable | None = None, signature: Callable | None = None) -> "Op":
+        """Build ``titan::{name}`` from ``forward`` (its body; the schema from its annotations, last
+        parameter ``backend: str | None = None``) and ``fake``; with ``grads``, its autograd
+        (``setup(ctx, inputs, output)`` saves, ``grads(ctx, *grad_outputs)`` returns one gradient per
+        argument but ``backend``); with ``backward`` (+ ``backward_fake``), ``titan::{name}_backward``,
+        differentiable when ``backward_grads`` is given (double backward), else refusing it.
+        ``sharding``/``backward_sharding``: DTensor rules (``register_sharding``'s contract).
+        ``materialize_grads`` False: ``grads`` receives None for an output with no gradient.
+        ``differentiable`` False: no autograd at all (an optimizer step; ``mutates_args`` names what
+        it writes in place). ``fast_forward``: the forward body of the eager fast path where it may
+        skip what only the op path needs (the fake's output strides). ``signature``: the kernel
+        contract the forward's schema is taken from (e.g. the reference function, annotated), the
+        body then taking its arguments plus ``backend``."""
+        if backward is not None:
+            self._backward = _Direction(self, "_backward", backward, backward_fake, backward_setup, backward_grads,
+                                        (), True)
+        self._forward = _Direction(self, "", forward, fake, setup, grads, mutates_args, materialize_grads,
+                                   differentiable, fast_forward, signature)
+        if torch.distributed.is_available():
+            from torch.distributed.tensor.experimental import register_sharding
+
+            for direction, rule in ((self._forward, sharding), (self._backward, backward_sharding)):
+                if rule is not None:
+                    register_sharding(direction.overload)(_placements_for_given(rule))
+        return self
+
+    @property
+    def op(self):
+        """The forward's ``torch.ops.titan`` overload."""
+        return self._forward.overload
+
+    @property
+    def backward_op(self):
+        """The backward's ``torch.ops.titan`` overload."""
+        return self._backward.overload
+
+    def __call__(self, *args: Any) -> Any:
+        """The forward on ``args`` (its arguments but ``backend``), with the request in force captured
+        for the backward when one will run (``capture_request``)."""
+        d = self._forward
+        if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
+            tensors = d.tensors(args)
+            if eager_fast_path(*tensors):
+                if d.fn_cls is not None and needs_grad(*tensors):
+                    return d.fn_cls.apply(*args, capture_request(self.request_of))
+                return d.body(*args, None)
+        return d.overload(*args, capture_request(self.request_of))
+
+    def call(self, *args: Any) -> Any:
+        """The forward on ``args`` with its ``backend`` given last (a request, ``AUTO`` or an
+        implementation the caller chose)."""
+        return self._forward.call(args)
+
+    def backward(self, *args: Any) -> Any:
+        """The backward on ``args`` (``backend`` last: ``ctx.backend``), by the path the forward took."""
+        return self._backward.call(args)
