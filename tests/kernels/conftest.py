@@ -14,3 +14,19 @@ def scaled_mm_when_available(monkeypatch):
     backend.clear_choices()  # choices are cached per case: decide again with the patched timing
     yield
     backend.clear_choices()
+
+
+@pytest.fixture
+def backend_env(monkeypatch):
+    """``set(value)``: TITAN_KERNELS_BACKEND set to ``value`` (None: unset) and read again, as a
+    process that starts with it would; the environment and the request are restored after."""
+    def set_env(value):
+        if value is None:
+            monkeypatch.delenv(backend.ENV_VAR, raising=False)
+        else:
+            monkeypatch.setenv(backend.ENV_VAR, value)
+        backend.reload_environment()
+
+    yield set_env
+    monkeypatch.undo()
+    backend.reload_environment()

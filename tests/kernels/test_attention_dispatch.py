@@ -363,7 +363,7 @@ def _triton_on_cpu():
     return pytest.mark.skipif(not st.available, reason=f"Triton cannot run on CPU tensors here: {st.reason}")
 
 
-def test_cpu_choices(monkeypatch):
+def test_cpu_choices(backend_env):
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 8, 2, 16)
     choice = tk.attention_backend(q, k, k)
@@ -371,13 +371,9 @@ def test_cpu_choices(monkeypatch):
     if _backend.backend_status("triton", "cpu").available:  # the interpreter
         with tk.use_backend("triton"):
             assert tk.attention_backend(q, k, k).backend == "triton"
-        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "triton")
-        _backend.reload_environment()
-        try:
-            assert tk.attention_backend(q, k, k).backend == "triton"
-        finally:
-            monkeypatch.setenv("TITAN_KERNELS_BACKEND", "auto")
-            _backend.reload_environment()
+        backend_env("triton")
+        assert tk.attention_backend(q, k, k).backend == "triton"
+        backend_env("auto")
     else:
         with tk.use_backend("triton"), pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
             tk.attention_backend(q, k, k)

@@ -16,6 +16,17 @@ OP = "toy_op_for_test_backend"
 CPU = torch.device("cpu")
 
 
+def _kernel(name: str):
+    """A stand-in kernel that says which it is."""
+    def kernel():
+        return name
+
+    return kernel
+
+
+REF, FAST, CPU_FN, GPU, SPY = map(_kernel, ("ref", "fast", "cpu", "gpu", "spy"))
+
+
 @pytest.fixture
 def toy():
     """A toy op: reference; two CPU implementations "fast" (refuses odd keys; passed over
@@ -26,23 +37,21 @@ def toy():
         probes.append(case)
         return "odd keys are not taken" if isinstance(case, int) and case % 2 else None
 
-    backend.register_impl(OP, "reference", "ref-fn")
-    backend.register_impl(OP, "cpu", "fast-fn", name="fast", why_not=fast_why_not,
+    backend.register_impl(OP, "reference", REF)
+    backend.register_impl(OP, "cpu", FAST, name="fast", why_not=fast_why_not,
                           auto=lambda device, case: "measured slower here" if case == "slow" else None)
-    backend.register_impl(OP, "cpu", "cpu-fn", why_not=lambda device, case: None)
-    backend.register_impl(OP, "cuda", "gpu-fn", name="gpu", why_not=lambda device, case: None)
+    backend.register_impl(OP, "cpu", CPU_FN, why_not=lambda device, case: None)
+    backend.register_impl(OP, "cuda", GPU, name="gpu", why_not=lambda device, case: None)
     backend.set_order(OP, {"cpu": ("fast", "cpu", "reference")}, hint="ask for 'reference'")
     try:
         yield probes
     finally:
-        for table in (backend._impls, backend._orders, backend._rank, backend._hints):
-            table.pop(OP, None)
-        backend.clear_choices()
+        backend.unregister(OP)
 
 
 def test_automatic_order_and_skips(toy):
     c = backend.choose(OP, CPU, 2)
-    assert (c.backend, c.family, c.fn, c.explicit) == ("fast", "cpu", "fast-fn", False)
+    assert (c.backend, c.family, c.kernels.forward, c.explicit) == ("fast", "cpu", FAST, False)
     c = backend.choose(OP, CPU, 3)  # fast refuses: the next one, with the reason kept
     assert c.backend == "cpu" and c.skipped == (("fast", "odd keys are not taken"),)
     c = backend.choose(OP, CPU, "slow")  # fast can run but the automatic choice passes it over
@@ -60,8 +69,8 @@ def test_choices_are_cached_per_key(toy):
     assert toy == [2, 4, 2]
 
 
-def test_precedence(toy, monkeypatch):
-    monkeypatch.setenv(backend.ENV_VAR, "reference")
+def test_precedence(toy, backend_env):
+    backend_env("reference")
     assert backend.choose(OP, CPU, 2).backend == "reference"
     with tk.use_backend("cpu"):  # the context beats the environment; a family: its implementations in order
         c = backend.choose(OP, CPU, 2)
@@ -70,7 +79,7 @@ def test_precedence(toy, monkeypatch):
         assert backend.choose(OP, CPU, "slow").backend == "fast"  # asked for: taken even where slower
         assert backend.choose(OP, CPU, 2, backend="reference").backend == "reference"  # the argument wins
         assert backend.choose(OP, CPU, 2, backend=backend.AUTO).backend == "fast"  # AUTO: whatever the context
-    monkeypatch.delenv(backend.ENV_VAR)
+    backend_env(None)
     assert backend.choose(OP, CPU, 2).backend == "fast"
 
 
@@ -112,11 +121,12 @@ def test_failures_are_recorded_and_passed_over(toy):
 
 
 def test_replace_impl_swaps_and_restores(toy):
-    with backend.replace_impl(OP, "fast", "spy") as old:
-        assert old == "fast-fn" and backend.kernels(OP, CPU, key=2) == "spy"
-    assert backend.kernels(OP, CPU, key=2) == "fast-fn"
+    with backend.replace_impl(OP, "fast", SPY) as old:
+        assert old.forward is FAST and backend.kernels(OP, CPU, key=2).forward is SPY
+    assert backend.kernels(OP, CPU, key=2).forward is FAST
+    assert backend.implementation(OP, "fast").kernels.forward is FAST
     with pytest.raises(KeyError, match="no implementation 'nope'"):
-        with backend.replace_impl(OP, "nope", "x"):
+        with backend.replace_impl(OP, "nope", SPY):
             pass
 
 

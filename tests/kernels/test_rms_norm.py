@@ -323,24 +323,18 @@ def test_unavailable_backend_is_a_clear_error():
             pass
 
 
-def test_environment_variable_sets_default(monkeypatch):
+def test_environment_variable_sets_default(monkeypatch, backend_env):
     # The variable is read at import, and again by reload_environment() after a running process sets it.
     monkeypatch.setenv("TITAN_KERNELS_BACKEND", "reference")
     assert backend.requested_backend() is None
-    backend.reload_environment()
-    try:
-        assert backend.resolve("rms_norm", "cpu") == "reference"
-        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "bogus")
-        backend.reload_environment()
-        with pytest.raises(ValueError, match="TITAN_KERNELS_BACKEND"):
-            backend.resolve("rms_norm", "cpu")
-        monkeypatch.setenv("TITAN_KERNELS_BACKEND", "reference")
-        backend.reload_environment()
-        with tk.use_backend("triton"):  # the context manager wins over the environment
-            assert backend.requested_backend() == "triton"
-    finally:
-        monkeypatch.delenv("TITAN_KERNELS_BACKEND")
-        backend.reload_environment()
+    backend_env("reference")
+    assert backend.resolve("rms_norm", "cpu") == "reference"
+    backend_env("bogus")
+    with pytest.raises(ValueError, match="TITAN_KERNELS_BACKEND"):
+        backend.resolve("rms_norm", "cpu")
+    backend_env("reference")
+    with tk.use_backend("triton"):  # the context manager wins over the environment
+        assert backend.requested_backend() == "triton"
 
 
 def test_available_backends_reports_reasons():

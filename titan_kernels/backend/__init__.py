@@ -13,6 +13,7 @@ Backend families (``BACKENDS``):
 from titan_kernels.backend.registry import (  # noqa: F401
     AUTO_ORDER, Choice, Impl, Kernels, check_name, clear_choices, implementation, implementation_names,
     implementations, implemented_backends, mark_failed, register_impl, registered_ops, replace_impl, set_order,
+    unregister,
 )
 from titan_kernels.backend.request import (  # noqa: F401
     AUTO, ENV_VAR, automatic, capture_request, choose, kernels, reload_environment, request_scope, requested_backend,

@@ -125,6 +125,13 @@ def set_order(op: str, orders: dict[str, tuple[str, ...]], *, rank: Callable | N
     clear_choices()
 
 
+def unregister(op: str) -> None:
+    """Forget ``op``: its implementations, order, rank and hint (an op registered for a test)."""
+    for table in (_impls, _orders, _rank, _hints):
+        table.pop(op, None)
+    clear_choices()
+
+
 def clear_choices() -> None:
     """Forget every cached choice and run-time failure (after a registry, library or device change)."""
     _choices.clear()
