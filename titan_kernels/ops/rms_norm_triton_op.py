@@ -34,6 +34,8 @@ CPU tensors fail, because the interpreter would run the kernel on fake tensors (
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch.library import triton_op, wrap_triton
 
@@ -69,23 +71,19 @@ def add_rms_norm_triton_def(
     return y, h, rstd
 
 
-@triton_op("titan::rms_norm_backward_triton", mutates_args=())
-def rms_norm_backward_triton_def(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    dresidual: torch.Tensor | None,
-    compute_dweight: bool,
-    backend: str | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``titan::rms_norm_backward``: dx (..., N), and dweight (N,) or an empty (0,) tensor."""
+def _backward_body(dy, x, weight, rstd, dresidual, compute_dweight, backend=None):
+    """As ``titan::rms_norm_backward`` (its schema): dx (..., N), and dweight (N,) or an empty (0,) tensor."""
     _, bwd, wrap = _launch_wrapper(x.device, backend)
     if wrap is None:
         dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight)
     else:
         dx, dw = bwd(dy, x, weight, rstd, dresidual, compute_dweight, wrap=wrap)
     return dx, _rn.dweight_or_empty(dw, x, weight)
+
+
+# The schema of titan::rms_norm_backward, declared once there (triton_op infers it from the signature).
+_backward_body.__signature__ = inspect.signature(_rn.backward, eval_str=True)
+rms_norm_backward_triton_def = triton_op("titan::rms_norm_backward_triton", _backward_body, mutates_args=())
 
 
 def _setup(save):

@@ -193,18 +193,9 @@ def _fixed_config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
 
 
-def fp8_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    use_fast_accum: bool,
-    *,
-    use_tma: bool | None = None,
-) -> torch.Tensor:
-    """Triton scaled GEMM; same contract as ``titan_kernels.reference.fp8.fp8_gemm``.
+def fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum, *, use_tma: bool | None = None):
+    """Triton scaled GEMM; the contract (arguments, shapes, dtypes, result) of
+    ``titan_kernels.reference.fp8.fp8_gemm``.
 
     use_tma: None picks the TMA kernel when ``tma_supported``; True forces it (also under the
     interpreter, for testing; operands are made K-contiguous) and raises ValueError when the rows

@@ -212,17 +212,9 @@ def rms_norm_fwd(
     return y, h, rstd
 
 
-def rms_norm_bwd(
-    dy: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    rstd: torch.Tensor,
-    dresidual: torch.Tensor | None,
-    compute_dweight: bool,
-    *,
-    wrap=None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Triton backward; same contract as ``titan_kernels.reference.rms_norm.rms_norm_bwd``.
+def rms_norm_bwd(dy, x, weight, rstd, dresidual, compute_dweight, *, wrap=None):
+    """Triton backward; the contract (arguments, shapes, dtypes, result) of
+    ``titan_kernels.reference.rms_norm.rms_norm_bwd``.
 
     wrap: None, or ``torch.library.wrap_triton`` when called from a ``triton_op`` body.
     """

@@ -21,7 +21,7 @@ _FULL = (-1, -1)
 
 
 def _check_backend_arg(backend) -> str | None:
-    if backend is None or backend == "":
+    if backend is None:
         return None
     if not isinstance(backend, str) or backend not in _BACKEND_NAMES:
         raise ValueError(f"backend: expected None or one of {_BACKEND_NAMES}, got {backend!r}")

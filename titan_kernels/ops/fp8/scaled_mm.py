@@ -89,16 +89,8 @@ def _pad_to(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
-def scaled_mm_gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_scale: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None,
-    use_fast_accum: bool,
-) -> torch.Tensor:
-    """``fp8_gemm`` on ``torch._scaled_mm``; same contract as ``reference.fp8.fp8_gemm``.
+def scaled_mm_gemm(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum):
+    """``fp8_gemm`` on ``torch._scaled_mm``; the contract of ``reference.fp8.fp8_gemm``.
 
     Adapts to _scaled_mm's conventions: a row-major and b column-major (``b.t()`` of a row-major
     (N, K)), K and N zero-padded to multiples of 16 (zeros add nothing to the dot products; the
