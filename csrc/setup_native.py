@@ -6,6 +6,9 @@
   (default, AVX2, AVX512) with their own flags; the extension picks one at run time.
 - CUDA kernels (csrc/cuda/, sm_90a and sm_80): built when torch has CUDA and nvcc is found.
 
+The sources, their per-ISA flags and the CUDA targets come from ``csrc/sources.txt``, the list
+CMakeLists.txt reads too (``read_sources``).
+
 Environment variables:
   TITAN_KERNELS_NATIVE=0     build no extension (pure-Python install).
   TITAN_KERNELS_CUDA=0 / 1   never / always build the CUDA kernels. With 1, a CUDA build that
@@ -24,22 +27,50 @@ import shutil
 import sys
 import traceback
 import warnings
+from dataclasses import dataclass, field
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOURCES_FILE = os.path.join(ROOT, "csrc", "sources.txt")
 EXT_NAME = "titan_kernels._C"
 ERROR_FILE = "_C_build_error.txt"
 
-# Per-ISA flags, as ATen compiles its own CPU kernels (cmake/Codegen.cmake).
-ISA_FLAGS = {
-    "avx2": ["-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
-}
-CPU_SOURCES = ["csrc/ops.cpp", "csrc/meta.cpp", "csrc/cpu/dispatch.cpp", "csrc/cpu/rms_norm.cpp",
-               "csrc/cpu/rotary.cpp", "csrc/cpu/swiglu.cpp", "csrc/cpu/fused_adamw.cpp",
-               "csrc/cpu/kernels_default.cpp"]
-CUDA_SOURCES = ["csrc/cuda/rms_norm.cu", "csrc/cuda/rotary.cu", "csrc/cuda/binding.cpp"]
-# Hopper (the target) and Ampere; compute_90a allows the sm_90a-only instructions.
-CUDA_GENCODE = ["-gencode", "arch=compute_90a,code=sm_90a", "-gencode", "arch=compute_80,code=sm_80"]
+
+@dataclass
+class Sources:
+    """csrc/sources.txt: paths relative to the repository root, in file order (see its header)."""
+
+    cpu: list[str] = field(default_factory=list)
+    isa: dict[str, tuple[str, list[str]]] = field(default_factory=dict)  # isa -> (source, its flags)
+    cuda: list[str] = field(default_factory=list)
+    cuda_binding: list[str] = field(default_factory=list)
+    cuda_test: list[str] = field(default_factory=list)
+    cuda_arch: list[str] = field(default_factory=list)  # e.g. "sm_90a"
+    header: list[str] = field(default_factory=list)
+
+    @property
+    def cuda_gencode(self) -> list[str]:
+        """nvcc flags for the cuda_arch targets (compute_90a allows the sm_90a-only instructions)."""
+        return [f for a in self.cuda_arch for f in ("-gencode", f"arch=compute_{a[3:]},code={a}")]
+
+
+def read_sources(path: str = SOURCES_FILE) -> Sources:
+    """The native build's one list (csrc/sources.cmake reads it for CMake). ValueError on a bad line."""
+    out = Sources()
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            fields = line.split("#", 1)[0].split()
+            if not fields:
+                continue
+            if len(fields) < 2:
+                raise ValueError(f"{path}:{n}: expected '<group> <path> [flags...]', got {line.strip()!r}")
+            group, value, flags = fields[0], fields[1], fields[2:]
+            if group.startswith("cpu_"):
+                out.isa[group[4:]] = (value, flags)
+            elif group in ("cpu", "cuda", "cuda_binding", "cuda_test", "cuda_arch", "header") and not flags:
+                getattr(out, group).append(value)
+            else:
+                raise ValueError(f"{path}:{n}: unknown group {group!r} or flags on a {group!r} line: {line.strip()!r}")
+    return out
 
 
 def _warn(msg: str) -> None:
@@ -77,23 +108,21 @@ def _extension(cpp_ext, with_cuda: bool):
         # The resulting libgomp.so.1 dependency binds to the copy torch has already loaded.
         cxx.append("-fopenmp")
         link.append("-fopenmp")
+    src = read_sources()
     macros = []
     isa_sources = []
     if _x86_gnu():
-        for isa, flags in ISA_FLAGS.items():
+        for isa, (path, flags) in src.isa.items():
             macros.append((f"TITAN_CPU_{isa.upper()}", None))
-            isa_sources.append((f"csrc/cpu/kernels_{isa}.cpp", flags))
-    kwargs = dict(define_macros=macros, extra_link_args=link,
-                  depends=[os.path.join("csrc", d) for d in ("op_checks.h", "cpu/kernels.h", "cpu/kernels_impl.h",
-                                                             "cpu/optim_impl.h", "cpu/tensor_rows.h",
-                                                             "cuda/titan_cuda.h")])
+            isa_sources.append((path, flags))
+    kwargs = dict(define_macros=macros, extra_link_args=link, depends=list(src.header))
     if with_cuda:
         macros.append(("TITAN_WITH_CUDA", None))
-        nvcc = ["-O3", "-lineinfo", *CUDA_GENCODE]
-        ext = cpp_ext.CUDAExtension(EXT_NAME, CPU_SOURCES + CUDA_SOURCES,
+        nvcc = ["-O3", "-lineinfo", *src.cuda_gencode]
+        ext = cpp_ext.CUDAExtension(EXT_NAME, src.cpu + src.cuda + src.cuda_binding,
                                     extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     else:
-        ext = cpp_ext.CppExtension(EXT_NAME, CPU_SOURCES, extra_compile_args={"cxx": cxx}, **kwargs)
+        ext = cpp_ext.CppExtension(EXT_NAME, src.cpu, extra_compile_args={"cxx": cxx}, **kwargs)
     ext.titan_isa_sources = isa_sources
     ext.titan_with_cuda = with_cuda
     return ext

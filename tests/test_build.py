@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -98,6 +99,62 @@ def test_forcing_cuda_without_cuda_torch_fails_clearly(tmp_path):
              env={"TITAN_KERNELS_CUDA": "1"})
     assert r.returncode != 0
     assert "TITAN_KERNELS_CUDA=1 but the CUDA kernels cannot be built" in r.stdout + r.stderr
+
+
+# ------------------------------------------------------------------------------ the one source list
+
+
+def _setup_native():
+    sys.path.insert(0, str(ROOT / "csrc"))
+    try:
+        import setup_native
+    finally:
+        sys.path.remove(str(ROOT / "csrc"))
+    return setup_native
+
+
+def test_every_native_source_is_in_the_one_list():
+    src = _setup_native().read_sources()
+    listed = src.cpu + [p for p, _ in src.isa.values()] + src.cuda + src.cuda_binding + src.cuda_test + src.header
+    assert len(listed) == len(set(listed)), f"a source is listed twice: {sorted(listed)}"
+    on_disk = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc").rglob("*")
+                     if p.suffix in (".cpp", ".cu", ".h", ".cuh"))
+    assert sorted(listed) == on_disk, "csrc/sources.txt must list every source and header under csrc/ (and no other)"
+    assert src.isa and src.cuda_arch == ["sm_90a", "sm_80"]
+    # Neither build names a source itself: both take them from the list.
+    for build in ("CMakeLists.txt", "csrc/setup_native.py"):
+        named = re.findall(r"csrc/[\w/]+\.(?:cpp|cu|h|cuh)\b", (ROOT / build).read_text())
+        assert not named, f"{build} names sources of its own: {named}"
+
+
+def test_cmake_reads_the_same_list_as_setup_py(tmp_path):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not installed: CMake's reading of csrc/sources.txt cannot be checked")
+    src = _setup_native().read_sources()
+    script = tmp_path / "print_sources.cmake"
+    script.write_text(textwrap.dedent(f"""
+        include("{ROOT}/csrc/sources.cmake")
+        titan_read_sources("{ROOT}/csrc/sources.txt")
+        foreach(g cpu cuda cuda_binding cuda_test header)
+          message("${{g}}=${{TITAN_SOURCES_${{g}}}}")
+        endforeach()
+        foreach(isa IN LISTS TITAN_CPU_ISAS)
+          message("isa_${{isa}}=${{TITAN_ISA_SOURCE_${{isa}}}}|${{TITAN_ISA_FLAGS_${{isa}}}}")
+        endforeach()
+        message("gencode=${{TITAN_CUDA_GENCODE_DEFAULT}}")
+    """))
+    r = _run(["cmake", "-P", str(script)], timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = dict(line.split("=", 1) for line in r.stderr.splitlines() if "=" in line)
+
+    def cmake_list(paths):
+        return ";".join(str(ROOT / p) for p in paths)
+
+    for group in ("cpu", "cuda", "cuda_binding", "cuda_test", "header"):
+        assert got[group] == cmake_list(getattr(src, group)), group
+    for isa, (path, flags) in src.isa.items():
+        assert got[f"isa_{isa}"] == f"{ROOT / path}|{';'.join(flags)}", isa
+    assert got["gencode"].split(";") == [f"-gencode={a}" for a in src.cuda_gencode[1::2]]
 
 
 # ------------------------------------------------------------------------------ CMake
