@@ -9,6 +9,12 @@
 The sources, their per-ISA flags and the CUDA targets come from ``csrc/sources.txt``, the list
 CMakeLists.txt reads too (``read_sources``).
 
+A build in place (``pip install -e``, ``python setup.py build_ext --inplace``) records its build key
+next to the library (``_C_build_key.json``): torch's version and CUDA flavour, Python's extension
+suffix, the compile flags and build environment variables, a hash of every file under csrc/ and of
+the library itself. The next build whose key is the same reuses that library instead of compiling
+(and says so); any difference rebuilds, as does ``python setup.py build_ext --inplace --force``.
+
 Environment variables:
   TITAN_KERNELS_NATIVE=0     build no extension (pure-Python install).
   TITAN_KERNELS_CUDA=0 / 1   never / always build the CUDA kernels. With 1, a CUDA build that
@@ -21,10 +27,14 @@ reason is written next to where ``_C`` would be (``_C_build_error.txt``), from w
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
+import sysconfig
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -33,6 +43,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCES_FILE = os.path.join(ROOT, "csrc", "sources.txt")
 EXT_NAME = "titan_kernels._C"
 ERROR_FILE = "_C_build_error.txt"
+KEY_FILE = "_C_build_key.json"
+# Environment variables that change what the compilers and the linker produce.
+BUILD_ENV = ("CC", "CXX", "CFLAGS", "CXXFLAGS", "CPPFLAGS", "LDFLAGS", "LDSHARED", "CUDA_HOME",
+             "NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "TORCH_CUDA_ARCH_LIST")
 
 
 @dataclass
@@ -100,6 +114,45 @@ def _cuda_choice(torch, cuda_home: str | None) -> tuple[bool, bool, str]:
     return not why, env == "1", why
 
 
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def _tree_sha256(paths: list[str]) -> str:
+    """One hash of the files' paths (from the repository root) and contents."""
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(f"{os.path.relpath(path, ROOT)}\0{_file_sha256(path)}\0".encode())
+    return h.hexdigest()
+
+
+def _build_key(ext, cpp_ext) -> dict:
+    """What the library depends on: torch, Python, flags, environment and every file under csrc/
+    (sources, headers, the list and this file; not the prose). JSON-shaped, to compare with the record."""
+    import torch
+
+    csrc = os.path.join(ROOT, "csrc")
+    files = sorted(os.path.join(d, f) for d, dirs, names in os.walk(csrc) for f in names
+                   if not f.endswith((".md", ".pyc")) and "__pycache__" not in d)
+    key = {
+        "torch": torch.__version__, "torch_git": torch.version.git_version, "torch_cuda": torch.version.cuda,
+        "python": sysconfig.get_config_var("EXT_SUFFIX"), "with_cuda": ext.titan_with_cuda,
+        "compile_args": ext.extra_compile_args, "isa_sources": ext.titan_isa_sources,
+        "macros": ext.define_macros, "link_args": ext.extra_link_args,
+        "env": {k: os.environ[k] for k in BUILD_ENV if k in os.environ}, "csrc_sha256": _tree_sha256(files),
+    }
+    if ext.titan_with_cuda:
+        nvcc = os.path.join(cpp_ext.CUDA_HOME, "bin", "nvcc")
+        key["nvcc"] = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.strip()
+    return json.loads(json.dumps(key))
+
+
+def recorded_key(ext, library: str) -> dict:
+    """The record of a build in place: the extension's build key and the library's hash."""
+    return {**ext.titan_key, "library_sha256": _file_sha256(library)}
+
+
 def _extension(cpp_ext, with_cuda: bool):
     cxx = ["-O3", "-Wno-unknown-pragmas"]  # ATen's vec headers carry CUDA-style `#pragma unroll`
     link = []
@@ -125,6 +178,8 @@ def _extension(cpp_ext, with_cuda: bool):
         ext = cpp_ext.CppExtension(EXT_NAME, src.cpu, extra_compile_args={"cxx": cxx}, **kwargs)
     ext.titan_isa_sources = isa_sources
     ext.titan_with_cuda = with_cuda
+    ext.optional = True  # after a failed build in place, setuptools then copies nothing into the tree
+    ext.titan_key = _build_key(ext, cpp_ext)  # before BuildExtension adds its own (torch-determined) flags
     return ext
 
 
@@ -160,15 +215,64 @@ def native_build() -> dict:
                 for ext in self.extensions:
                     self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
 
+        def finalize_options(self):
+            self.titan_force = bool(self.force)  # --force; BuildExtension sets force for ninja's own checks
+            super().finalize_options()
+
+        def run(self):
+            # setuptools clears `inplace` while building (it builds elsewhere, then copies into the
+            # source tree): remember whether the library is bound for the source tree.
+            self.titan_in_source = bool(self.inplace or getattr(self, "editable_mode", False))
+            super().run()
+
         def _package_dirs(self, ext) -> list[str]:
-            # Where the extension lands, plus the source package in an editable install (setuptools
-            # builds it elsewhere and copies it into the source tree).
+            # Where the extension lands, plus the source package in an editable or in-place build.
             dirs = [os.path.dirname(self.get_ext_fullpath(ext.name))]
-            if getattr(self, "editable_mode", False) or self.inplace:
+            if getattr(self, "titan_in_source", False):
                 dirs.append(os.path.join(ROOT, *ext.name.split(".")[:-1]))
             return list(dict.fromkeys(os.path.abspath(d) for d in dirs))
 
+        def _source_package(self, ext) -> str:
+            return os.path.join(ROOT, *ext.name.split(".")[:-1])
+
+        def _reuse(self, ext) -> bool:
+            """Copy the library built in place when its recorded key is this build's; False: build it."""
+            pkg = self._source_package(ext)
+            lib = os.path.join(pkg, os.path.basename(self.get_ext_fullpath(ext.name)))
+            if self.titan_force or not os.path.exists(lib):
+                return False
+            try:
+                with open(os.path.join(pkg, KEY_FILE)) as f:
+                    recorded = json.load(f)
+            except (OSError, ValueError):
+                return False
+            key = recorded_key(ext, lib)
+            changed = sorted(k for k in key.keys() | recorded.keys() if key.get(k) != recorded.get(k))
+            if changed:
+                print(f"titan_kernels: rebuilding the native extension ({', '.join(changed)} changed since "
+                      "the build in place)", file=sys.stderr)
+                return False
+            target = self.get_ext_fullpath(ext.name)
+            if os.path.abspath(target) != os.path.abspath(lib):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                shutil.copy2(lib, target)
+            flavour = f"CUDA {key['torch_cuda']}" if key["with_cuda"] else "CPU"
+            print(f"titan_kernels: reusing the native extension built in place ({os.path.relpath(lib, ROOT)}): "
+                  f"its build key matches (torch {key['torch']}, {flavour} kernels, the same csrc/ sources and "
+                  "flags); `python setup.py build_ext --inplace --force` rebuilds it", file=sys.stderr)
+            return True
+
+        def _record_key(self, ext) -> None:
+            # Only a build that lands in the source tree is there to be reused.
+            if not getattr(self, "titan_in_source", False):
+                return
+            key = recorded_key(ext, self.get_ext_fullpath(ext.name))
+            self._record(os.path.join(self._source_package(ext), KEY_FILE), json.dumps(key, indent=1))
+
         def build_extension(self, ext):
+            if self._reuse(ext):
+                self._built(ext)
+                return
             try:
                 self._build(ext)
             except Exception as e:  # noqa: BLE001  (compiler, linker, ninja: any failure is optional)
@@ -181,6 +285,7 @@ def native_build() -> dict:
                     try:
                         self._prepare(cpu_ext)
                         self._build(cpu_ext)
+                        self._record_key(cpu_ext)
                         for d in self._package_dirs(ext):
                             self._record(os.path.join(d, ERROR_FILE), f"CUDA kernels not built: {reason}")
                         return
@@ -189,6 +294,10 @@ def native_build() -> dict:
                 _warn(f"titan_kernels: the native extension failed to build; installing pure Python ({reason})")
                 self._fail(ext, f"the native extension failed to build: {reason}\n\n{traceback.format_exc()}")
                 return
+            self._record_key(ext)
+            self._built(ext)
+
+        def _built(self, ext) -> None:
             for d in self._package_dirs(ext):
                 if os.path.exists(os.path.join(d, ERROR_FILE)):
                     os.remove(os.path.join(d, ERROR_FILE))
@@ -221,8 +330,9 @@ def native_build() -> dict:
             # Drop a library left by an earlier build, so what is installed matches the message.
             lib_name = os.path.basename(self.get_ext_fullpath(ext.name))
             for d in self._package_dirs(ext):
-                if os.path.exists(os.path.join(d, lib_name)):
-                    os.remove(os.path.join(d, lib_name))
+                for name in (lib_name, KEY_FILE):
+                    if os.path.exists(os.path.join(d, name)):
+                        os.remove(os.path.join(d, name))
                 self._record(os.path.join(d, ERROR_FILE), text)
 
     ext = _extension(cpp_extension, with_cuda=build_cuda)

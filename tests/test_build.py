@@ -101,6 +101,52 @@ def test_forcing_cuda_without_cuda_torch_fails_clearly(tmp_path):
     assert "TITAN_KERNELS_CUDA=1 but the CUDA kernels cannot be built" in r.stdout + r.stderr
 
 
+# ------------------------------------------------------------------------------ reuse of a build in place
+
+RECORD_KEY = textwrap.dedent("""
+    # Records a stand-in library as if built in place here: the build key this setup.py computes.
+    import json, os, sys, sysconfig
+    sys.path.insert(0, "csrc")
+    import torch, setup_native as s
+    from torch.utils import cpp_extension
+    ext = s._extension(cpp_extension, with_cuda=s._cuda_choice(torch, cpp_extension.CUDA_HOME)[0])
+    lib = os.path.join("titan_kernels", "_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    with open(lib, "wb") as f:
+        f.write(b"a stand-in for the library built in place")
+    with open(os.path.join("titan_kernels", s.KEY_FILE), "w") as f:
+        json.dump(s.recorded_key(ext, lib), f)
+""")
+
+
+def test_build_in_place_is_reused_while_its_key_matches(tmp_path):
+    # A copy of what the native build reads, with a stand-in library and its recorded key.
+    shutil.copy(ROOT / "setup.py", tmp_path)
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "titan_kernels").mkdir()
+    (tmp_path / "titan_kernels" / "__init__.py").write_text("")
+    r = _run([sys.executable, "-c", RECORD_KEY], cwd=tmp_path, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (lib,) = (tmp_path / "titan_kernels").glob("_C.*")
+    build = [sys.executable, "setup.py", "build_ext", "--inplace"]
+
+    # Same key: the library is reused, nothing is compiled.
+    r = _run(build, cwd=tmp_path, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "reusing the native extension built in place" in r.stderr, r.stderr
+    assert "ninja" not in r.stdout and "g++" not in r.stdout
+    assert lib.read_bytes() == b"a stand-in for the library built in place"
+
+    # Any source change rebuilds (here with a flag that fails at once, so the build fails fast: the
+    # library and its key are dropped, as for any failed build in place).
+    with open(tmp_path / "csrc" / "cpu" / "rotary.cpp", "a") as f:
+        f.write("// changed\n")
+    r = _run(build, cwd=tmp_path, timeout=300, env={"CFLAGS": "-fno-such-flag-for-titan", "TITAN_KERNELS_CUDA": "0"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rebuilding the native extension (csrc_sha256, env changed" in r.stderr, r.stderr
+    assert "failed to build; installing pure Python" in r.stderr
+    assert not lib.exists() and not (tmp_path / "titan_kernels" / "_C_build_key.json").exists()
+
+
 # ------------------------------------------------------------------------------ the one source list
 
 
