@@ -35,16 +35,20 @@ struct RowIndexer {
   }
 };
 
+// A (rows, N) input read in place: its data and the offsets of its rows (unit stride inside a row).
+struct RowsIn {
+  const void* data = nullptr;  // nullptr: an optional input that is absent
+  RowIndexer rows;
+};
+
 // y = x * rstd * w (h = x + r first when r is given). y, h, rstd are contiguous outputs.
 struct RmsNormFwdParams {
   DType dtype;
   int64_t M;  // rows
   int64_t N;  // hidden size (row width), > 0
   float eps;
-  const void* x;
-  RowIndexer x_rows;
-  const void* r;  // residual or nullptr
-  RowIndexer r_rows;
+  RowsIn x;
+  RowsIn r;        // residual, or no data
   const float* w;  // weight as float32 (N,) or nullptr
   void* y;         // (M, N) contiguous, dtype
   void* h;         // (M, N) contiguous, dtype, or nullptr when r is nullptr
@@ -57,14 +61,11 @@ struct RmsNormBwdParams {
   DType dtype;
   int64_t M;
   int64_t N;  // > 0
-  const void* dy;
-  RowIndexer dy_rows;
-  const void* x;
-  RowIndexer x_rows;
+  RowsIn dy;
+  RowsIn x;
   const float* w;     // float32 (N,) or nullptr
   const float* rstd;  // (M,) contiguous
-  const void* dres;   // or nullptr
-  RowIndexer dres_rows;
+  RowsIn dres;        // or no data
   void* dx;             // (M, N) contiguous, dtype
   float* dw_partial;    // (n_chunks, N) or nullptr when dweight is not wanted
   int64_t n_chunks;     // rows are split into n_chunks contiguous ranges, one per dw_partial row
@@ -97,12 +98,9 @@ struct SwigluParams {
   DType dtype;
   int64_t M;
   int64_t N;  // > 0
-  const void* g;
-  RowIndexer g_rows;
-  const void* u;
-  RowIndexer u_rows;
-  const void* dy;  // backward only (nullptr in the forward)
-  RowIndexer dy_rows;
+  RowsIn g;
+  RowsIn u;
+  RowsIn dy;        // backward only (no data in the forward)
   bool contiguous;  // every input is (M, N) contiguous: the kernel may treat it as one flat row
   void* y;          // forward: y; backward: dg. (M, N) contiguous, dtype
   void* du;         // backward: du, (M, N) contiguous, dtype; nullptr in the forward

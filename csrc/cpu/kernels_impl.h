@@ -95,21 +95,21 @@ inline float reduce_sum(const Vec& v) {
 template <typename T>
 void rms_norm_fwd_impl(const RmsNormFwdParams& p) {
   const int64_t N = p.N;
-  const T* X = static_cast<const T*>(p.x);
-  const T* R = static_cast<const T*>(p.r);
+  const T* X = static_cast<const T*>(p.x.data);
+  const T* R = static_cast<const T*>(p.r.data);
   T* Y = static_cast<T*>(p.y);
   T* H = static_cast<T*>(p.h);
   const float* W = p.w;
   const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
   at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const T* x = X + p.x_rows.offset(m);
+      const T* x = X + p.x.rows.offset(m);
       T* y = Y + m * N;
       Vec acc0(0.f), acc1(0.f);
       Vec a, b, c, d;
       const T* src = x;  // the row that is normalized: x, or h = x + r
       if (R != nullptr) {
-        const T* r = R + p.r_rows.offset(m);
+        const T* r = R + p.r.rows.offset(m);
         T* h = H + m * N;
         for (int64_t j = 0; j < N; j += kStep) {
           const int64_t n = std::min(kStep, N - j);
@@ -155,9 +155,9 @@ void rms_norm_bwd_impl(const RmsNormBwdParams& p) {
   const int64_t M = p.M;
   const int64_t N = p.N;
   const int64_t C = p.n_chunks;
-  const T* DY = static_cast<const T*>(p.dy);
-  const T* X = static_cast<const T*>(p.x);
-  const T* DR = static_cast<const T*>(p.dres);
+  const T* DY = static_cast<const T*>(p.dy.data);
+  const T* X = static_cast<const T*>(p.x.data);
+  const T* DR = static_cast<const T*>(p.dres.data);
   T* DX = static_cast<T*>(p.dx);
   const float* W = p.w;
   const float inv_n = 1.f / static_cast<float>(N);
@@ -170,8 +170,8 @@ void rms_norm_bwd_impl(const RmsNormBwdParams& p) {
       const int64_t m0 = M * ch / C;
       const int64_t m1 = M * (ch + 1) / C;
       for (int64_t m = m0; m < m1; ++m) {
-        const T* dy = DY + p.dy_rows.offset(m);
-        const T* x = X + p.x_rows.offset(m);
+        const T* dy = DY + p.dy.rows.offset(m);
+        const T* x = X + p.x.rows.offset(m);
         T* dx = DX + m * N;
         const float rstd = p.rstd[m];
         Vec a, b, c, d, wa, wb;
@@ -192,7 +192,7 @@ void rms_norm_bwd_impl(const RmsNormBwdParams& p) {
         // mean(g * xhat) = rstd * s / N; dx = (g - xhat * mean) * rstd = (g - x * k2) * rstd.
         const float mean_gxhat = rstd * reduce_sum(s0 + s1) * inv_n;
         const Vec k1(rstd), k2(rstd * mean_gxhat);
-        const T* dr = DR != nullptr ? DR + p.dres_rows.offset(m) : nullptr;
+        const T* dr = DR != nullptr ? DR + p.dres.rows.offset(m) : nullptr;
         // Pass 2: dx, and dy * xhat into this chunk's float32 dweight row.
         for (int64_t j = 0; j < N; j += kStep) {
           const int64_t n = std::min(kStep, N - j);
@@ -419,9 +419,9 @@ struct ClampedSpans {
 
 template <typename T, typename Spans>
 void swiglu_impl(const SwigluParams& p, bool backward) {
-  const T* G = static_cast<const T*>(p.g);
-  const T* U = static_cast<const T*>(p.u);
-  const T* DY = static_cast<const T*>(p.dy);
+  const T* G = static_cast<const T*>(p.g.data);
+  const T* U = static_cast<const T*>(p.u.data);
+  const T* DY = static_cast<const T*>(p.dy.data);
   T* Y = static_cast<T*>(p.y);
   T* DU = static_cast<T*>(p.du);
   const int64_t N = p.N;
@@ -440,10 +440,10 @@ void swiglu_impl(const SwigluParams& p, bool backward) {
   const int64_t grain = std::max<int64_t>(1, kGrainElems / N);
   at::parallel_for(0, p.M, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      const T* g = G + p.g_rows.offset(m);
-      const T* u = U + p.u_rows.offset(m);
+      const T* g = G + p.g.rows.offset(m);
+      const T* u = U + p.u.rows.offset(m);
       if (backward) {
-        spans.bwd(DY + p.dy_rows.offset(m), g, u, Y + m * N, DU + m * N, N);
+        spans.bwd(DY + p.dy.rows.offset(m), g, u, Y + m * N, DU + m * N, N);
       } else {
         spans.fwd(g, u, Y + m * N, N);
       }

@@ -9,14 +9,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cmath>
 #include <tuple>
 
-#include "../op_checks.h"
+#include "../op_prologue.h"
+#include "../op_registration.h"
 #include "kernels.h"
 #include "tensor_rows.h"
 
@@ -30,28 +29,17 @@ constexpr int64_t kMinElemsPerChunk = 32768;
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& x, const std::optional<Tensor>& residual,
                                                 const std::optional<Tensor>& weight, double eps) {
-  check_rms_norm_fwd(x, residual, weight, eps);
-  const int64_t N = x.size(-1);
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor h = residual.has_value() ? at::empty(x.sizes(), x.options()) : Tensor();
-  Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  const int64_t M = rstd.numel();
-  if (M == 0) return {y, h, rstd};
-  if (N == 0) {  // an empty row: sum of squares 0, as the Triton kernel defines it
-    rstd.fill_(1.0 / std::sqrt(eps));
-    return {y, h, rstd};
-  }
+  auto [y, h, rstd, done] = rms_norm_fwd_outputs(x, residual, weight, eps);
+  if (done) return {y, h, rstd};
   RmsNormFwdParams p{};
   p.dtype = dtype_of(x);
-  p.M = M;
-  p.N = N;
+  p.M = rstd.numel();
+  p.N = x.size(-1);
   p.eps = static_cast<float>(eps);
-  const Tensor xr = rows_view(x, p.x_rows);
-  p.x = xr.const_data_ptr();
+  const Tensor xr = rows_view(x, p.x);
   Tensor rr;
   if (residual.has_value()) {
-    rr = rows_view(*residual, p.r_rows);
-    p.r = rr.const_data_ptr();
+    rr = rows_view(*residual, p.r);
     p.h = h.mutable_data_ptr();
   }
   Tensor wf;
@@ -68,51 +56,35 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd(const Tensor& x, const std::opti
 std::tuple<Tensor, Tensor> rms_norm_bwd(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
                                         const Tensor& rstd, const std::optional<Tensor>& dresidual,
                                         bool compute_dweight) {
-  check_rms_norm_bwd(dy, x, weight, rstd, dresidual);
-  const int64_t N = x.size(-1);
-  const int64_t M = rstd.numel();
-  const bool want_dw = compute_dweight && weight.has_value();
-  Tensor dx = at::empty(x.sizes(), x.options());
-  if (M == 0 || N == 0) {
-    if (dresidual.has_value()) dx.copy_(*dresidual);
-    return {dx, want_dw ? at::zeros({N}, weight->options()) : Tensor()};
-  }
+  auto [dx, dw, want_dw, done] = rms_norm_bwd_outputs(dy, x, weight, rstd, dresidual, compute_dweight);
+  if (done) return {dx, dw};
   RmsNormBwdParams p{};
   p.dtype = dtype_of(x);
-  p.M = M;
-  p.N = N;
-  const Tensor dyr = rows_view(dy, p.dy_rows);
-  const Tensor xr = rows_view(x, p.x_rows);
-  p.dy = dyr.const_data_ptr();
-  p.x = xr.const_data_ptr();
+  p.M = rstd.numel();
+  p.N = x.size(-1);
+  const Tensor dyr = rows_view(dy, p.dy);
+  const Tensor xr = rows_view(x, p.x);
   const Tensor rs = rstd.contiguous();
   p.rstd = rs.const_data_ptr<float>();
   Tensor drr, wf, dwp;
-  if (dresidual.has_value()) {
-    drr = rows_view(*dresidual, p.dres_rows);
-    p.dres = drr.const_data_ptr();
-  }
+  if (dresidual.has_value()) drr = rows_view(*dresidual, p.dres);
   if (weight.has_value()) {
     wf = weight->to(at::kFloat).contiguous();
     p.w = wf.const_data_ptr<float>();
   }
-  p.n_chunks = std::clamp<int64_t>(M * N / kMinElemsPerChunk, 1, std::min<int64_t>(at::get_num_threads(), M));
+  p.n_chunks = std::clamp<int64_t>(p.M * p.N / kMinElemsPerChunk, 1, std::min<int64_t>(at::get_num_threads(), p.M));
   if (want_dw) {
-    dwp = at::empty({p.n_chunks, N}, x.options().dtype(at::kFloat));
+    dwp = at::empty({p.n_chunks, p.N}, x.options().dtype(at::kFloat));
     p.dw_partial = dwp.mutable_data_ptr<float>();
   }
   p.dx = dx.mutable_data_ptr();
   kernels().rms_norm_bwd(p);
-  Tensor dw;
   if (want_dw) dw = dwp.sum(0).to(weight->scalar_type());
   return {dx, dw};
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(titan, CPU, m) {
-  m.impl("rms_norm_fwd_native", &rms_norm_fwd);
-  m.impl("rms_norm_bwd_native", &rms_norm_bwd);
-}
+TORCH_LIBRARY_IMPL(titan, CPU, m) { register_rms_norm<&rms_norm_fwd, &rms_norm_bwd>(m); }
 
 }  // namespace titan::cpu

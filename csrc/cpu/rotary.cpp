@@ -7,14 +7,15 @@
 // copies of q and k in their dtypes; the backward rotates by -theta. A position outside
 // [0, max_positions) is never read: its rotated dims come out NaN.
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <limits>
 #include <tuple>
 #include <vector>
 
-#include "../op_checks.h"
+#include "../op_prologue.h"
+#include "../op_registration.h"
 #include "kernels.h"
 #include "tensor_rows.h"
 
@@ -22,9 +23,6 @@ namespace titan::cpu {
 namespace {
 
 using at::Tensor;
-
-// Unit stride in head_dim (the kernels' vector loads need it), else a contiguous copy.
-Tensor unit_inner(const Tensor& t) { return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous(); }
 
 void fill_params(RotaryParams& p, const Tensor& x, Tensor& out) {
   p.dtype = dtype_of(x);
@@ -39,25 +37,18 @@ void fill_params(RotaryParams& p, const Tensor& x, Tensor& out) {
   p.out = out.mutable_data_ptr();
 }
 
+template <bool kBackward>
 std::tuple<Tensor, Tensor> rotary(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
-                                  const std::optional<Tensor>& position_ids, bool interleaved, bool backward) {
-  check_rotary(q, k, cos, sin, position_ids);
-  Tensor qo = at::empty(q.sizes(), q.options());
-  Tensor ko = at::empty(k.sizes(), k.options());
-  if (q.size(0) * q.size(1) == 0 || q.size(3) == 0) return {qo, ko};
-  const int64_t R = cos.size(1);
-  Tensor cf = cos.to(at::kFloat);
-  Tensor sf = sin.to(at::kFloat);
-  if (R > 1 && (cf.stride(1) != 1 || sf.strides() != cf.strides())) {
-    cf = cf.contiguous();
-    sf = sf.contiguous();
-  }
-  Tensor pos;
-  if (position_ids.has_value()) pos = position_ids->to(at::kLong).expand({q.size(0), q.size(1)});
+                                  const std::optional<Tensor>& position_ids, bool interleaved) {
+  auto [qo, ko, done] = rotary_outputs(q, k, cos, sin, position_ids);
+  if (done) return {qo, ko};
+  const auto [cf, sf] = rotary_tables(cos, sin);
+  const int64_t R = cf.size(1);
+  const Tensor pos = rotary_positions(position_ids, q.size(0), q.size(1));
   const std::vector<float> nan_row(std::max<int64_t>(R, 1), std::numeric_limits<float>::quiet_NaN());
 
-  const Tensor qc = unit_inner(q);
-  const Tensor kc = unit_inner(k);
+  const Tensor qc = rotary_unit_inner(q);
+  const Tensor kc = rotary_unit_inner(k);
   RotaryParams pq{}, pk{};
   for (RotaryParams* p : {&pq, &pk}) {
     p->half = R;
@@ -72,7 +63,7 @@ std::tuple<Tensor, Tensor> rotary(const Tensor& q, const Tensor& k, const Tensor
       p->pos_stride_s = pos.stride(1);
     }
     p->interleaved = interleaved;
-    p->backward = backward;
+    p->backward = kBackward;
   }
   fill_params(pq, qc, qo);
   fill_params(pk, kc, ko);
@@ -80,21 +71,8 @@ std::tuple<Tensor, Tensor> rotary(const Tensor& q, const Tensor& k, const Tensor
   return {qo, ko};
 }
 
-std::tuple<Tensor, Tensor> rotary_fwd(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
-                                      const std::optional<Tensor>& position_ids, bool interleaved) {
-  return rotary(q, k, cos, sin, position_ids, interleaved, /*backward=*/false);
-}
-
-std::tuple<Tensor, Tensor> rotary_bwd(const Tensor& dq, const Tensor& dk, const Tensor& cos, const Tensor& sin,
-                                      const std::optional<Tensor>& position_ids, bool interleaved) {
-  return rotary(dq, dk, cos, sin, position_ids, interleaved, /*backward=*/true);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(titan, CPU, m) {
-  m.impl("rotary_fwd_native", &rotary_fwd);
-  m.impl("rotary_bwd_native", &rotary_bwd);
-}
+TORCH_LIBRARY_IMPL(titan, CPU, m) { register_rotary<&rotary<false>, &rotary<true>>(m); }
 
 }  // namespace titan::cpu

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "../op_checks.h"
+#include "../op_registration.h"
 #include "kernels.h"
 #include "tensor_rows.h"
 
@@ -32,14 +33,11 @@ bool fill(SwigluParams& p, const Tensor& gate, const Tensor& up, const Tensor* d
   p.N = gate.size(-1);
   p.M = p.N == 0 ? 0 : gate.numel() / p.N;
   if (gate.numel() == 0) return false;
-  views[0] = rows_view(gate, p.g_rows);
-  views[1] = rows_view(up, p.u_rows);
-  p.g = views[0].const_data_ptr();
-  p.u = views[1].const_data_ptr();
+  views[0] = rows_view(gate, p.g);
+  views[1] = rows_view(up, p.u);
   p.contiguous = views[0].is_contiguous() && views[1].is_contiguous();
   if (dy != nullptr) {
-    views[2] = rows_view(*dy, p.dy_rows);
-    p.dy = views[2].const_data_ptr();
+    views[2] = rows_view(*dy, p.dy);
     p.contiguous = p.contiguous && views[2].is_contiguous();
   }
   return true;
@@ -71,20 +69,8 @@ std::tuple<Tensor, Tensor> swiglu_clamped_bwd(const Tensor& dy, const Tensor& ga
   return {dg, du};
 }
 
-// The plain SwiGLU: alpha 1, no limit, up_offset 0 (the kernels then run their plain spans).
-Tensor swiglu_fwd(const Tensor& gate, const Tensor& up) { return swiglu_clamped_fwd(gate, up, 1.0, std::nullopt, 0.0); }
-
-std::tuple<Tensor, Tensor> swiglu_bwd(const Tensor& dy, const Tensor& gate, const Tensor& up) {
-  return swiglu_clamped_bwd(dy, gate, up, 1.0, std::nullopt, 0.0);
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(titan, CPU, m) {
-  m.impl("swiglu_fwd_native", &swiglu_fwd);
-  m.impl("swiglu_bwd_native", &swiglu_bwd);
-  m.impl("swiglu_clamped_fwd_native", &swiglu_clamped_fwd);
-  m.impl("swiglu_clamped_bwd_native", &swiglu_clamped_bwd);
-}
+TORCH_LIBRARY_IMPL(titan, CPU, m) { register_swiglu<&swiglu_clamped_fwd, &swiglu_clamped_bwd>(m); }
 
 }  // namespace titan::cpu

@@ -51,13 +51,13 @@ inline bool make_row_indexer(const at::Tensor& t, RowIndexer& out) {
 }
 
 // t itself when its rows can be read in place (unit stride in the last dim, indexable leading
-// dims), else a contiguous copy; `rows` is filled for the returned tensor.
-inline at::Tensor rows_view(const at::Tensor& t, RowIndexer& rows) {
+// dims), else a contiguous copy; `in` is filled for the returned tensor, which must outlive the kernel.
+inline at::Tensor rows_view(const at::Tensor& t, RowsIn& in) {
   const bool inner_ok = t.size(-1) <= 1 || t.stride(-1) == 1;
-  if (inner_ok && make_row_indexer(t, rows)) return t;
-  at::Tensor c = t.contiguous();
-  TORCH_INTERNAL_ASSERT(make_row_indexer(c, rows));
-  return c;
+  at::Tensor v = inner_ok && make_row_indexer(t, in.rows) ? t : t.contiguous();
+  if (!v.is_same(t)) TORCH_INTERNAL_ASSERT(make_row_indexer(v, in.rows));
+  in.data = v.const_data_ptr();
+  return v;
 }
 
 }  // namespace titan::cpu

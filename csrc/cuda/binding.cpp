@@ -3,15 +3,14 @@
 // Contracts as the CPU implementations (csrc/cpu/rms_norm.cpp, csrc/cpu/rotary.cpp).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cmath>
 #include <tuple>
 
-#include "../op_checks.h"
+#include "../op_prologue.h"
+#include "../op_registration.h"
 #include "titan_cuda.h"
 
 namespace titan::cuda {
@@ -54,23 +53,14 @@ void check_launch(cudaError_t err, const char* op) {
 
 std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(const Tensor& x, const std::optional<Tensor>& residual,
                                                      const std::optional<Tensor>& weight, double eps) {
-  check_rms_norm_fwd(x, residual, weight, eps);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t N = x.size(-1);
-  Tensor y = at::empty(x.sizes(), x.options());
-  Tensor h = residual.has_value() ? at::empty(x.sizes(), x.options()) : Tensor();
-  Tensor rstd = at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(at::kFloat));
-  const int64_t M = rstd.numel();
-  if (M == 0) return {y, h, rstd};
-  if (N == 0) {  // an empty row: sum of squares 0, as the CPU and Triton kernels define it
-    rstd.fill_(1.0 / std::sqrt(eps));
-    return {y, h, rstd};
-  }
+  auto [y, h, rstd, done] = rms_norm_fwd_outputs(x, residual, weight, eps);
+  if (done) return {y, h, rstd};
   const Tensor x2 = rows2d(x);
   RmsNormFwdArgs a;
   a.dtype = dtype_of(x);
-  a.M = M;
-  a.N = N;
+  a.M = rstd.numel();
+  a.N = x.size(-1);
   a.eps = static_cast<float>(eps);
   a.x = x2.const_data_ptr();
   a.x_row_stride = x2.stride(0);
@@ -95,30 +85,23 @@ std::tuple<Tensor, Tensor, Tensor> rms_norm_fwd_cuda(const Tensor& x, const std:
 std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(const Tensor& dy, const Tensor& x, const std::optional<Tensor>& weight,
                                              const Tensor& rstd, const std::optional<Tensor>& dresidual,
                                              bool compute_dweight) {
-  check_rms_norm_bwd(dy, x, weight, rstd, dresidual);
   const c10::cuda::CUDAGuard guard(x.device());
-  const int64_t N = x.size(-1);
-  const int64_t M = rstd.numel();
-  const bool want_dw = compute_dweight && weight.has_value();
-  Tensor dx = at::empty(x.sizes(), x.options());
-  if (M == 0 || N == 0) {
-    if (dresidual.has_value()) dx.copy_(*dresidual);
-    return {dx, want_dw ? at::zeros({N}, weight->options()) : Tensor()};
-  }
+  auto [dx, dw, want_dw, done] = rms_norm_bwd_outputs(dy, x, weight, rstd, dresidual, compute_dweight);
+  if (done) return {dx, dw};
   const Tensor dy2 = rows2d(dy);
   const Tensor x2 = rows2d(x);
   const Tensor rs = rstd.contiguous();
   RmsNormBwdArgs a;
   a.dtype = dtype_of(x);
-  a.M = M;
-  a.N = N;
+  a.M = rstd.numel();
+  a.N = x.size(-1);
   a.dy = dy2.const_data_ptr();
   a.dy_row_stride = dy2.stride(0);
   a.x = x2.const_data_ptr();
   a.x_row_stride = x2.stride(0);
   a.rstd = rs.const_data_ptr<float>();
   a.num_sms = sm_count(x.get_device());
-  Tensor dr2, w, dw, ws;
+  Tensor dr2, w, ws;
   if (dresidual.has_value()) {
     dr2 = rows2d(*dresidual);
     a.dresidual = dr2.const_data_ptr();
@@ -131,7 +114,7 @@ std::tuple<Tensor, Tensor> rms_norm_bwd_cuda(const Tensor& dy, const Tensor& x, 
   }
   if (want_dw) {
     // Written in w's dtype (float32 or x's), returned in weight's.
-    dw = at::empty({N}, w.options());
+    dw = at::empty({a.N}, w.options());
     a.dweight = dw.mutable_data_ptr();
     ws = at::empty({rms_norm_bwd_workspace(a)}, x.options().dtype(at::kFloat));
   }
@@ -155,63 +138,42 @@ RotaryTensor rotary_tensor(const Tensor& x, Tensor& out) {
   return t;
 }
 
+template <bool kBackward>
 std::tuple<Tensor, Tensor> rotary_cuda(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
-                                       const std::optional<Tensor>& position_ids, bool interleaved, bool backward) {
-  check_rotary(q, k, cos, sin, position_ids);
+                                       const std::optional<Tensor>& position_ids, bool interleaved) {
   const c10::cuda::CUDAGuard guard(q.device());
-  Tensor qo = at::empty(q.sizes(), q.options());
-  Tensor ko = at::empty(k.sizes(), k.options());
-  if (q.size(0) * q.size(1) == 0 || q.size(3) == 0) return {qo, ko};
-  auto unit_inner = [](const Tensor& t) { return (t.size(-1) <= 1 || t.stride(-1) == 1) ? t : t.contiguous(); };
-  const Tensor qc = unit_inner(q);
-  const Tensor kc = unit_inner(k);
-  Tensor cf = cos.to(at::kFloat);
-  Tensor sf = sin.to(at::kFloat);
-  const int64_t R = cf.size(1);
-  if (R > 1 && (cf.stride(1) != 1 || sf.strides() != cf.strides())) {
-    cf = cf.contiguous();
-    sf = sf.contiguous();
-  }
+  auto [qo, ko, done] = rotary_outputs(q, k, cos, sin, position_ids);
+  if (done) return {qo, ko};
+  const Tensor qc = rotary_unit_inner(q);
+  const Tensor kc = rotary_unit_inner(k);
+  const auto [cf, sf] = rotary_tables(cos, sin);
   RotaryArgs a;
   a.batch = q.size(0);
   a.seq = q.size(1);
   a.head_dim = q.size(3);
-  a.half = R;
+  a.half = cf.size(1);
   a.cos = cf.const_data_ptr<float>();
   a.sin = sf.const_data_ptr<float>();
   a.cs_stride = cf.stride(0);
   a.max_positions = cf.size(0);
-  Tensor pos;
-  if (position_ids.has_value()) {
-    pos = position_ids->to(at::kLong).expand({a.batch, a.seq});
+  const Tensor pos = rotary_positions(position_ids, a.batch, a.seq);
+  if (pos.defined()) {
     a.pos = pos.const_data_ptr<int64_t>();
     a.pos_stride_b = pos.stride(0);
     a.pos_stride_s = pos.stride(1);
   }
   a.interleaved = interleaved;
-  a.backward = backward;
+  a.backward = kBackward;
   check_launch(rotary(a, rotary_tensor(qc, qo), rotary_tensor(kc, ko), c10::cuda::getCurrentCUDAStream()),
-               backward ? "rotary_bwd_native" : "rotary_fwd_native");
+               kBackward ? "rotary_bwd_native" : "rotary_fwd_native");
   return {qo, ko};
-}
-
-std::tuple<Tensor, Tensor> rotary_fwd_cuda(const Tensor& q, const Tensor& k, const Tensor& cos, const Tensor& sin,
-                                           const std::optional<Tensor>& position_ids, bool interleaved) {
-  return rotary_cuda(q, k, cos, sin, position_ids, interleaved, /*backward=*/false);
-}
-
-std::tuple<Tensor, Tensor> rotary_bwd_cuda(const Tensor& dq, const Tensor& dk, const Tensor& cos, const Tensor& sin,
-                                           const std::optional<Tensor>& position_ids, bool interleaved) {
-  return rotary_cuda(dq, dk, cos, sin, position_ids, interleaved, /*backward=*/true);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(titan, CUDA, m) {
-  m.impl("rms_norm_fwd_native", &rms_norm_fwd_cuda);
-  m.impl("rms_norm_bwd_native", &rms_norm_bwd_cuda);
-  m.impl("rotary_fwd_native", &rotary_fwd_cuda);
-  m.impl("rotary_bwd_native", &rotary_bwd_cuda);
+  register_rms_norm<&rms_norm_fwd_cuda, &rms_norm_bwd_cuda>(m);
+  register_rotary<&rotary_cuda<false>, &rotary_cuda<true>>(m);
 }
 
 }  // namespace titan::cuda
