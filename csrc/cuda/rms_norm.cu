@@ -116,16 +116,24 @@ __global__ void __launch_bounds__(block_threads<TPR>(), min_blocks<TPR>()) rms_n
     store_normed<T, VEC>(y, load_pack<T, VEC>(src + i * VEC), rstd, a.weight, w_float, i * VEC);
 }
 
+// The backward's operands of one pack as float32: dy, x and (false without a weight) the weights.
+template <typename T, int VEC>
+__device__ __forceinline__ bool load_dy_x_w(const Pack<T, VEC>& dyp, const Pack<T, VEC>& xp, const void* w,
+                                            bool w_float, int64_t off, float (&d)[VEC], float (&xf)[VEC],
+                                            float (&wf)[VEC]) {
+  to_float(dyp, d);
+  to_float(xp, xf);
+  if (w == nullptr) return false;
+  load_weight<T, VEC>(w, w_float, off, wf);
+  return true;
+}
+
 // sum over the pack of g * x, with g = dy * w
 template <typename T, int VEC>
 __device__ __forceinline__ float dot_gx(const Pack<T, VEC>& dyp, const Pack<T, VEC>& xp, const void* w, bool w_float,
                                         int64_t off) {
-  float d[VEC], xf[VEC];
-  to_float(dyp, d);
-  to_float(xp, xf);
-  if (w != nullptr) {
-    float wf[VEC];
-    load_weight<T, VEC>(w, w_float, off, wf);
+  float d[VEC], xf[VEC], wf[VEC];
+  if (load_dy_x_w<T, VEC>(dyp, xp, w, w_float, off, d, xf, wf)) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) d[j] *= wf[j];
   }
@@ -140,12 +148,8 @@ template <typename T, int VEC>
 __device__ __forceinline__ void grad_pack(const Pack<T, VEC>& dyp, const Pack<T, VEC>& xp, const void* w, bool w_float,
                                           const T* dr, T* dx, int64_t off, float k1, float k2, bool want_dw,
                                           float (&acc)[VEC]) {
-  float d[VEC], xf[VEC], o[VEC];
-  to_float(dyp, d);
-  to_float(xp, xf);
-  if (w != nullptr) {
-    float wf[VEC];
-    load_weight<T, VEC>(w, w_float, off, wf);
+  float d[VEC], xf[VEC], wf[VEC], o[VEC];
+  if (load_dy_x_w<T, VEC>(dyp, xp, w, w_float, off, d, xf, wf)) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) o[j] = (d[j] * wf[j] - xf[j] * k2) * k1;
   } else {

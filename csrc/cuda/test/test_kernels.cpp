@@ -123,6 +123,18 @@ std::vector<double> values(const HostBuf& b, size_t n) {
   return v;
 }
 
+// The fields the RMSNorm forward and backward arguments share: dtype, sizes and a weight of x's dtype.
+template <typename Args>
+Args rms_norm_args(DType t, int64_t M, int64_t N, const void* weight) {
+  Args a;
+  a.dtype = t;
+  a.M = M;
+  a.N = N;
+  a.weight = weight;
+  a.weight_dtype = t;
+  return a;
+}
+
 double tol_of(DType t) { return t == DType::Float ? 1e-5 : 1e-2; }
 const char* name_of(DType t) { return t == DType::Float ? "f32" : "bf16"; }
 
@@ -157,31 +169,21 @@ void test_rms_norm(DType t, int64_t M, int64_t N, int64_t pad, int num_sms, std:
   const int es = t == DType::Float ? 4 : 2;
   DevBuf dX(x), dR(r), dDY(dy), dDR(dres), dW(w), dY(M * N * es), dH(M * N * es), dRSTD(M * 4), dDX(M * N * es),
       dDW(N * es);
-  titan::cuda::RmsNormFwdArgs fa;
-  fa.dtype = t;
-  fa.M = M;
-  fa.N = N;
+  auto fa = rms_norm_args<titan::cuda::RmsNormFwdArgs>(t, M, N, dW.p);
   fa.eps = static_cast<float>(eps);
   fa.x = dX.p;
   fa.x_row_stride = ld;
   fa.residual = dR.p;
   fa.residual_row_stride = ld;
-  fa.weight = dW.p;
-  fa.weight_dtype = t;
   fa.y = dY.p;
   fa.h = dH.p;
   fa.rstd = static_cast<float*>(dRSTD.p);
   CUDA_OK(titan::cuda::rms_norm_fwd(fa, nullptr));
-  titan::cuda::RmsNormBwdArgs ba;
-  ba.dtype = t;
-  ba.M = M;
-  ba.N = N;
+  auto ba = rms_norm_args<titan::cuda::RmsNormBwdArgs>(t, M, N, dW.p);
   ba.dy = dDY.p;
   ba.dy_row_stride = ld;
   ba.x = dH.p;
   ba.x_row_stride = N;
-  ba.weight = dW.p;
-  ba.weight_dtype = t;
   ba.rstd = static_cast<const float*>(dRSTD.p);
   ba.dresidual = dDR.p;
   ba.dresidual_row_stride = ld;
