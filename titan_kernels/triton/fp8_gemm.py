@@ -23,13 +23,12 @@ use); with True, Triton's default (promote only at the end) is used.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
+from titan_kernels.triton.persistent import num_programs
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -157,17 +156,6 @@ _fp8_gemm_tma_kernel_tuned = triton.autotune(_cuda_configs(True), key=_KEY + ["O
 # ----------------------------------------------------------------------------- launcher
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_programs(device: torch.device, n_tiles: int) -> int:
-    if device.type == "cuda":
-        return max(1, min(n_tiles, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
-    return max(1, min(n_tiles, 4))
-
-
 def tma_supported(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
     """Whether the TMA kernel can take these operands on this GPU: sm_90+, triton with host tensor
     descriptors, and 16-byte-aligned rows (K % 16 == 0 for fp8, N * out bytes % 16 == 0)."""
@@ -222,7 +210,7 @@ def fp8_gemm(a, b, a_scale, b_scale, out_dtype, bias, use_fast_accum, *, use_tma
     config = {} if tuned else _fixed_config(m, n, k)
 
     def grid(meta):
-        return (_num_programs(a.device, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
+        return (num_programs(a.device, triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])),)
 
     if use_tma:
         if TensorDescriptor is None:

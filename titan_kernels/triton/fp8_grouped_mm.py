@@ -32,12 +32,13 @@ import triton
 import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
+from titan_kernels.triton.persistent import num_programs
 from titan_kernels.reference.fp8 import FP8_MAX
 from titan_kernels.triton.fp8_quantize import (
     _FORMAT, _nanmax, _reduce_nanmax, _scale_from_amax, _to_fp8_grid, fp8_quantize,
 )
 from titan_kernels.triton.grouped_mm import (
-    _dw_tile, _dw_tile_acc, _num_programs, _queue_tile_ranges, _tile_acc, interpret_config, row_starts, tile_queue,
+    _dw_tile, _dw_tile_acc, _queue_tile_ranges, _tile_acc, interpret_config, row_starts, tile_queue,
     zero_rows_from,
 )
 
@@ -211,7 +212,7 @@ def gmm_dw(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
     starts = row_starts(offsets).to(torch.int32)
     sa = sa if sa.stride(1) == 1 else sa.contiguous()
     sb = sb if sb.stride(1) == 1 else sb.contiguous()
-    grid = (_num_programs(a.device, e * triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"])),)
+    grid = (num_programs(a.device, e * triton.cdiv(k, cfg["BLOCK_K"]) * triton.cdiv(n, cfg["BLOCK_N"])),)
     _fp8_gmm_dw_kernel[grid](a, b, dw, sa, sb, offsets, starts, e, k, n,
                              a.stride(0), a.stride(1), b.stride(0), b.stride(1), dw.stride(0), dw.stride(1),
                              sa.stride(0), sb.stride(0), **cfg)

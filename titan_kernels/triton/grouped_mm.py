@@ -25,13 +25,12 @@ Row offsets are int64. Fixed configs (no autotuning yet): 128x128x64 at 8 warps 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
+from titan_kernels.triton.persistent import num_programs
 
 try:  # host-side TMA descriptors (triton >= 3.4)
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -213,17 +212,6 @@ def _zero_rows_kernel(Y, OFFS, E, T, N, stride_ym, BLOCK_M: tl.constexpr, BLOCK_
 # ----------------------------------------------------------------------------- launchers
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_programs(device: torch.device, bound: int) -> int:
-    if device.type == "cuda":
-        return max(1, min(bound, _sm_count(device.index if device.index is not None else torch.cuda.current_device())))
-    return max(1, min(bound, 4))
-
-
 def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
@@ -278,7 +266,7 @@ def tile_queue(offsets: torch.Tensor, t: int, n: int, cfg: dict, device: torch.d
     the tiles from above without a host sync: each group adds at most one partial row block."""
     e = offsets.shape[0]
     bm, tiles_n = cfg["BLOCK_M"], triton.cdiv(n, cfg["BLOCK_N"])
-    grid = (_num_programs(device, (triton.cdiv(t, bm) + e) * tiles_n),)
+    grid = (num_programs(device, (triton.cdiv(t, bm) + e) * tiles_n),)
     return grid, _schedule(offsets, bm, tiles_n), max(16, triton.next_power_of_2(e))
 
 
@@ -337,7 +325,7 @@ def grouped_mm_bwd(dy, x, w, offsets, need_dx: bool = True, need_dw: bool = True
             bk, bn = cfg["BLOCK_K"] if triton_interpret() else 64, cfg["BLOCK_N"]
             cfg = dict(cfg, BLOCK_K=bk)
             starts = row_starts(offsets).to(torch.int32)
-            grid = (_num_programs(x.device, e * triton.cdiv(k, bk) * triton.cdiv(n, bn)),)
+            grid = (num_programs(x.device, e * triton.cdiv(k, bk) * triton.cdiv(n, bn)),)
             _gmm_dw_kernel[grid](x, dy, dw, offsets, starts, e, k, n,
                                  x.stride(0), x.stride(1), dy.stride(0), dy.stride(1), dw.stride(0), dw.stride(1),
                                  PRECISION=_precision(x.dtype), DOT_F32=_dot_f32(x.dtype), **cfg)

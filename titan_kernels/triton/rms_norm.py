@@ -17,8 +17,41 @@ import triton
 import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
+from titan_kernels.triton.persistent import num_programs
 
 MAX_BLOCK_N = 16384
+
+
+@triton.jit
+def _load_tile(P, rows, cols, stride_m, stride_n, mask):
+    """The (rows, cols) tile of a strided 2-D tensor in its storage dtype, 0 where masked."""
+    return tl.load(P + rows[:, None] * stride_m + cols[None, :] * stride_n, mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_weight(W, cols, N):
+    return tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _fwd_input(X, R, H, rows, cols, mask, N, stride_xm, stride_xn, stride_rm, stride_rn, HAS_RES: tl.constexpr):
+    """The tile to normalize: x, or h = x + residual (stored to H)."""
+    x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask)
+    if HAS_RES:
+        r = _load_tile(R, rows, cols, stride_rm, stride_rn, mask)
+        # Round the sum to the storage dtype first, exactly as unfused `rms_norm(x + residual)`.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
+        tl.store(H + rows[:, None] * N + cols[None, :], x, mask=mask)
+    return x
+
+
+@triton.jit
+def _store_normalized(Y, W, xf, rstd, rows, cols, mask, N, HAS_W: tl.constexpr):
+    """y = xf * rstd (* w) stored to the contiguous Y."""
+    y = xf * rstd[:, None]
+    if HAS_W:
+        y = y * _load_weight(W, cols, N)[None, :]
+    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -35,33 +68,18 @@ def _rms_norm_fwd_kernel(
     if ONE_PASS:
         cols = tl.arange(0, BLOCK_N)
         mask = rmask[:, None] & (cols < N)[None, :]
-        x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-        if HAS_RES:
-            r = tl.load(R + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-            # Round the sum to the storage dtype first, exactly as unfused `rms_norm(x + residual)`.
-            h = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
-            tl.store(H + rows[:, None] * N + cols[None, :], h, mask=mask)
-            x = h
-        xf = x.to(tl.float32)
+        xf = _fwd_input(X, R, H, rows, cols, mask, N, stride_xm, stride_xn, stride_rm, stride_rn,
+                        HAS_RES).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / N + eps)
         tl.store(RSTD + rows, rstd, mask=rmask)
-        y = xf * rstd[:, None]
-        if HAS_W:
-            w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-            y = y * w[None, :]
-        tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        _store_normalized(Y, W, xf, rstd, rows, cols, mask, N, HAS_W)
     else:
         acc = tl.zeros([BLOCK_M], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = rmask[:, None] & (cols < N)[None, :]
-            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-            if HAS_RES:
-                r = tl.load(R + rows[:, None] * stride_rm + cols[None, :] * stride_rn, mask=mask, other=0.0)
-                h = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
-                tl.store(H + rows[:, None] * N + cols[None, :], h, mask=mask)
-                x = h
-            xf = x.to(tl.float32)
+            xf = _fwd_input(X, R, H, rows, cols, mask, N, stride_xm, stride_xn, stride_rm, stride_rn,
+                            HAS_RES).to(tl.float32)
             acc += tl.sum(xf * xf, axis=1)
         rstd = tl.rsqrt(acc / N + eps)
         tl.store(RSTD + rows, rstd, mask=rmask)
@@ -69,14 +87,19 @@ def _rms_norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             mask = rmask[:, None] & (cols < N)[None, :]
             if HAS_RES:
-                x = tl.load(H + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
+                x = _load_tile(H, rows, cols, N, 1, mask)
             else:
-                x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0)
-            y = x.to(tl.float32) * rstd[:, None]
-            if HAS_W:
-                w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)
-                y = y * w[None, :]
-            tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask)
+            _store_normalized(Y, W, x.to(tl.float32), rstd, rows, cols, mask, N, HAS_W)
+
+
+@triton.jit
+def _store_dx(DX, DRES, g, xhat, c, rstd, rows, cols, mask, N, stride_drm, stride_drn, HAS_DRES: tl.constexpr):
+    """dx = (g - xhat * c) * rstd (+ dresidual) stored to the contiguous DX."""
+    dx = (g - xhat * c[:, None]) * rstd[:, None]
+    if HAS_DRES:
+        dx += _load_tile(DRES, rows, cols, stride_drm, stride_drn, mask).to(tl.float32)
+    tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -93,14 +116,14 @@ def _rms_norm_bwd_kernel(
         cols = tl.arange(0, BLOCK_N)
         cmask = cols < N
         if HAS_W:
-            w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+            w = _load_weight(W, cols, N)
         dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for tile in range(pid, n_tiles, n_progs):
             rows = tl.arange(0, BLOCK_M).to(tl.int64) + tile * BLOCK_M  # row count < 2^31; offsets are int64
             rmask = rows < M
             mask = rmask[:, None] & cmask[None, :]
-            dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+            dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+            x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
             xhat = x * rstd[:, None]
             if HAS_W:
@@ -108,10 +131,7 @@ def _rms_norm_bwd_kernel(
             else:
                 g = dy
             c = tl.sum(g * xhat, axis=1) / N
-            dx = (g - xhat * c[:, None]) * rstd[:, None]
-            if HAS_DRES:
-                dx += tl.load(DRES + rows[:, None] * stride_drm + cols[None, :] * stride_drn, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            _store_dx(DX, DRES, g, xhat, c, rstd, rows, cols, mask, N, stride_drm, stride_drn, HAS_DRES)
             if COMPUTE_DW:
                 dw_acc += tl.sum(dy * xhat, axis=0)
         if COMPUTE_DW:
@@ -125,27 +145,24 @@ def _rms_norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = rmask[:, None] & (cols < N)[None, :]
-                dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
                 if HAS_W:
-                    dy = dy * tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+                    dy = dy * _load_weight(W, cols, N)[None, :]
                 acc += tl.sum(dy * x, axis=1)
             c = acc * rstd / N
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 cmask = cols < N
                 mask = rmask[:, None] & cmask[None, :]
-                dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-                x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xn, mask=mask, other=0.0).to(tl.float32)
+                dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
                 xhat = x * rstd[:, None]
                 if HAS_W:
-                    g = dy * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+                    g = dy * _load_weight(W, cols, N)[None, :]
                 else:
                     g = dy
-                dx = (g - xhat * c[:, None]) * rstd[:, None]
-                if HAS_DRES:
-                    dx += tl.load(DRES + rows[:, None] * stride_drm + cols[None, :] * stride_drn, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+                _store_dx(DX, DRES, g, xhat, c, rstd, rows, cols, mask, N, stride_drm, stride_drn, HAS_DRES)
                 if COMPUTE_DW:
                     # This program owns row `pid` of the partial buffer: read-modify-write, no atomics.
                     p = DWP + pid.to(tl.int64) * N + cols
@@ -169,10 +186,7 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _num_programs(device: torch.device, n_tiles: int) -> int:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(n_tiles, 2 * sms))
-    return max(1, min(n_tiles, 4))
+    return num_programs(device, n_tiles, per_sm=2)  # two resident programs per SM hide the reduction
 
 
 def _launchable(kernel, wrap):
