@@ -18,14 +18,9 @@ import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
 from titan_kernels.triton.persistent import num_programs
+from titan_kernels.triton.tile_io import load_2d, store_rows
 
 MAX_BLOCK_N = 16384
-
-
-@triton.jit
-def _load_tile(P, rows, cols, stride_m, stride_n, mask):
-    """The (rows, cols) tile of a strided 2-D tensor in its storage dtype, 0 where masked."""
-    return tl.load(P + rows[:, None] * stride_m + cols[None, :] * stride_n, mask=mask, other=0.0)
 
 
 @triton.jit
@@ -36,12 +31,12 @@ def _load_weight(W, cols, N):
 @triton.jit
 def _fwd_input(X, R, H, rows, cols, mask, N, stride_xm, stride_xn, stride_rm, stride_rn, HAS_RES: tl.constexpr):
     """The tile to normalize: x, or h = x + residual (stored to H)."""
-    x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask)
+    x = load_2d(X, rows, cols, stride_xm, stride_xn, mask)
     if HAS_RES:
-        r = _load_tile(R, rows, cols, stride_rm, stride_rn, mask)
+        r = load_2d(R, rows, cols, stride_rm, stride_rn, mask)
         # Round the sum to the storage dtype first, exactly as unfused `rms_norm(x + residual)`.
         x = (x.to(tl.float32) + r.to(tl.float32)).to(H.dtype.element_ty)
-        tl.store(H + rows[:, None] * N + cols[None, :], x, mask=mask)
+        store_rows(H, rows, cols, N, x, mask)
     return x
 
 
@@ -51,7 +46,7 @@ def _store_normalized(Y, W, xf, rstd, rows, cols, mask, N, HAS_W: tl.constexpr):
     y = xf * rstd[:, None]
     if HAS_W:
         y = y * _load_weight(W, cols, N)[None, :]
-    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    store_rows(Y, rows, cols, N, y, mask)
 
 
 @triton.jit
@@ -87,9 +82,9 @@ def _rms_norm_fwd_kernel(
             cols = start + tl.arange(0, BLOCK_N)
             mask = rmask[:, None] & (cols < N)[None, :]
             if HAS_RES:
-                x = _load_tile(H, rows, cols, N, 1, mask)
+                x = load_2d(H, rows, cols, N, 1, mask)
             else:
-                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask)
+                x = load_2d(X, rows, cols, stride_xm, stride_xn, mask)
             _store_normalized(Y, W, x.to(tl.float32), rstd, rows, cols, mask, N, HAS_W)
 
 
@@ -98,8 +93,8 @@ def _store_dx(DX, DRES, g, xhat, c, rstd, rows, cols, mask, N, stride_drm, strid
     """dx = (g - xhat * c) * rstd (+ dresidual) stored to the contiguous DX."""
     dx = (g - xhat * c[:, None]) * rstd[:, None]
     if HAS_DRES:
-        dx += _load_tile(DRES, rows, cols, stride_drm, stride_drn, mask).to(tl.float32)
-    tl.store(DX + rows[:, None] * N + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        dx += load_2d(DRES, rows, cols, stride_drm, stride_drn, mask).to(tl.float32)
+    store_rows(DX, rows, cols, N, dx, mask)
 
 
 @triton.jit
@@ -122,8 +117,8 @@ def _rms_norm_bwd_kernel(
             rows = tl.arange(0, BLOCK_M).to(tl.int64) + tile * BLOCK_M  # row count < 2^31; offsets are int64
             rmask = rows < M
             mask = rmask[:, None] & cmask[None, :]
-            dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
-            x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
+            dy = load_2d(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+            x = load_2d(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
             rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
             xhat = x * rstd[:, None]
             if HAS_W:
@@ -145,8 +140,8 @@ def _rms_norm_bwd_kernel(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 mask = rmask[:, None] & (cols < N)[None, :]
-                dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
-                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
+                dy = load_2d(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+                x = load_2d(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
                 if HAS_W:
                     dy = dy * _load_weight(W, cols, N)[None, :]
                 acc += tl.sum(dy * x, axis=1)
@@ -155,8 +150,8 @@ def _rms_norm_bwd_kernel(
                 cols = start + tl.arange(0, BLOCK_N)
                 cmask = cols < N
                 mask = rmask[:, None] & cmask[None, :]
-                dy = _load_tile(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
-                x = _load_tile(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
+                dy = load_2d(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+                x = load_2d(X, rows, cols, stride_xm, stride_xn, mask).to(tl.float32)
                 xhat = x * rstd[:, None]
                 if HAS_W:
                     g = dy * _load_weight(W, cols, N)[None, :]

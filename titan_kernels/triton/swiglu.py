@@ -32,8 +32,25 @@ import triton.language as tl
 
 from titan_kernels.triton import triton_interpret
 from titan_kernels.reference.swiglu import is_plain
+from titan_kernels.triton.tile_io import load_2d, store_rows
 
 MAX_BLOCK_N = 2048
+
+
+@triton.jit
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows and columns (int64) and their (rows, cols) mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
+    return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
+
+
+@triton.jit
+def _clamp(g, u, limit):
+    """The variant's clamps: min(g, limit) and clamp(u, -limit, limit), as selects (NaN propagates)."""
+    g = tl.where(g > limit, limit, g)
+    u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+    return g, u
 
 
 @triton.jit
@@ -44,20 +61,17 @@ def _swiglu_fwd_kernel(
     alpha, limit, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    g = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    g = load_2d(G, rows, cols, stride_gm, stride_gn, mask).to(tl.float32)
+    u = load_2d(U, rows, cols, stride_um, stride_un, mask).to(tl.float32)
     if CLAMPED:
-        g = tl.where(g > limit, limit, g)
-        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+        g, u = _clamp(g, u, limit)
         s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
         y = g * s * (u + up_offset)
     else:
         s = 1.0 / (1.0 + tl.exp(-g))
         y = g * s * u
-    tl.store(Y + rows[:, None] * N + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    store_rows(Y, rows, cols, N, y, mask)
 
 
 @triton.jit
@@ -68,19 +82,16 @@ def _swiglu_bwd_kernel(
     alpha, limit, up_offset,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CLAMPED: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    mask = (rows < M)[:, None] & (cols < N)[None, :]
-    dy = tl.load(DY + rows[:, None] * stride_dym + cols[None, :] * stride_dyn, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + rows[:, None] * stride_gm + cols[None, :] * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + rows[:, None] * stride_um + cols[None, :] * stride_un, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = _tile(M, N, BLOCK_M, BLOCK_N)
+    dy = load_2d(DY, rows, cols, stride_dym, stride_dyn, mask).to(tl.float32)
+    g = load_2d(G, rows, cols, stride_gm, stride_gn, mask).to(tl.float32)
+    u = load_2d(U, rows, cols, stride_um, stride_un, mask).to(tl.float32)
     if CLAMPED:
         # Where the gradient passes each clamp; limit +inf (no limit) passes everything, NaN included.
         no_limit = limit == float("inf")
         pass_g = (g <= limit) | no_limit
         pass_u = ((u >= -limit) & (u <= limit)) | no_limit
-        g = tl.where(g > limit, limit, g)
-        u = tl.where(u > limit, limit, tl.where(u < -limit, -limit, u))
+        g, u = _clamp(g, u, limit)
         s = 1.0 / (1.0 + tl.exp(-(alpha * g)))
         # sw'(g) = s * (1 + alpha * g * (1 - s)) for sw(g) = g * sigmoid(alpha * g)
         dg = tl.where(pass_g, dy * (u + up_offset) * (s * (1.0 + alpha * g * (1.0 - s))), 0.0)
