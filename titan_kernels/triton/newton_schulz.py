@@ -44,6 +44,20 @@ def _tri_index(pid):
 
 
 @triton.jit
+def _mm_acc(acc, A, B, rows, cols, M, N, K, s_am, s_ak, s_bk, s_bn, F32_DOT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc + A[rows, :K] @ B[:K, cols] in float32, masked to rows < M, cols < N and K."""
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + ks
+        a = tl.load(A + rows[:, None] * s_am + kk[None, :] * s_ak, mask=(rows < M)[:, None] & (kk < K)[None, :],
+                    other=0.0)
+        b = tl.load(B + kk[:, None] * s_bk + cols[None, :] * s_bn, mask=(kk < K)[:, None] & (cols < N)[None, :],
+                    other=0.0)
+        acc = _dot(a, b, acc, F32_DOT)
+    return acc
+
+
+@triton.jit
 def _sym_kernel(
     X, C, OUT, R, K,
     sxb, sxr, sxk, scb, scr, scc, sob, sor, soc,
@@ -55,16 +69,9 @@ def _sym_kernel(
     bz = tl.program_id(1).to(tl.int64)
     rows = ti * BLOCK + tl.arange(0, BLOCK)
     cols = tj * BLOCK + tl.arange(0, BLOCK)
-    ks = tl.arange(0, BLOCK_K)
     xb = X + bz * sxb
     acc = tl.zeros((BLOCK, BLOCK), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(xb + rows[:, None] * sxr + kk[None, :] * sxk, mask=(rows < R)[:, None] & (kk < K)[None, :],
-                    other=0.0)
-        bt = tl.load(xb + kk[:, None] * sxk + cols[None, :] * sxr, mask=(kk < K)[:, None] & (cols < R)[None, :],
-                     other=0.0)
-        acc = _dot(a, bt, acc, F32_DOT)
+    acc = _mm_acc(acc, xb, xb, rows, cols, R, R, K, sxr, sxk, sxk, sxr, F32_DOT, BLOCK_K)  # X X^T
     out = alpha * acc
     mask = (rows < R)[:, None] & (cols < R)[None, :]
     if HAS_C:
@@ -90,17 +97,9 @@ def _mm_kernel(
     bz = tl.program_id(2).to(tl.int64)
     rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    bb = Bm + bz * sbb
     xb = X + bz * sxb
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, R, BLOCK_K):
-        kk = k0 + ks
-        a = tl.load(bb + rows[:, None] * sbr + kk[None, :] * sbk, mask=(rows < R)[:, None] & (kk < R)[None, :],
-                    other=0.0)
-        x = tl.load(xb + kk[:, None] * sxr + cols[None, :] * sxc, mask=(kk < R)[:, None] & (cols < N)[None, :],
-                    other=0.0)
-        acc = _dot(a, x, acc, F32_DOT)
+    acc = _mm_acc(acc, Bm + bz * sbb, xb, rows, cols, R, N, R, sbr, sbk, sxr, sxc, F32_DOT, BLOCK_K)
     mask = (rows < R)[:, None] & (cols < N)[None, :]
     xv = tl.load(xb + rows[:, None] * sxr + cols[None, :] * sxc, mask=mask, other=0.0)
     out = acc + a_coef * xv.to(tl.float32)
