@@ -94,26 +94,43 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _reduce_acc(A, B, i, j, in_i, in_j, lo, hi, s_ai, s_ar, s_br, s_bj,
+                FP8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr, R_FIRST: tl.constexpr,
+                BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The float32 (BLOCK_I, BLOCK_J) sum over r in [lo, hi) of A[i, r] B[r, j] (element (i, r) of A at
+    i * s_ai + r * s_ar, (r, j) of B at r * s_br + j * s_bj), pointer loads with masks. ``FP8``: B read
+    as (BLOCK_J, BLOCK_R) tiles, r-contiguous for the codes fp8 wgmma reads, the tensor cores' partial
+    sums promoted to float32 once per block of r (PRECISION, DOT_F32 unused). ``R_FIRST`` adds the r
+    offsets of A and the float8 B first: the same addresses, the order each kernel compiles best with
+    (the other order costs the GEMM kernels 8 SASS instructions and the dw kernels 2 registers)."""
+    acc = tl.zeros((BLOCK_I, BLOCK_J), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        in_r = r < hi
+        if R_FIRST:
+            a = tl.load(A + r[None, :] * s_ar + i[:, None] * s_ai, mask=in_i[:, None] & in_r[None, :], other=0.0)
+        else:
+            a = tl.load(A + i[:, None] * s_ai + r[None, :] * s_ar, mask=in_i[:, None] & in_r[None, :], other=0.0)
+        if FP8:
+            if R_FIRST:
+                bt = tl.load(B + r[None, :] * s_br + j[:, None] * s_bj, mask=in_j[:, None] & in_r[None, :], other=0.0)
+            else:
+                bt = tl.load(B + j[:, None] * s_bj + r[None, :] * s_br, mask=in_j[:, None] & in_r[None, :], other=0.0)
+            acc = tl.dot(a, tl.trans(bt), acc, max_num_imprecise_acc=BLOCK_R)
+        else:
+            b = tl.load(B + r[:, None] * s_br + j[None, :] * s_bj, mask=in_r[:, None] & in_j[None, :], other=0.0)
+            acc = _dot(a, b, acc, PRECISION, DOT_F32)
+    return acc
+
+
+@triton.jit
 def _tile_acc(A, B, e, rm, rn, in_m, in_n, K, stride_am, stride_ak, stride_be, stride_bk, stride_bn,
               FP8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The float32 (BLOCK_M, BLOCK_N) product of rows rm of A and columns rn of expert e's B over K,
-    pointer loads with masks. ``FP8`` (the float8 kernel): B read as (BLOCK_N, BLOCK_K) tiles,
-    K-contiguous for column-major expert codes (the operand fp8 wgmma reads), the tensor cores'
-    partial sums promoted to float32 once per K block (PRECISION, DOT_F32 unused)."""
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    b_base = B + e.to(tl.int64) * stride_be
-    for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        in_k = rk < K
-        a = tl.load(A + rm[:, None] * stride_am + rk[None, :] * stride_ak, mask=in_m[:, None] & in_k[None, :], other=0.0)
-        if FP8:
-            bt = tl.load(b_base + rn[:, None] * stride_bn + rk[None, :] * stride_bk, mask=in_n[:, None] & in_k[None, :], other=0.0)
-            acc = tl.dot(a, tl.trans(bt), acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            b = tl.load(b_base + rk[:, None] * stride_bk + rn[None, :] * stride_bn, mask=in_k[:, None] & in_n[None, :], other=0.0)
-            acc = _dot(a, b, acc, PRECISION, DOT_F32)
-    return acc
+    """The float32 (BLOCK_M, BLOCK_N) product of rows rm of A and columns rn of expert e's B over K.
+    ``FP8`` (the float8 kernel): B K-contiguous (column-major expert codes)."""
+    return _reduce_acc(A, B + e.to(tl.int64) * stride_be, rm, rn, in_m, in_n, 0, K, stride_am, stride_ak, stride_bk,
+                       stride_bn, FP8, PRECISION, DOT_F32, False, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -121,20 +138,9 @@ def _dw_tile_acc(X, DY, rk, rn, in_k, in_n, row_start, row_end, stride_xm, strid
                  FP8: tl.constexpr, PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The float32 (BLOCK_K, BLOCK_N) product X[rows]^T @ DY[rows] over a group's rows [row_start,
-    row_end). ``FP8`` (the float8 kernel): both tiles token-contiguous for token-major codes, the
-    partial sums promoted to float32 once per row block (PRECISION, DOT_F32 unused)."""
-    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for m0 in range(row_start, row_end, BLOCK_M):
-        rm = m0 + tl.arange(0, BLOCK_M)
-        in_m = rm < row_end
-        xt = tl.load(X + rm[None, :] * stride_xm + rk[:, None] * stride_xk, mask=in_k[:, None] & in_m[None, :], other=0.0)
-        if FP8:
-            dyt = tl.load(DY + rm[None, :] * stride_dym + rn[:, None] * stride_dyn, mask=in_n[:, None] & in_m[None, :], other=0.0)
-            acc = tl.dot(xt, tl.trans(dyt), acc, max_num_imprecise_acc=BLOCK_M)
-        else:
-            dy = tl.load(DY + rm[:, None] * stride_dym + rn[None, :] * stride_dyn, mask=in_m[:, None] & in_n[None, :], other=0.0)
-            acc = _dot(xt, dy, acc, PRECISION, DOT_F32)
-    return acc
+    row_end). ``FP8`` (the float8 kernel): both tiles token-contiguous (token-major codes)."""
+    return _reduce_acc(X, DY, rk, rn, in_k, in_n, row_start, row_end, stride_xk, stride_xm, stride_dym, stride_dyn,
+                       FP8, PRECISION, DOT_F32, True, BLOCK_K, BLOCK_N, BLOCK_M)
 
 
 @triton.jit
