@@ -231,30 +231,23 @@ __global__ void __launch_bounds__(block_threads<TPR>(), min_blocks<TPR>()) rms_n
     }
   }
   if (!want_dw) return;
+  // The register sums go to the block's partial row, or first to this warp's row of shared memory
+  // when the block's warps hold sums for the same columns (warp per row).
+  float* out = TPR == 32 ? dw_smem + sub * N : dwp;
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int64_t i = lane + static_cast<int64_t>(k) * TPR;
+    if (i < nvec)
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out[i * VEC + j] = acc[k][j];
+  }
   if constexpr (TPR == 32) {
-    // The block's warps hold sums for the same columns: add them through shared memory.
-    float* mine = dw_smem + sub * N;
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int64_t i = lane + static_cast<int64_t>(k) * TPR;
-      if (i < nvec)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) mine[i * VEC + j] = acc[k][j];
-    }
     __syncthreads();
     for (int64_t c = threadIdx.x; c < N; c += blockDim.x) {
       float t = 0.f;
 #pragma unroll
       for (int w = 0; w < RPB; ++w) t += dw_smem[w * N + c];
       dwp[c] = t;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < kItems; ++k) {
-      const int64_t i = lane + static_cast<int64_t>(k) * TPR;
-      if (i < nvec)
-#pragma unroll
-        for (int j = 0; j < VEC; ++j) dwp[i * VEC + j] = acc[k][j];
     }
   }
 }
