@@ -28,9 +28,7 @@ from titan_kernels.triton.flash_attn.tiles import (
     _dot,
     _fwd_epilogue,
     _kv_range,
-    _score_mask,
-    _scores,
-    _softmax_update,
+    _softmax_step,
 )
 
 
@@ -54,10 +52,9 @@ def _fwd_inner(acc, l_i, m_i, q, k_ptrs, v_ptrs, lo, hi, rows, offs_n, mask_d, m
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
-        s, _ = _scores(_dot(q, k, None, PRECISION, DOT_F32), sm_scale, qk_scale, softcap, SOFTCAP)
-        if MASKED:
-            s = _score_mask(s, rows, cols, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
-        p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
+        p, acc, l_i, m_i = _softmax_step(_dot(q, k, None, PRECISION, DOT_F32), m_i, l_i, acc, rows, cols, len_k, diag,
+                                         qk_scale, sm_scale, softcap, left, right, chunk, MASKED, IS_CAUSAL, HAS_LEFT,
+                                         HAS_CHUNK, SOFTCAP)
         if MASKED:
             v = tl.load(v_ptrs, mask=vmask, other=0.0)
         elif EVEN_DV:

@@ -26,15 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from titan_kernels.triton.flash_attn.tiles import (
-    _AUTOTUNE_KEY,
-    _doc_offset,
-    _fwd_epilogue,
-    _kv_range,
-    _score_mask,
-    _scores,
-    _softmax_update,
-)
+from titan_kernels.triton.flash_attn.tiles import _AUTOTUNE_KEY, _doc_offset, _fwd_epilogue, _kv_range, _softmax_step
 
 # ----------------------------------------------------------------------------- kernel
 
@@ -60,11 +52,10 @@ def _fwd_step_sm90(acc, l_i, m_i, q, desc_k, desc_v, b, kvh, k_row0, start_n, ro
                    SOFTCAP: tl.constexpr, IS_VARLEN: tl.constexpr,
                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
     k = _load_block(desc_k, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM, IS_VARLEN)
-    s, _ = _scores(tl.dot(q, tl.trans(k)), sm_scale, qk_scale, softcap, SOFTCAP)
-    if MASKED:
-        # Keys past len_k may belong to the next document (varlen): always masked here.
-        s = _score_mask(s, rows, start_n + offs_n, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
-    p, acc, l_i, m_i = _softmax_update(s, m_i, l_i, acc, MASKED)
+    # Masked blocks mask keys past len_k too: in varlen they belong to the next document.
+    p, acc, l_i, m_i = _softmax_step(tl.dot(q, tl.trans(k)), m_i, l_i, acc, rows, start_n + offs_n, len_k, diag,
+                                     qk_scale, sm_scale, softcap, left, right, chunk, MASKED, IS_CAUSAL, HAS_LEFT,
+                                     HAS_CHUNK, SOFTCAP)
     v = _load_block(desc_v, k_row0 + start_n, kvh, b, BLOCK_N, HEAD_DIM_V, IS_VARLEN)
     acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, m_i

@@ -14,6 +14,8 @@ Used by the portable forward (``fwd``), the Hopper forward (``fwd_sm90``) and th
                     rescaled accumulator.
   _dot              tl.dot with the interpreter's bfloat16 workaround.
   _score_mask       -inf on scores past the sequence end or outside the mask (window, chunk).
+  _softmax_step     the forward's step on one key block (both forward kernels): _scores, _score_mask
+                    when masked, _softmax_update.
   _fwd_epilogue     Alg. 1's epilogue for the query block: O = acc / l and lse = (m + log2 l) * ln 2
                     stored; a row with no visible key gets O = 0, lse = -inf (O has v's head_dim).
   _configs, _AUTOTUNE_KEY   the autotuning configs' constructor and the key shared by the kernels.
@@ -182,6 +184,17 @@ def _score_mask(s, rows, cols, len_k, diag, left, right, chunk, IS_CAUSAL: tl.co
     valid = (cols[None, :] < len_k) & _visible(rows[:, None] + diag, cols[None, :], left, right, chunk, IS_CAUSAL,
                                                HAS_LEFT, HAS_CHUNK)
     return tl.where(valid, s, float("-inf"))
+
+
+@triton.jit
+def _softmax_step(qk, m_i, l_i, acc, rows, cols, len_k, diag, qk_scale, sm_scale, softcap, left, right, chunk,
+                  MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_CHUNK: tl.constexpr,
+                  SOFTCAP: tl.constexpr):
+    """The forward's step on the raw scores qk = q k^T of key block cols: (p, rescaled acc, l_i, m_i)."""
+    s, _ = _scores(qk, sm_scale, qk_scale, softcap, SOFTCAP)
+    if MASKED:
+        s = _score_mask(s, rows, cols, len_k, diag, left, right, chunk, IS_CAUSAL, HAS_LEFT, HAS_CHUNK)
+    return _softmax_update(s, m_i, l_i, acc, MASKED)
 
 
 @triton.jit
