@@ -16,6 +16,7 @@ from trainer.config import (
     all_keys,
     available_flavors,
     parse_args,
+    validate_config,
 )
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -77,7 +78,7 @@ def test_agreed_defaults_of_the_dataclasses():
     assert (c.activation_checkpoint.mode, c.activation_checkpoint.selective_ac_option) == ("none", "2")
     assert (c.compile.enable, c.compile.components) == (False, ["model", "loss"])
     assert c.kernels.backend == "auto"
-    c.validate()
+    validate_config(c)
 
 
 def test_list_default_is_not_shared_between_instances():
@@ -277,14 +278,14 @@ def test_validate_checks_the_types_of_a_config_built_in_code():
     c = JobConfig()
     c.training.steps = "10"
     with pytest.raises(ConfigError, match=r"--training.steps: expected an integer, got '10' \(str\)"):
-        c.validate()
+        validate_config(c)
     c = JobConfig()
     c.checkpoint.enable = 1
     with pytest.raises(ConfigError, match="--checkpoint.enable: expected true/false"):
-        c.validate()
+        validate_config(c)
     c = JobConfig()
     c.optimizer.lr = 1  # an int where a float belongs is fine
-    c.validate()
+    validate_config(c)
 
 
 def test_toml_errors(tmp_path):

@@ -20,40 +20,23 @@ The package, imports flowing one way (each module imports only those above it):
 - ``sections.py``: :class:`ConfigError` and one dataclass per ``[section]`` (defaults, help, choices);
 - ``flavors.py``: which flavors have a TOML file in ``trainer/configs/`` and where it is;
 - ``fields.py``: a field's type: converting strings and TOML values to it, writing it as TOML;
-- ``validate.py``: every value and the relations between them;
 - ``job.py``: :class:`JobConfig`, the sections together;
+- ``validate.py``: checking a configuration: every value and the relations between them
+  (:func:`validate_config`; not the validation loss, which is ``trainer.evaluate``);
 - ``cli.py``: TOML files, the command line (:func:`parse_args`) and ``--help``.
 
 Import from ``trainer.config``; the names below are its public surface. The package imports neither
 torch nor the rest of the trainer, so ``--help`` and config errors are fast.
 """
+from trainer.config import sections
 from trainer.config.cli import _HINTS, all_keys, apply_toml, help_text, parse_args
 from trainer.config.flavors import CONFIG_DIR, available_flavors, flavor_config_path
 from trainer.config.job import JobConfig
-from trainer.config.sections import (
-    ActivationCheckpoint,
-    Checkpoint,
-    Comm,
-    Compile,
-    ConfigError,
-    FaultTolerance,
-    Float8,
-    Job,
-    Kernels,
-    LRScheduler,
-    Metrics,
-    Model,
-    Optimizer,
-    Parallelism,
-    Profiling,
-    Training,
-    Validation,
-)
+from trainer.config.sections import *  # noqa: F403  (ConfigError and one dataclass per section: sections.__all__)
+from trainer.config.validate import validate_config
 
 __all__ = [
-    "CONFIG_DIR", "ConfigError", "JobConfig", "all_keys", "apply_toml", "available_flavors", "flavor_config_path",
-    "help_text", "parse_args",
-    "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job", "Kernels", "LRScheduler", "Metrics", "Model",
-    "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
+    "CONFIG_DIR", "JobConfig", "all_keys", "apply_toml", "available_flavors", "flavor_config_path", "help_text",
+    "parse_args", "validate_config", *sections.__all__,
 ]
 # _HINTS (section -> key -> type) is read by tests/test_readme.py to check the README's keys.

@@ -6,7 +6,8 @@ flavor's own ``trainer/configs/<flavor>.toml``), the command-line overrides. Eve
 one-line :class:`ConfigError` naming the key, with a did-you-mean suggestion for a misspelled one.
 
 The top of the package: imports :mod:`~trainer.config.job`, :mod:`~trainer.config.fields`,
-:mod:`~trainer.config.flavors` and :mod:`~trainer.config.sections`; nothing in the package imports it.
+:mod:`~trainer.config.flavors`, :mod:`~trainer.config.sections` and :mod:`~trainer.config.validate`;
+nothing in the package imports it.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from trainer.config.fields import check_value, field_choices, parse_str, suggest
 from trainer.config.flavors import families, family_flavors, flavor_config_path
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError
+from trainer.config.validate import validate_config
 
 # The key table: section name -> section class, and section -> key -> resolved type.
 _SECTIONS: dict[str, type] = typing.get_type_hints(JobConfig)
@@ -148,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
 
     Raises:
         ConfigError: an unknown key (with a did-you-mean suggestion), a value of the wrong type,
-            a missing value, an unreadable TOML file or a value that fails :meth:`JobConfig.validate`.
+            a missing value, an unreadable TOML file or a value that fails
+            :func:`~trainer.config.validate.validate_config`.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     wants_help = any(a in ("--help", "-h") for a in argv)
@@ -166,7 +169,7 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         hint = _HINTS[section][key]
         value = True if raw is None else parse_str(name, raw, hint)
         setattr(getattr(config, section), key, value)
-    config.validate()
+    validate_config(config)
     return config
 
 
@@ -180,7 +183,7 @@ def _base_config(config_file: str | None, flavor: str | None, model_name: str | 
         path = flavor_config_path(flavor or config.model.flavor, model_name or config.model.name)
         if path.is_file():
             apply_toml(config, path)
-        # A flavor without a file is reported by validate() with the list of known flavors.
+        # A flavor without a file is reported by validate_config() with the list of known flavors.
     if flavor is not None:
         config.model.flavor = flavor
     return config

@@ -1,9 +1,8 @@
 """``JobConfig``: the whole configuration of a training run, one field per section
-(:mod:`trainer.config.sections`), with its TOML form, the gradient-accumulation count and
-:meth:`JobConfig.validate` (:mod:`trainer.config.validate`).
+(:mod:`trainer.config.sections`), with its TOML form and the gradient-accumulation count.
 
-Imports :mod:`~trainer.config.sections`, :mod:`~trainer.config.fields` and
-:mod:`~trainer.config.validate` of the package; the command line (:mod:`trainer.config.cli`) builds on it.
+Imports :mod:`~trainer.config.sections` and :mod:`~trainer.config.fields` of the package; the checks
+(:mod:`trainer.config.validate`) and the command line (:mod:`trainer.config.cli`) build on it.
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ from trainer.config.sections import (
     Training,
     Validation,
 )
-from trainer.config.validate import validate_config
 
 
 @dataclass
@@ -87,11 +85,3 @@ class JobConfig:
                 f"local_batch_size x data-parallel degree = {t.local_batch_size} x {dp_degree} = {per_step}"
             )
         return t.global_batch_size // per_step
-
-    def validate(self) -> None:
-        """Check every value and the relations between them (:func:`trainer.config.validate.validate_config`).
-
-        Raises:
-            ConfigError: the first bad value; the message is one line naming the key.
-        """
-        validate_config(self)

@@ -9,6 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+__all__ = [
+    "ConfigError", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job",
+    "Kernels", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
+]
+
 
 class ConfigError(ValueError):
     """A bad configuration: unknown key, wrong type or invalid value. The message is one line."""

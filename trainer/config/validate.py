@@ -1,26 +1,25 @@
-"""Validation: every value of a configuration and the relations between them, checked before a run
-starts, each failure a one-line :class:`ConfigError` naming the key.
+"""Checking a configuration (not the validation loss, which is ``trainer.evaluate``): every value of
+a :class:`JobConfig` and the relations between them, checked before a run starts, each failure a
+one-line :class:`ConfigError` naming the key.
 
 The checks here need neither a model nor the world size; those that do (a layout that does not
 divide the model or the ranks, a batch that does not divide the data-parallel degree) are made
 where the run starts (``trainer.parallel``, :meth:`JobConfig.grad_accum_steps`).
 
-Imports :mod:`trainer.config.sections`, :mod:`~trainer.config.fields` and
-:mod:`~trainer.config.flavors` of the package; :meth:`trainer.config.JobConfig.validate` calls
+Imports :mod:`trainer.config.sections`, :mod:`~trainer.config.fields`, :mod:`~trainer.config.flavors`
+and :mod:`~trainer.config.job` of the package; :func:`trainer.config.parse_args` calls
 :func:`validate_config`.
 """
 from __future__ import annotations
 
 import math
 import pathlib
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from trainer.config.fields import check_value, choice_message, field_choices, iter_fields
 from trainer.config.flavors import available_flavors
+from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
-
-if TYPE_CHECKING:  # for the annotation only: job.py imports this module
-    from trainer.config.job import JobConfig
 
 COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
@@ -30,7 +29,7 @@ GROUP_OPTIMIZERS = ("adamw", "muon")
 
 
 def validate_config(config: JobConfig) -> None:
-    """Check every value of ``config`` and the relations between them (:meth:`JobConfig.validate`).
+    """Check every value of ``config`` and the relations between them.
 
     Checks the types first (a configuration built in code may hold e.g. a str where an int belongs),
     then the choices of the string keys, the ranges, the flavor, that the paths exist, and the
