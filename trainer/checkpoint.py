@@ -15,6 +15,8 @@ What a full checkpoint holds (keys of the DCP state dict):
   train_state   step and tokens seen (JSON)
   model_args    the flavor and ModelArgs the model was built with (JSON), so that a checkpoint
                 converts (``python -m trainer.convert``) or is checked against a run without a flavor
+Reading a folder without a run (its steps, its model_args, its weights into a model) is
+``trainer.checkpoint_folder``.
 A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) and a weights-only export hold
 the model and model_args only.
 
@@ -57,10 +59,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -68,6 +68,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import signals
+from trainer.checkpoint_folder import (
+    CheckpointError,
+    complete_steps,
+    model_args_record,
+    read_model_args,
+    resolve_step_folder,
+)
 from trainer.checkpoint_lineage import STEP_RE as _STEP_RE
 from trainer.checkpoint_lineage import fork, remove_leftovers, retain, set_aside_damaged
 from trainer.checkpoint_manifest import ManifestError, read_manifest, verify_files
@@ -83,28 +90,12 @@ _EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled, unavailable or uninitialized.*")
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded or saved as asked (missing step, other layout, damaged, failed save); one line."""
-
 class _Unreadable(CheckpointError):
     """A file of the checkpoint cannot be read (a reason to fall back, unlike a model that does not match)."""
 
 
 # Reading a damaged checkpoint fails in many ways (a truncated zip, a garbage pickle, a short read).
 _READ_ERRORS = (CheckpointException, OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, KeyError)
-
-
-def complete_steps(folder: str | os.PathLike) -> list[int]:
-    """Steps with a complete checkpoint (``step-<N>`` holding DCP's ``.metadata``), ascending."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    steps = []
-    for p in folder.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and (p / ".metadata").is_file():
-            steps.append(int(m.group(1)))
-    return sorted(steps)
 
 
 def _rank() -> int:
@@ -269,13 +260,13 @@ class Checkpointer:
         """Write the model as a Hugging Face (Llama / Qwen3) folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
 
         Every rank writes its shards into a temporary DCP export (any layout, pipeline stages
-        included); rank 0 then streams it into safetensors shards (``trainer.convert.dcp_to_hf``,
+        included); rank 0 then streams it into safetensors shards (``trainer.hf.convert.dcp_to_hf``,
         one shard of memory at a time), publishes the folder by a rename and removes the export.
         Needs ``model_args`` (the Hugging Face config is written from them).
         """
         if self.model_args is None:
             raise CheckpointError("checkpoint.last_save_in_hf: the model arguments are unknown; cannot write config.json")
-        from trainer.convert import dcp_to_hf
+        from trainer.hf.convert import dcp_to_hf
 
         tmp = self.export_weights_to(f".hf-step-{step}.dcp")  # a dot name: never taken for a step
         final = self.folder / f"hf-step-{step}"
@@ -547,55 +538,3 @@ def _error_line(exc: BaseException) -> str:
 
 def _has(keys: set[str], prefix: str) -> bool:
     return any(k == prefix or k.startswith(prefix + ".") for k in keys)
-
-
-def model_args_record(args: Any, flavor: str = "") -> str:
-    """The ``model_args`` entry of a checkpoint: JSON of the flavor name and the ModelArgs fields."""
-    # "model": the family (its registered name), so that read_model_args rebuilds the right args class.
-    from trainer.models.registry import family_of
-
-    return json.dumps({"flavor": flavor, "model": family_of(args), "model_args": args.record()})
-
-
-def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
-    """``(ModelArgs, flavor)`` recorded in the DCP checkpoint folder ``path``.
-
-    Raises CheckpointError when the checkpoint does not record them (written before they were).
-    """
-    from trainer.models.registry import args_from_record
-
-    path = Path(path)
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    if "model_args" not in keys:
-        raise CheckpointError(f"checkpoint {path} does not record its model arguments (written by an older "
-                              f"version); pass --flavor to say which flavor it is")
-    state = {"model_args": ""}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)  # a local read: may run on one rank only
-    rec = json.loads(state["model_args"])
-    return args_from_record(rec["model_args"], rec.get("model", "llama3")), rec.get("flavor", "")
-
-
-def resolve_step_folder(path: str | os.PathLike, what: str = "checkpoint.initial_load_path") -> Path:
-    """A DCP checkpoint folder: ``path`` itself if it holds ``.metadata``, else its newest ``step-<N>``.
-
-    Raises CheckpointError if it is neither.
-    """
-    path = Path(path)
-    if (path / ".metadata").is_file():
-        return path
-    if not path.is_dir():
-        raise CheckpointError(f"{what}: no such folder: {path}")
-    steps = complete_steps(path)
-    if not steps:
-        hint = " (it has a config.json: a Hugging Face folder? add --checkpoint.initial_load_in_hf)" if (
-            path / "config.json").is_file() else ""
-        raise CheckpointError(f"{what}: {path} is not a DCP checkpoint (no .metadata) and "
-                              f"holds no complete step-<N> folder{hint}")
-    return path / f"step-{steps[-1]}"
-
-
-def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
-    """Load the ``model`` entries of a DCP checkpoint or export at ``path`` into ``model`` (cast to its dtypes)."""
-    state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
-    set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

@@ -59,7 +59,8 @@ import torch
 import torch.distributed as dist
 
 import titan_kernels
-from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_folder import CheckpointError, complete_steps
 from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed.layouts import assert_same, reference, run_layouts
-from trainer.checkpoint import reshard_loader_state
+from trainer.data.reshard import reshard_loader_state
 from trainer.data import build_tokenizer
 from trainer.data.datasets import build_source
 from trainer.data.loader import DataLoader

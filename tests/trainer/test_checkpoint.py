@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import CheckpointError, Checkpointer, complete_steps, load_weights
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_folder import CheckpointError, complete_steps, load_weights
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.config import parse_args
 from trainer.data.datasets import build_source

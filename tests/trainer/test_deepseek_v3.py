@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from trainer import train
 from trainer.config import parse_args
-from trainer.convert import dcp_to_hf, hf_to_dcp
 from trainer.convert import main as convert_main
+from trainer.hf.convert import dcp_to_hf, hf_to_dcp
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model
 from trainer.models.args import format_params
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from trainer import train
 from trainer.checkpoint import Checkpointer
 from trainer.config import parse_args
-from trainer.convert import hf_to_dcp
 from trainer.convert import main as convert_main
+from trainer.hf.convert import hf_to_dcp
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, YARN, GptOssArgs
 from trainer.models.moe_args import MoEArgs

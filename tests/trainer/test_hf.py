@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from trainer import train
-from trainer.checkpoint import CheckpointError, Checkpointer, load_weights, read_model_args
+from trainer.checkpoint import Checkpointer
+from trainer.checkpoint_folder import CheckpointError, load_weights, read_model_args
 from trainer.config import ConfigError, parse_args
-from trainer.convert import dcp_to_hf, hf_to_dcp
 from trainer.convert import main as convert_main
+from trainer.hf.convert import dcp_to_hf, hf_to_dcp
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, hf_config, load_into_model, parse_size
 from trainer.models.llama3.args import Llama3Args as ModelArgs
 from trainer.models.registry import build_model

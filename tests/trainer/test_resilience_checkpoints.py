@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import complete_steps
+from trainer.checkpoint_folder import complete_steps
 from trainer.checkpoint_manifest import ManifestError, data_files, digest_files, verify_folder, write_manifest
 from trainer.config import parse_args
 

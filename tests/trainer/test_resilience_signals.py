@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.checkpoint import complete_steps
+from trainer.checkpoint_folder import complete_steps
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",

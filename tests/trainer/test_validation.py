@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import train
-from trainer.checkpoint import load_weights
+from trainer.checkpoint_folder import load_weights
 from trainer.config import ConfigError, parse_args
 from trainer.data import build_tokenizer
 from trainer.models.registry import build_model

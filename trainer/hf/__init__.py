@@ -21,7 +21,9 @@ Writing streams too: ``HFWriter`` takes tensors in order and closes a shard once
 Modules: ``common`` (file names, the error, shared config.json fields), ``compare`` (whether two
 models' arguments are the same model), ``adapter`` (the families' common mapping), ``mapping``
 (dispatch to a family through ``trainer.models.registry``: config, names, shapes, state dicts),
-``folder`` (reading and writing the safetensors folder). Every public name is importable from here.
+``folder`` (reading and writing the safetensors folder). Every public name of those is importable
+from here. ``convert`` (our DCP checkpoints <-> Hugging Face folders: ``dcp_to_hf``, ``hf_to_dcp``)
+stands on the checkpoint modules too, and is imported as ``trainer.hf.convert``.
 
 Errors: ``HFCheckpointError`` (a ValueError) with a one-line message naming the folder and what is
 wrong (no config.json, a model_type no family reads, a field we cannot reproduce exactly; a missing
