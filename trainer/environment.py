@@ -116,30 +116,13 @@ def check_backend_environment() -> None:
         raise ConfigError(str(exc)) from None
 
 
-def _env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int) -> int:
     """The integer environment variable ``name`` (set by torchrun), ``default`` when unset."""
     raw = os.environ.get(name, "")
     try:
         return int(raw) if raw else default
     except ValueError:
         raise _training_error(f"environment variable {name}: expected an integer, got {raw!r}") from None
-
-
-def _fit_message(config: JobConfig, args, dims, compute_dtype: torch.dtype) -> str | None:
-    """The memory report when the run does not fit this machine (``trainer.estimate.fit_report``), else None."""
-    from trainer.estimate import Layout, detect_devices, fit_report
-
-    p = config.parallelism
-    return fit_report(
-        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
-        config.training.local_batch_size, config.training.seq_len, compute_bytes=torch.finfo(compute_dtype).bits // 8,
-        ac_mode=config.activation_checkpoint.mode,
-        selective_ac_option=config.activation_checkpoint.selective_ac_option,
-        devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
-        microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
-        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel), optimizer=config.optimizer.name.lower(),
-        state_bytes=2 if config.optimizer.state_dtype == "bfloat16" else 4,
-    )
 
 
 def _training_error(message: str) -> Exception:

@@ -1,5 +1,8 @@
-"""Memory and communication per device of a Llama 3 training run for a parallel layout, without
-building the model. ``trainer.plan`` adds a step-time model and searches the layouts.
+"""Memory per device of a training run for a parallel layout, without building the model.
+
+Beside it: the communication per step (``trainer.estimate_comm``), the optimizer's share
+(``trainer.estimate_optimizer``), the step time on a GPU (``trainer.estimate_time``); ``trainer.plan``
+searches the layouts with them and ``trainer.fit`` checks a run against this machine.
 
 Memory per device (bytes), for the worst rank (the first pipeline stage, or the last when its loss
 dominates; every pp rank is evaluated). Notation: ``P_s`` parameters of the rank's stages (its
@@ -55,17 +58,14 @@ an MoE model fills it with its experts' share, sharded by an expert-parallel deg
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 
 from trainer.estimate_optimizer import muon_step_bytes, state_values
-from trainer.models.args import ModelArgs, format_params
+from trainer.models.args import ModelArgs
 
 GIB = 2**30
 # Share of a device's memory a run may plan to use (headroom for fragmentation, NCCL buffers, CUDA context).
 USABLE_FRACTION = 0.9
-# What the suggestion assumes when the machine has no GPU.
-REFERENCE_GPU = ("H100", 80 * GIB)
 # Float32 logits per chunk of the fused loss on GPUs (titan_kernels.reference.cross_entropy.CHUNK_BYTES).
 FUSED_LOSS_CHUNK_BYTES = 256 * 2**20
 SCHEDULES = ("1F1B", "Interleaved1F1B", "GPipe", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
@@ -373,227 +373,4 @@ def pipeline_ranks(n_layers: int, pp: int, schedule: str) -> list[tuple[int, boo
     for r in range(pp):
         stages = (r, n_stages - 1 - r) if schedule in _V else tuple(r + i * pp for i in range(v))
         out.append((sum(size[s] for s in stages), 0 in stages, n_stages - 1 in stages))
-    return out
-
-
-@dataclass(frozen=True)
-class Devices:
-    """What this machine offers one training process."""
-
-    kind: str  # "cuda" or "cpu"
-    count: int
-    memory_per_device: float  # bytes one process may use
-    name: str
-
-    def describe(self) -> str:
-        if self.kind == "cuda":
-            return f"{self.count} x {self.name} ({self.memory_per_device / GIB:.0f} GiB each)"
-        return f"no GPU; CPU ({self.name}) with {self.memory_per_device / GIB:.1f} GiB of memory available per process"
-
-
-def detect_devices(processes_per_node: int | None = None) -> Devices:
-    """The visible GPUs (their total memory), else the CPU (available RAM shared by this node's processes)."""
-    import torch
-
-    if torch.cuda.is_available():
-        n = torch.cuda.device_count()
-        props = torch.cuda.get_device_properties(0)
-        return Devices("cuda", n, float(props.total_memory), props.name)
-    import platform
-
-    import psutil
-
-    procs = processes_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    avail = psutil.virtual_memory().available / max(procs, 1)
-    return Devices("cpu", 1, float(avail), f"{_cpu_model() or platform.machine()}, {os.cpu_count()} cores")
-
-
-def _cpu_model() -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def fit_report(
-    args: ModelArgs,
-    flavor: str,
-    layout: Layout,
-    local_batch_size: int,
-    seq_len: int,
-    compute_bytes: int,
-    ac_mode: str,
-    selective_ac_option: str,
-    devices: Devices,
-    *,
-    pp_schedule: str = "1F1B",
-    microbatch_size: int = 1,
-    grad_accum: int = 1,
-    fused_loss: bool = True,
-    optimizer: str = "adamw",
-    state_bytes: int = 4,
-) -> str | None:
-    """None if the run fits ``devices``; otherwise the message explaining why not and what would fit.
-
-    The message gives the parameter count, the estimated memory per device by component, the
-    devices found, and the planner's best layout (FSDP/HSDP x TP x PP x CP, activation
-    checkpointing) for the smallest GPU count that fits (``trainer.plan.smallest_fit``), with its
-    command.
-    """
-    est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
-                          ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=pp_schedule,
-                          microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss,
-                          optimizer=optimizer, state_bytes=state_bytes)
-    if est.total <= devices.memory_per_device:
-        return None
-    from trainer.plan import GPUS, smallest_fit
-
-    dtype = {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
-    gpu = "H100"
-    if devices.kind == "cuda":
-        gpu = next((g for g in GPUS if g in devices.name.upper()), "H100")
-    lines = [
-        f"flavor {flavor!r} does not fit: {format_params(args)} ({args.num_params():,}).",
-        f"  estimated memory per device ({layout.describe()}; {dtype} compute, "
-        f"local_batch_size {local_batch_size}, seq_len {seq_len}, activation checkpointing {ac_mode}): "
-        f"{est.describe()}",
-        f"  devices found: {devices.describe()}",
-    ]
-    assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu} {GPUS[gpu].memory / GIB:.0f} GiB)"
-    start = max(8, layout.n_devices) if devices.kind == "cuda" else 8
-    found = smallest_fit(args, flavor, seq_len, gpu=gpu, start=start, fused_loss=fused_loss, optimizer=optimizer,
-                         state_bytes=state_bytes)
-    if found is None:
-        lines.append(f"  no layout of up to 16384 x {gpu} fits{assumed}; reduce training.seq_len")
-    else:
-        lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
-        lines.append(f"    {found.command()}")
-        lines.append(f"  more layouts: python -m trainer.plan --flavor {flavor} --ngpu {found.n_gpus} --gpu {gpu} "
-                     f"--seq_len {seq_len} --optimizer {optimizer} --state_dtype {'bfloat16' if state_bytes == 2 else 'float32'}")
-    return "\n".join(lines)
-
-
-# ------------------------------------------------------------------------------------------------
-# Communication per step (trainer/parallel/README.md derives these formulas)
-
-
-@dataclass(frozen=True)
-class Collective:
-    """One kind of collective of a training step: ``count`` calls over the ``dim`` group, each moving
-    ``bytes_per_call`` bytes in and out of every rank (ring algorithms: (n-1)/n of the buffer)."""
-
-    dim: str
-    op: str
-    what: str
-    count: float
-    bytes_per_call: float
-
-    @property
-    def bytes(self) -> float:
-        return self.count * self.bytes_per_call
-
-
-def _ring(n: int) -> float:
-    return (n - 1) / n
-
-
-def communication_per_step(
-    args: ModelArgs | ModelCosts,
-    layout: Layout,
-    local_batch_size: int,
-    seq_len: int,
-    grad_accum: int = 1,
-    microbatch_size: int = 1,
-    stages_per_rank: int = 1,
-    compute_bytes: int = 2,
-    reduce_bytes: int = 4,
-    loss_parallel: bool = True,
-    ac_mode: str = "none",
-) -> list[Collective]:
-    """Bytes each rank sends (= receives) per optimizer step, by dimension and collective.
-
-    ``local_batch_size`` sequences of ``seq_len`` per micro-batch and data-parallel rank,
-    ``grad_accum`` micro-batches per step; ``microbatch_size``/``stages_per_rank`` for pipeline
-    parallel; ``compute_bytes`` for parameters/activations on the wire (bf16: 2), ``reduce_bytes``
-    for gradients (fp32: 4). ``ac_mode`` "full" re-runs each block's forward in the backward, with its
-    TP and CP communication. Size-1 dims contribute nothing. See trainer/parallel/README.md.
-    """
-    c = args if isinstance(args, ModelCosts) else model_costs(args)
-    L = c.n_layers / layout.pp  # layers on this rank
-    d, kv, V = c.dim, c.kv_dim, c.vocab_size
-    tp, pp, cp, cb, rb = layout.tp, layout.pp, layout.cp, compute_bytes, reduce_bytes
-    # Activations move per pipeline micro-batch under PP, else per accumulation micro-batch; tokens
-    # of one on this rank, before sequence parallel.
-    chunks = grad_accum * (local_batch_size // microbatch_size if pp > 1 else 1)
-    tokens = (microbatch_size if pp > 1 else local_batch_size) * seq_len / cp
-    recompute = 1 if ac_mode == "full" else 0
-    out: list[Collective] = []
-
-    # FSDP2 over dp_shard x cp: every accumulation micro-batch all-gathers each block in the forward
-    # and again in the backward (resharded after forward; once under PP, which keeps them), the root
-    # once, and reduce-scatters all gradients.
-    n = layout.dp_shard * cp
-    ep = layout.ep
-    if n > 1 or layout.dp_replicate > 1:
-        # With expert parallel the experts are their own FSDP unit over dp_shard / ep ranks (below).
-        blocks = (c.n_layers * c.block_params - (c.expert_params if ep > 1 else 0)) / (tp * pp)
-        root = (c.total_params - c.n_layers * c.block_params) / (tp * pp)
-        gathers = 1 if pp > 1 else 2
-        if n > 1:
-            out.append(Collective("dp_shard_cp", "all-gather", "parameters (all units)", grad_accum,
-                                  _ring(n) * cb * (gathers * blocks + root)))
-            out.append(Collective("dp_shard_cp", "reduce-scatter", "gradients (all units)", grad_accum,
-                                  _ring(n) * rb * (blocks + root)))
-        if layout.dp_replicate > 1:
-            r = layout.dp_replicate
-            out.append(Collective("dp_replicate", "all-reduce", "gradient shards (all units)", grad_accum,
-                                  2 * _ring(r) * rb * (blocks + root) / n))
-        if ep > 1 and layout.dp_shard // ep > 1:
-            m_ep = layout.dp_shard // ep
-            experts = c.expert_params / (ep * tp * pp)  # this rank's E/ep experts
-            out.append(Collective("dp_shard_mod_ep", "all-gather", "expert parameters", grad_accum,
-                                  _ring(m_ep) * cb * (1 if pp > 1 else 2) * experts))
-            out.append(Collective("dp_shard_mod_ep", "reduce-scatter", "expert gradients", grad_accum,
-                                  _ring(m_ep) * rb * experts))
-    # Expert parallel: per MoE layer and micro-batch the (token, expert) rows go to their experts'
-    # ranks and back in the forward (2 all-to-alls), their gradients likewise in the backward; every
-    # tp rank sends the whole (all-gathered) sequence; (ep-1)/ep of the rows leave the rank.
-    if ep > 1 and c.n_moe_layers:
-        rows = tokens * c.top_k * d * cb * (ep - 1) / ep
-        out.append(Collective("ep", "all-to-all", "routed tokens and their gradients",
-                              chunks * c.n_moe_layers / pp * (4 + 2 * recompute), rows))
-    # Tensor + sequence parallel: per layer 2 all-gathers + 2 reduce-scatters of the (tokens, dim)
-    # activation in the forward, the same in the backward; embedding and output one each way.
-    if tp > 1:
-        act = _ring(tp) * tokens * d * cb
-        # Embedding and output: on the first and last stage only (a share 1/pp of the ranks on average).
-        ends = 2 * chunks / pp
-        out.append(Collective("tp", "all-gather", "activations", 2 * chunks * L * (2 + recompute) + ends, act))
-        out.append(Collective("tp", "reduce-scatter", "activations", 2 * chunks * L * (2 + recompute) + ends, act))
-        if loss_parallel:
-            out.append(Collective("tp", "all-reduce", "loss-parallel max/sum/target", 3 * chunks / pp,
-                                  2 * _ring(tp) * tokens * 4))
-        else:
-            out.append(Collective("tp", "all-gather", "logits", chunks / pp, _ring(tp) * tokens * V * cb))
-        out.append(Collective("tp", "all-reduce", "norm weight gradients", grad_accum * (2 * L + 1 / pp),
-                              2 * _ring(tp) * d * rb))
-    # Context parallel (ring attention): per layer, the local K/V block makes cp - 1 hops forward; the
-    # backward sends K/V again (cp - 1 hops) and their float32 gradients (cp hops).
-    if cp > 1:
-        kv_block = 2 * tokens * kv / tp
-        calls = chunks * L
-        out.append(Collective("cp", "send/recv", "K/V blocks", calls * (cp - 1) * (2 + recompute), kv_block * cb))
-        out.append(Collective("cp", "send/recv", "K/V gradients", calls * cp, kv_block * rb))
-    # Pipeline: each micro-batch's activations go to the next stage and their gradients come back,
-    # a (microbatch_size, seq/cp/tp, dim) tensor per tp rank and boundary.
-    if pp > 1:
-        boundary = tokens / tp * d * cb
-        # Every stage but the last sends forward, every one but the first sends back: averaged per rank.
-        hops = chunks * stages_per_rank * (pp * stages_per_rank - 1) / (pp * stages_per_rank)
-        out.append(Collective("pp", "send", "activations", hops, boundary))
-        out.append(Collective("pp", "send", "activation gradients", hops, boundary))
     return out

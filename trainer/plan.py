@@ -6,8 +6,8 @@ step time and the command that runs them.
                            [--state_dtype float32|bfloat16] [--compare_optimizers]
 
 Search: every tensor-parallel degree inside a node that divides the heads, KV heads, FFN and
-vocabulary (and a MoE model's expert hidden size); context-parallel degrees up to seq_len / 4096 that the sequence split allows; pipeline
-degrees up to the layer count (schedules 1F1B and Interleaved1F1B, micro-batches of one sequence);
+vocabulary (and a MoE model's expert hidden size); context-parallel degrees up to seq_len / 8192 that
+the sequence split allows; pipeline degrees up to the layer count (schedules 1F1B and Interleaved1F1B, micro-batches of one sequence);
 FSDP over the rest or HSDP (any replicate x shard split); for a MoE flavor, every expert-parallel
 degree that divides both dp_shard and the number of experts (``ParallelDims``: ep borrows
 dp_shard ranks, ``dp_shard = dp_shard_mod_ep * ep``; not with CP or HSDP; with TP and PP it
@@ -17,33 +17,8 @@ cost time). A layout is kept when ``trainer.estimate.estimate_memory`` fits
 ``USABLE_FRACTION`` of the GPU and the global batch stays at most ``--max_global_tokens``
 (16Mi = Llama 3 405B's batch); they are ranked by estimated throughput.
 
-Step-time model (per GPU, one optimizer step), stated so it can be checked:
-  compute   model FLOPs (``6 N + attention``, torchtitan's formula; active parameters for MoE) of
-            the rank's tokens / (tp * pp * cp), times the recomputation (full AC re-runs each block's
-            forward: +1/3 of the block FLOPs), at ``COMPUTE_EFFICIENCY`` of the GPU's dense bf16
-            peak (matmuls, attention and the memory-bound ops together), set between torchtitan's
-            two published H100 runs it must reproduce: Llama 3 8B on 8 GPUs (FSDP, local batch 2,
-            selective AC; 5,762 tokens/s per GPU, this model +33%) and 405B on 512 GPUs (FSDP 8 x
-            TP 8 x PP 8 Interleaved1F1B; 128, this model -28% with local batch 16): a ranking aid
-            more than a promise
-  TP        bytes / NVLink bandwidth: on the critical path (no async TP assumed)
-  CP        ring-attention K/V hops, hidden behind the attention compute where they fit
-  FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
-            compute, plus one unit's worth (the first all-gather and last reduce-scatter)
-  PP        sends between stages on the critical path, and the bubble:
-            (compute + TP + EP) * (pp - 1) / (v * m), m micro-batches, v stages per rank
-  EP        the token all-to-alls (per MoE layer and micro-batch: rows of tokens * top_k * dim
-            bf16 values out and back in the forward, their gradients in the backward; (ep-1)/ep of
-            them leave the rank) on the critical path: the experts wait for their rows. The
-            experts' weights and optimizer state are sharded over ep x dp_shard_mod_ep (= dp_shard)
-            ranks, the rest over dp_shard x cp as without EP, so EP changes the state bytes not at
-            all; it gathers only E/ep experts per block (less memory) and all-gathers / reduce-scatters
-            them over dp_shard_mod_ep ranks only (less FSDP traffic, overlapped like the rest)
-  bandwidth per GPU and direction: NVLink inside a node (8 GPUs) and InfiniBand across nodes, at
-            80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's.
-            A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost;
-            with EP dp_shard is (dp_shard_mod_ep, ep), ep inner.
-  MFU       model FLOPs / (step time * peak), as the trainer reports it.
+The step time of each layout is ``trainer.estimate_time``'s model (compute at a share of the GPU's
+peak, the communication of ``trainer.estimate_comm`` over NVLink or InfiniBand, the pipeline bubble).
 """
 from __future__ import annotations
 
@@ -53,74 +28,19 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from trainer.estimate import (
-    GIB,
-    USABLE_FRACTION,
-    Layout,
-    MemoryEstimate,
-    ModelCosts,
-    communication_per_step,
-    estimate_memory,
-    model_costs,
-    stages_per_rank,
-)
+from trainer.estimate import GIB, USABLE_FRACTION, Layout, MemoryEstimate, ModelCosts, estimate_memory, model_costs
+from trainer.estimate import stages_per_rank
+from trainer.estimate_comm import communication_per_step
+from trainer.estimate_time import COMPUTE_EFFICIENCY, GPU, GPUS, LINK_EFFICIENCY, StepTime, link, step_time
 from trainer.models import registry
 from trainer.models.args import ModelArgs, format_params
 
-# Share of the dense bf16 peak a training step sustains in its compute (see the module docstring).
-COMPUTE_EFFICIENCY = 0.45
-LINK_EFFICIENCY = 0.8
 MAX_GLOBAL_TOKENS = 2**24
 AC_CHOICES = (("none", "2"), ("selective", "op"), ("full", "2"))
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
 # torchrun restarts of a failed group (a crashed or hung rank) before giving up; each resumes from the
 # last good checkpoint.
 MAX_RESTARTS = 3
-
-
-@dataclass(frozen=True)
-class GPU:
-    """A GPU and its node: memory (bytes), dense bf16 peak (FLOP/s), NVLink and network bandwidth
-    (bytes/s per GPU and direction, nominal; ``LINK_EFFICIENCY`` of it is used)."""
-
-    name: str
-    memory: float
-    peak_flops: float
-    nvlink: float
-    network: float
-
-
-GPUS = {
-    # H100/H200 SXM: NVLink 4 (900 GB/s both directions), one 400 Gb/s NDR InfiniBand NIC per GPU.
-    "H100": GPU("H100", 80 * GIB, 989e12, 450e9, 50e9),
-    "H200": GPU("H200", 140 * GIB, 989e12, 450e9, 50e9),
-    # A100 SXM 80 GB: NVLink 3 (600 GB/s), 200 Gb/s HDR per GPU.
-    "A100": GPU("A100", 80 * GIB, 312e12, 300e9, 25e9),
-    # B200: NVLink 5 (1.8 TB/s), 800 Gb/s per GPU.
-    "B200": GPU("B200", 180 * GIB, 2250e12, 900e9, 100e9),
-}
-
-
-@dataclass(frozen=True)
-class StepTime:
-    """Seconds per optimizer step by part (module docstring); ``total`` is their sum."""
-
-    compute: float
-    tp: float
-    cp: float
-    fsdp: float
-    pp: float
-    bubble: float
-    ep: float = 0.0
-
-    @property
-    def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble + self.ep
-
-    def describe(self) -> str:
-        parts = [("compute", self.compute), ("TP", self.tp), ("CP", self.cp), ("EP all-to-all", self.ep),
-                 ("FSDP exposed", self.fsdp), ("PP sends", self.pp), ("bubble", self.bubble)]
-        return " + ".join(f"{n} {v:.3g}" for n, v in parts if v > 0 or n == "compute") + f" = {self.total:.3g} s"
 
 
 @dataclass(frozen=True)
@@ -271,46 +191,6 @@ def ep_choices(args, dp_shard: int, dp_replicate: int = 1, cp: int = 1) -> list[
     return [e for e in _divisors(dp_shard) if moe.num_experts % e == 0]
 
 
-def _link(stride: int, size: int, gpus_per_node: int) -> str:
-    return "NVLink" if stride * size <= gpus_per_node else "IB"
-
-
-def step_time(costs: ModelCosts, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int, ac_mode: str,
-              selective_ac_option: str, schedule: str | None, comm: dict[str, float], links: dict[str, str],
-              efficiency: float = COMPUTE_EFFICIENCY) -> tuple[StepTime, float]:
-    """(StepTime, model FLOPs per GPU) of one optimizer step (module docstring)."""
-    tp, pp, cp = layout.tp, layout.pp, layout.cp
-    tokens_rank = local_batch_size * seq_len  # per data-parallel rank and step (no accumulation)
-    flops = costs.flops_per_token(seq_len) * tokens_rank / (tp * pp * cp)
-    out_share = 6 * costs.output_params * tokens_rank / (tp * pp * cp) if not costs.tied else 0.0
-    block_flops = max(flops - out_share, 0.0)
-    recompute = 0.0
-    if ac_mode == "full":
-        recompute = block_flops / 3
-    elif ac_mode == "selective" and selective_ac_option != "op":
-        recompute = block_flops / 3 / int(selective_ac_option)
-    rate = gpu.peak_flops * efficiency
-    t_compute = (flops + recompute) / rate
-    t_attn = costs.attention_flops_per_token(seq_len) * tokens_rank / (tp * pp * cp) / rate
-
-    def seconds(dim: str) -> float:
-        bw = (gpu.nvlink if links.get(dim) == "NVLink" else gpu.network) * LINK_EFFICIENCY
-        return comm.get(dim, 0.0) / bw
-
-    t_tp = seconds("tp")
-    t_cp = max(0.0, seconds("cp") - t_attn)
-    t_ep = seconds("ep")  # on the critical path: the experts wait for their rows
-    t_fsdp = seconds("dp_shard_cp") + seconds("dp_replicate") + seconds("dp_shard_mod_ep")
-    units = costs.n_layers / pp + 1
-    t_fsdp_exposed = max(0.0, t_fsdp - t_compute) + (t_fsdp / units if t_fsdp else 0.0)
-    t_pp = seconds("pp")
-    bubble = 0.0
-    if pp > 1:
-        v = stages_per_rank(schedule)
-        bubble = (t_compute + t_tp + t_ep) * (pp - 1) / (v * local_batch_size)
-    return StepTime(t_compute, t_tp, t_cp, t_fsdp_exposed, t_pp, bubble, t_ep), flops
-
-
 def optimizer_flags(optimizer: str, state_bytes: int) -> tuple[str, ...]:
     """The trainer options of an optimizer choice (none for the default, AdamW with float32 states)."""
     flags = ("--optimizer.name", "muon") if optimizer == "muon" else ()
@@ -337,11 +217,11 @@ def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch
     for c in colls:
         comm[c.dim] = comm.get(c.dim, 0.0) + c.bytes
     tp, cp, ds, rep, ep = layout.tp, layout.cp, layout.dp_shard, layout.dp_replicate, layout.ep
-    links = {"tp": _link(1, tp, gpus_per_node), "cp": _link(tp, cp, gpus_per_node),
-             "dp_shard_cp": _link(tp, ds * cp, gpus_per_node), "dp_replicate": _link(tp * cp * ds, rep, gpus_per_node),
-             "pp": _link(tp * cp * ds * rep, layout.pp, gpus_per_node),
+    links = {"tp": link(1, tp, gpus_per_node), "cp": link(tp, cp, gpus_per_node),
+             "dp_shard_cp": link(tp, ds * cp, gpus_per_node), "dp_replicate": link(tp * cp * ds, rep, gpus_per_node),
+             "pp": link(tp * cp * ds * rep, layout.pp, gpus_per_node),
              # with EP the mesh splits dp_shard into (dp_shard_mod_ep, ep), ep inner (cp = 1)
-             "ep": _link(tp * cp, ep, gpus_per_node), "dp_shard_mod_ep": _link(tp * cp * ep, ds // ep, gpus_per_node)}
+             "ep": link(tp * cp, ep, gpus_per_node), "dp_shard_mod_ep": link(tp * cp * ep, ds // ep, gpus_per_node)}
     t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
                          schedule, comm, links)
     family = registry.family_of(args)
@@ -474,7 +354,7 @@ def assumptions(gpu: GPU, gpus_per_node: int, optimizer: str = "adamw", state_by
             f"bf16 compute at {100 * COMPUTE_EFFICIENCY:.0f}% of {gpu.peak_flops / 1e12:.0f} TFLOP/s, "
             f"NVLink {gpu.nvlink / 1e9:.0f} GB/s and InfiniBand {gpu.network / 1e9:.0f} GB/s per GPU and direction "
             f"at {100 * LINK_EFFICIENCY:.0f}%, {gpus_per_node} GPUs per node; fp32 master weights, "
-            f"{optimizer_label(optimizer, state_bytes)}, fp32 gradient reduction (trainer/plan.py states the model)")
+            f"{optimizer_label(optimizer, state_bytes)}, fp32 gradient reduction (trainer/estimate_time.py states the model)")
 
 
 def smallest_node_count(args: ModelArgs, flavor: str, seq_len: int, gpu: GPU, gpus_per_node: int = 8,

@@ -46,8 +46,7 @@ from pathlib import Path
 # First: it sets the OpenMP wait policy before torch loads (trainer/environment.py says why).
 from trainer.environment import (
     DTYPES,
-    _env_int,
-    _fit_message,
+    env_int,
     check_backend_environment,
     init_distributed,
     rank_zero_warnings,
@@ -64,6 +63,7 @@ from trainer.checkpoint_folder import CheckpointError, complete_steps
 from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader
+from trainer.fit import fit_message
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
 from trainer.models.registry import build_model, model_args, spec_of
@@ -109,9 +109,9 @@ class Trainer:
             config = dataclasses.replace(config, job=dataclasses.replace(
                 config.job, dump_folder=str(Path(config.job.dump_folder) / f"replica_{config.fault_tolerance.replica_id}")))
         self.config = config
-        self.world_size = _env_int("WORLD_SIZE", 1) if world_size is None else world_size
-        self.rank = _env_int("RANK", 0) if rank is None else rank
-        self.local_rank = _env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
+        self.world_size = env_int("WORLD_SIZE", 1) if world_size is None else world_size
+        self.rank = env_int("RANK", 0) if rank is None else rank
+        self.local_rank = env_int("LOCAL_RANK", 0) if local_rank is None else local_rank
         self.step = 0
         self.tokens_seen = 0
         self.device: torch.device | None = None
@@ -156,7 +156,7 @@ class Trainer:
         self._setup_device_and_layout()
         self._setup_tokenizer()
         if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
-            message = _fit_message(config, self.args, self.dims, self.compute_dtype)
+            message = fit_message(config, self.args, self.dims, self.compute_dtype)
             if message is not None:
                 raise ModelTooLargeError(message)
         self._guard.before_process_group(self.device.type)
@@ -570,9 +570,9 @@ def main(config: JobConfig) -> int:
     Raises ConfigError for a layout or batch size that does not fit the world size (``__main__``
     reports it); every other expected failure is reported here and gives exit code 1.
     """
-    world_size = _env_int("WORLD_SIZE", 1)
-    rank = _env_int("RANK", 0)
-    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = env_int("WORLD_SIZE", 1)
+    rank = env_int("RANK", 0)
+    local_rank = env_int("LOCAL_RANK", 0)
     check_backend_environment()
     setup_logging(rank)
     trainer = Trainer(config, world_size=world_size, rank=rank, local_rank=local_rank)

@@ -294,7 +294,8 @@ def test_memory_model_within_15_percent_of_the_measured_peak():
 def test_the_planner_finds_a_layout_for_671b_on_2048_gpus_fast():
     import time
 
-    from trainer.plan import GPUS, best, flavor_args
+    from trainer.estimate_time import GPUS
+    from trainer.plan import best, flavor_args
 
     t0 = time.perf_counter()
     plans = best(flavor_args("671B", 4096, model="deepseek_v3"), "671B", 2048, GPUS["H100"], 4096, top=1)

@@ -5,14 +5,13 @@ import torch
 from trainer.estimate import (
     GIB,
     USABLE_FRACTION,
-    Devices,
     Layout,
     activation_values_per_token,
     block_values_per_token,
     estimate_memory,
-    fit_report,
     pipeline_ranks,
 )
+from trainer.fit import Devices, fit_report
 from trainer.models.llama3.args import Llama3Args as ModelArgs
 from trainer.models.registry import build_model
 from tests.trainer.helpers import llama_model_args as model_args
@@ -135,7 +134,8 @@ def test_fit_report_none_when_it_fits_and_a_message_when_not():
     msg = fit_report(big, "405B", Layout(1, 8), 1, 8192, 2, "full", "2", gpu)
     assert "8 x NVIDIA H200" in msg and "x H200," in msg.split("would fit:")[1]
     # the suggestion fits and is the smallest power-of-two GPU count that does
-    from trainer.plan import GPUS, search
+    from trainer.estimate_time import GPUS
+    from trainer.plan import search
 
     n = int(msg.split("would fit:")[1].split(" x H200")[0])
     assert not search(big, "405B", n // 2, GPUS["H200"], 8192, memory_only=True)

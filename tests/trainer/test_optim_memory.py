@@ -10,7 +10,8 @@ from trainer.config import Optimizer as OptimizerConfig
 from trainer.estimate import Layout, estimate_memory, model_costs
 from trainer.models.registry import build_model, model_args
 from trainer.optim import build_optimizer
-from trainer.plan import GPUS, flavor_args, main, optimizer_comparison
+from trainer.estimate_time import GPUS
+from trainer.plan import flavor_args, main, optimizer_comparison
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -13,7 +13,8 @@ from tests.trainer import memory_probe
 from trainer.config import parse_args
 from trainer.estimate import GIB, USABLE_FRACTION, Layout
 from trainer.models.llama3.args import LLAMA3_FLAVORS
-from trainer.plan import GPUS, best, evaluate, flavor_args, main, search
+from trainer.estimate_time import GPUS
+from trainer.plan import best, evaluate, flavor_args, main, search
 
 REPO = Path(__file__).resolve().parents[2]
 

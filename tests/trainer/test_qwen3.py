@@ -160,7 +160,8 @@ def test_cli_trains_the_debug_flavors_with_the_loss_falling(tmp_path, flavor):
 
 
 def test_estimate_knows_expert_parallel():
-    from trainer.estimate import Layout, communication_per_step, estimate_memory, model_costs
+    from trainer.estimate import Layout, estimate_memory, model_costs
+    from trainer.estimate_comm import communication_per_step
 
     args = QWEN3_FLAVORS["30B-A3B"]
     c = model_costs(args)

@@ -11,15 +11,16 @@ Ring attention (Liu et al., "Ring Attention with Blockwise Transformers", 2023; 
 schedule of Zhu's ring-flash-attention): at step s = 0 .. cp-1 each rank attends its queries to the
 K/V block of rank r - s (mod cp), received point-to-point while the previous step computes. Each
 (query chunk, key chunk) pair is one ``titan_kernels.flash_attn`` call returning its log-sum-exp,
-with the layer's mask moved into the pair's frame (``_pair``): a chunk pair at distance D = Q0 - K0
-sees key j from query i when ``D - left <= j - i <= D + right`` (window, causal = right 0), which
-is a window of the call after trimming the rows and keys that see nothing. Pairs that see nothing
+with the layer's mask moved into the pair's frame (``trainer.parallel.cp_schedule``, torch-free, so
+that the communication estimate counts the same blocks): a chunk pair at distance D = Q0 - K0 sees
+key j from query i when ``D - left <= j - i <= D + right`` (window, causal = right 0), which is a
+window of the call after trimming the rows and keys that see nothing. Pairs that see nothing
 are skipped, and a K/V block that no pair of its receiver sees is neither sent nor computed on (a
 sliding window shorter than the chunk distance, or the causal upper triangle). The partial outputs
 merge exactly through the LSEs (Milakov & Gimelshein 2018: out = sum_i exp(lse_i - lse) out_i,
 lse = logsumexp_i lse_i). Sinks join each row's softmax once, after the merge (the epilogue of
 ``titan_kernels.ops.attention.sinks``); soft-capping applies per score in every call; chunked
-attention needs the attention chunk to be a multiple of c or to divide it (``_pair``).
+attention needs the attention chunk to be a multiple of c or to divide it (``cp_schedule.pair``).
 
 The backward receives the K/V blocks again and sends each block's gradient back to its owner
 (point-to-point, float32): each pair's gradients come from the ``titan::flash_attn_backward`` op
@@ -42,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import titan_kernels
 from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_softcap, check_window
 from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
+from trainer.parallel import cp_schedule
 
 
 def zigzag_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tensor:
@@ -112,43 +114,11 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _pair(q0: int, k0: int, c: int, a: AttentionArgs):
-    """The call of query chunk [q0, q0 + c) on key chunk [k0, k0 + c) (global starts), or None when
-    it sees nothing: (rows, keys, window (left, right), chunk) in the chunks' local indices.
-
-    Query i sees key j when ``e <= j - i <= f`` with e = D - left, f = D + right, D = q0 - k0 (and
-    the attention chunk). A call on q[:i1], k[:j1] sees ``j - i`` in [Δ - left', Δ + right'] with
-    Δ = j1 - i1 (bottom-right alignment), so Δ is clamped into [e, f] and the rows / keys past
-    i1 / j1 (which see nothing) are trimmed.
-    """
-    big = 4 * c  # farther than any j - i in the pair: an unbounded side
-    e = q0 - k0 - a.left if a.left >= 0 else -big
-    f = q0 - k0 + a.right if a.right >= 0 else big
-    if max(e, -(c - 1)) > min(f, c - 1):
-        return None
-    chunk = 0
-    if a.chunk:
-        if (a.chunk % c == 0 and q0 // a.chunk != k0 // a.chunk) or (c % a.chunk == 0 and q0 != k0):
-            return None  # different attention chunks
-        chunk = a.chunk if c % a.chunk == 0 else 0  # a.chunk % c == 0: both chunks in one attention chunk
-    delta = min(max(0, e), f)
-    i1, j1 = c - max(delta, 0), c + min(delta, 0)
-    left = delta - e if a.left >= 0 else -1
-    right = f - delta if a.right >= 0 else -1
-    return slice(0, i1), slice(0, j1), (left, right), chunk
-
-
 def _calls(r: int, j: int, n: int, c: int, a: AttentionArgs) -> list:
-    """The calls of rank r's queries on rank j's K/V block: [(local rows, local keys, args)]."""
-    out = []
-    for qi, qc in enumerate((r, 2 * n - 1 - r)):
-        for ki, kc in enumerate((j, 2 * n - 1 - j)):
-            p = _pair(qc * c, kc * c, c, a)
-            if p is not None:
-                rows, keys, (left, right), chunk = p
-                out.append((slice(qi * c + rows.start, qi * c + rows.stop), slice(ki * c + keys.start, ki * c + keys.stop),
-                            AttentionArgs(a.scale, left, right, a.softcap, chunk)))
-    return out
+    """The calls of rank r's queries on rank j's K/V block: [(local rows, local keys, args)]
+    (``trainer.parallel.cp_schedule.calls``, with the layer's scale and soft-capping)."""
+    return [(k.rows, k.keys, AttentionArgs(a.scale, k.left, k.right, a.softcap, k.chunk))
+            for k in cp_schedule.calls(r, j, n, c, a.left, a.right, a.chunk)]
 
 
 @torch._dynamo.disable  # point-to-point communication inside: runs eagerly between compiled regions

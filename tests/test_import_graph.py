@@ -1,0 +1,183 @@
+"""The import graph of the packages: no cycles, and the layers import one way (DESIGN.md section 1).
+
+Read from the source (``ast``), nothing imported: every ``import`` and ``from ... import`` of every
+module of ``titan_kernels``, ``trainer`` and ``bench``, at any depth (an import inside a function
+or under ``TYPE_CHECKING`` is a dependency all the same: deferring it hides a cycle, it does not
+remove it), plus ``__import__("x")`` / ``importlib.import_module("x")`` with a literal name.
+``from package import name`` depends on ``package.name`` when that is a module, else on the package.
+
+Layers, highest first: ``bench`` -> ``trainer`` -> ``titan_kernels`` (its public surface: the
+package itself, ``nn``, ``patch``, ``dtensor``, ``float8_linear``) -> ``titan_kernels.ops`` ->
+the kernels and what they stand on (``triton``, ``reference``, the native extension, ``backend``,
+``attention_mask``, any other module of ``titan_kernels``). A module may import its own layer
+or any below it, never one above.
+"""
+from __future__ import annotations
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGES = ("titan_kernels", "trainer", "bench")
+# Built from csrc/, not a .py file: a module all the same (``from titan_kernels import _C``).
+NATIVE_MODULES = ("titan_kernels._C",)
+
+# Cycles inside titan_kernels that the kernel-library work (issue 22: backend layer and op scaffold)
+# removes; none may be added. Remove an entry (and then the allow-list) once its cycle is gone:
+# test_allowed_cycles_still_exist fails until then, so that the list never outlives its cycles.
+KNOWN_KERNEL_CYCLES = [
+    {"titan_kernels.ops.rms_norm", "titan_kernels.ops.rms_norm_triton_op"},
+]
+
+_SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch", "titan_kernels.dtensor",
+            "titan_kernels.float8_linear"}
+
+
+def layer(module: str) -> tuple[int, str]:
+    """(rank, name) of the layer ``module`` belongs to; a higher rank may import a lower one."""
+    top = module.split(".")[0]
+    if top == "bench":
+        return 4, "bench"
+    if top == "trainer":
+        return 3, "trainer"
+    if module in _SURFACE or any(module.startswith(s + ".") for s in _SURFACE - {"titan_kernels"}):
+        return 2, "titan_kernels (nn, public surface)"
+    if module == "titan_kernels.ops" or module.startswith("titan_kernels.ops."):
+        return 1, "titan_kernels.ops"
+    return 0, "kernels (triton, reference, native, backend)"
+
+
+def modules(root: pathlib.Path = ROOT) -> dict[str, pathlib.Path | None]:
+    """Dotted name -> source file of every module of ``PACKAGES`` (None: a native extension)."""
+    out: dict[str, pathlib.Path | None] = dict.fromkeys(NATIVE_MODULES)
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            parts = list(path.relative_to(root).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            out[".".join(parts)] = path
+    return out
+
+
+def _imported_names(tree: ast.AST, package: str):
+    """Every dotted name the module imports, as written (relative imports resolved against ``package``)."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            # ``source.name``: the longest prefix that is a module is what the import depends on.
+            yield from (source if alias.name == "*" else f"{source}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+            if name in ("__import__", "import_module") and isinstance(node.args[0].value, str):
+                yield node.args[0].value
+
+
+def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the package modules it imports (see the module docstring)."""
+    mods = modules(root)
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        graph[name] = set()
+        if path is None:
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for imported in _imported_names(ast.parse(path.read_text(encoding="utf-8"), str(path)), package):
+            # The longest prefix that is a module: ``from pkg import fn`` names pkg, ``from pkg import mod`` pkg.mod.
+            target = imported
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = set()
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.add(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(component)
+    return found
+
+
+def _describe(component: set[str], graph: dict[str, set[str]]) -> str:
+    return "; ".join(f"{m} -> {', '.join(sorted(graph[m] & component))}" for m in sorted(component))
+
+
+def test_the_graph_sees_every_kind_of_import(tmp_path):
+    pkg = tmp_path / "trainer"
+    (pkg / "sub").mkdir(parents=True)
+    for name in ("__init__.py", "a.py", "b.py", "c.py", "d.py", "sub/__init__.py", "sub/e.py"):
+        (pkg / name).write_text("")
+    (pkg / "a.py").write_text("import trainer.b\ndef f():\n    from trainer import c\n")
+    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from trainer.d import X\n")
+    (pkg / "c.py").write_text("x = __import__('trainer.sub.e', fromlist=['y'])\n")
+    (pkg / "sub" / "e.py").write_text("from .. import a\nfrom . import missing_name\n")
+    graph = import_graph(tmp_path)
+    assert graph["trainer.a"] == {"trainer.b", "trainer.c"}
+    assert graph["trainer.b"] == {"trainer.d"}
+    assert graph["trainer.c"] == {"trainer.sub.e"}
+    assert graph["trainer.sub.e"] == {"trainer.a", "trainer.sub"}
+    assert cycles(graph) == [{"trainer.a", "trainer.c", "trainer.sub.e"}]
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "trainer.train" in graph and "titan_kernels.ops.rms_norm" in graph and "bench.common" in graph
+    found = [c for c in cycles(graph) if c not in KNOWN_KERNEL_CYCLES]
+    assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
+
+
+def test_allowed_cycles_still_exist():
+    current = cycles(import_graph())
+    gone = [sorted(c) for c in KNOWN_KERNEL_CYCLES if c not in current]
+    assert not gone, f"no longer cycles, remove them from KNOWN_KERNEL_CYCLES: {gone}"
+
+
+def test_imports_flow_down_the_layers():
+    graph = import_graph()
+    upward = [f"{a} ({layer(a)[1]}) imports {b} ({layer(b)[1]})"
+              for a in sorted(graph) for b in sorted(graph[a]) if layer(b)[0] > layer(a)[0]]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+    # The layers as the trainer uses them: through the public surface and the ops, never bench.
+    assert any(layer(b)[0] == 2 for a in graph if a.startswith("trainer.") for b in graph[a])

@@ -1,0 +1,132 @@
+"""Does a run fit this machine? The devices found (:func:`detect_devices`) against the memory estimate
+(``trainer.estimate``); when it does not, the report of what would fit: the planner's best layout at
+the smallest GPU count (``trainer.plan.smallest_fit``), with its command. The trainer checks this
+before it allocates anything large (:func:`fit_message`).
+
+Torch is imported only to find the GPUs, so the check stays light.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from trainer.estimate import GIB, Layout, estimate_memory
+from trainer.estimate_time import GPUS
+from trainer.models.args import ModelArgs, format_params
+from trainer.plan import smallest_fit
+
+
+@dataclass(frozen=True)
+class Devices:
+    """What this machine offers one training process."""
+
+    kind: str  # "cuda" or "cpu"
+    count: int
+    memory_per_device: float  # bytes one process may use
+    name: str
+
+    def describe(self) -> str:
+        if self.kind == "cuda":
+            return f"{self.count} x {self.name} ({self.memory_per_device / GIB:.0f} GiB each)"
+        return f"no GPU; CPU ({self.name}) with {self.memory_per_device / GIB:.1f} GiB of memory available per process"
+
+
+def detect_devices(processes_per_node: int | None = None) -> Devices:
+    """The visible GPUs (their total memory), else the CPU (available RAM shared by this node's processes)."""
+    import torch
+
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        props = torch.cuda.get_device_properties(0)
+        return Devices("cuda", n, float(props.total_memory), props.name)
+    import platform
+
+    import psutil
+
+    procs = processes_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    avail = psutil.virtual_memory().available / max(procs, 1)
+    return Devices("cpu", 1, float(avail), f"{_cpu_model() or platform.machine()}, {os.cpu_count()} cores")
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def fit_report(
+    args: ModelArgs,
+    flavor: str,
+    layout: Layout,
+    local_batch_size: int,
+    seq_len: int,
+    compute_bytes: int,
+    ac_mode: str,
+    selective_ac_option: str,
+    devices: Devices,
+    *,
+    pp_schedule: str = "1F1B",
+    microbatch_size: int = 1,
+    grad_accum: int = 1,
+    fused_loss: bool = True,
+    optimizer: str = "adamw",
+    state_bytes: int = 4,
+) -> str | None:
+    """None if the run fits ``devices``; otherwise the message explaining why not and what would fit.
+
+    The message gives the parameter count, the estimated memory per device by component, the
+    devices found, and the planner's best layout (FSDP/HSDP x TP x PP x CP, activation
+    checkpointing) for the smallest GPU count that fits (``trainer.plan.smallest_fit``), with its
+    command.
+    """
+    est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
+                          ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=pp_schedule,
+                          microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss,
+                          optimizer=optimizer, state_bytes=state_bytes)
+    if est.total <= devices.memory_per_device:
+        return None
+    dtype = {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
+    gpu = "H100"
+    if devices.kind == "cuda":
+        gpu = next((g for g in GPUS if g in devices.name.upper()), "H100")
+    lines = [
+        f"flavor {flavor!r} does not fit: {format_params(args)} ({args.num_params():,}).",
+        f"  estimated memory per device ({layout.describe()}; {dtype} compute, "
+        f"local_batch_size {local_batch_size}, seq_len {seq_len}, activation checkpointing {ac_mode}): "
+        f"{est.describe()}",
+        f"  devices found: {devices.describe()}",
+    ]
+    assumed = "" if devices.kind == "cuda" else f" (no GPU here; sized for {gpu} {GPUS[gpu].memory / GIB:.0f} GiB)"
+    start = max(8, layout.n_devices) if devices.kind == "cuda" else 8
+    found = smallest_fit(args, flavor, seq_len, gpu=gpu, start=start, fused_loss=fused_loss, optimizer=optimizer,
+                         state_bytes=state_bytes)
+    if found is None:
+        lines.append(f"  no layout of up to 16384 x {gpu} fits{assumed}; reduce training.seq_len")
+    else:
+        lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
+        lines.append(f"    {found.command()}")
+        lines.append(f"  more layouts: python -m trainer.plan --flavor {flavor} --ngpu {found.n_gpus} --gpu {gpu} "
+                     f"--seq_len {seq_len} --optimizer {optimizer} --state_dtype {'bfloat16' if state_bytes == 2 else 'float32'}")
+    return "\n".join(lines)
+
+
+def fit_message(config, args, dims, compute_dtype) -> str | None:
+    """The memory report when the run of ``config`` (a JobConfig) with model ``args`` on ``dims`` (its
+    ParallelDims) in ``compute_dtype`` (a torch dtype) does not fit this machine (:func:`fit_report`),
+    else None."""
+    p = config.parallelism
+    return fit_report(
+        args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
+        config.training.local_batch_size, config.training.seq_len, compute_bytes=compute_dtype.itemsize,
+        ac_mode=config.activation_checkpoint.mode,
+        selective_ac_option=config.activation_checkpoint.selective_ac_option,
+        devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
+        microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
+        fused_loss=not (dims.tp_enabled and p.disable_loss_parallel), optimizer=config.optimizer.name.lower(),
+        state_bytes=2 if config.optimizer.state_dtype == "bfloat16" else 4,
+    )
