@@ -25,68 +25,13 @@ Triton in the interpreter) at tiny shapes. Autotuning: the first config only
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-import math
 import sys
 import time
-from dataclasses import dataclass, field
 
-BF16_TOL, FP32_TOL, E4M3_TOL, E5M2_TOL = 1e-2, 1e-5, 7e-2, 1.2e-1
-
-
-@dataclass
-class Checks:
-    prefix: str
-    rows: list = field(default_factory=list)
-    skipped: list = field(default_factory=list)
-
-    def add(self, op, backend, case, quantity, got, want, tol) -> None:
-        err = rel_err(got, want) if not isinstance(got, float) else got
-        ok = math.isfinite(err) and err <= tol
-        self.rows.append({"op": op, "backend": backend, "case": case, "quantity": quantity, "err": err,
-                          "tol": tol, "ok": ok})
-        if not ok:
-            print(f"  FAIL {op} [{backend}] {case} {quantity}: rel. error {err:.3e} > {tol:.0e}", flush=True)
-
-    def skip(self, what: str) -> None:
-        self.skipped.append(what)
-        print(f"  not run: {what}", flush=True)
-
-    def save(self) -> None:
-        from bench import gpu_report
-
-        gpu_report.update(self.prefix, "correctness", {"rows": self.rows, "skipped": self.skipped})
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def _tol(dtype) -> float:
-    import torch
-
-    return FP32_TOL if dtype == torch.float32 else BF16_TOL
-
-
-def _randn(*shape, dtype, dev, scale=1.0, shift=0.0):
-    import torch
-
-    return (torch.randn(*shape, dtype=torch.float64) * scale + shift).to(dtype).to(dev)
-
-
-def _backends(op: str, dev) -> list[str]:
-    from titan_kernels import backend
-
-    return [b for b in backend.implemented_backends(op) if backend.backend_status(b, dev).available]
-
-
-def _grad(y, inputs, g):
-    import torch
-
-    return torch.autograd.grad(y, inputs, g)
+from bench.gpu_checks import E4M3_TOL, E5M2_TOL, Checks, device_backends, randn_as, tolerance, vjp
+from bench.gpu_correctness_attention import check_flash_attn
 
 
 # ----------------------------------------------------------------------------- the ops
@@ -100,41 +45,41 @@ def check_rms_norm(c: Checks, dev, S) -> None:
     def f64(h, w, eps):
         return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    for be in _backends("rms_norm", dev):
+    for be in device_backends("rms_norm", dev):
         for (m, n), dtype, transposed in S.rms:
-            base = _randn(n, m, dtype=dtype, dev=dev, shift=0.1).t() if transposed else \
-                _randn(m, n, dtype=dtype, dev=dev, shift=0.1)
+            base = randn_as(n, m, dtype=dtype, dev=dev, shift=0.1).t() if transposed else \
+                randn_as(m, n, dtype=dtype, dev=dev, shift=0.1)
             x = base.detach().requires_grad_()
-            w = _randn(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
-            g = _randn(m, n, dtype=dtype, dev=dev)
+            w = randn_as(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
+            g = randn_as(m, n, dtype=dtype, dev=dev)
             with tk.use_backend(be):
                 y = tk.rms_norm(x, w, 1e-6)
-                dx, dw = _grad(y, (x, w), g)
+                dx, dw = vjp(y, (x, w), g)
             x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
             y64 = f64(x64, w64, 1e-6)
-            dx64, dw64 = _grad(y64, (x64, w64), g.double())
+            dx64, dw64 = vjp(y64, (x64, w64), g.double())
             case = f"{m}x{n}{' transposed' if transposed else ''} {str(dtype)[6:]}"
             for q, got, want in (("y", y, y64), ("dx", dx, dx64), ("dweight", dw, dw64)):
-                c.add("rms_norm", be, case, q, got, want, _tol(dtype))
+                c.add("rms_norm", be, case, q, got, want, tolerance(dtype))
         (m, n), dtype = S.add_rms
-        x = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-        r = _randn(m, n, dtype=dtype, dev=dev).requires_grad_()
-        w = _randn(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
-        gy, gh = _randn(m, n, dtype=dtype, dev=dev), _randn(m, n, dtype=dtype, dev=dev)
+        x = randn_as(m, n, dtype=dtype, dev=dev).requires_grad_()
+        r = randn_as(m, n, dtype=dtype, dev=dev).requires_grad_()
+        w = randn_as(n, dtype=dtype, dev=dev, scale=0.2, shift=1.0).requires_grad_()
+        gy, gh = randn_as(m, n, dtype=dtype, dev=dev), randn_as(m, n, dtype=dtype, dev=dev)
         with tk.use_backend(be):
             y, h = tk.add_rms_norm(x, r, w, 1e-6)
-            grads = _grad((y, h), (x, r, w), (gy, gh))
+            grads = vjp((y, h), (x, r, w), (gy, gh))
         # h is rounded to the storage dtype before the norm, as the unfused code does.
         h_round = (x.detach() + r.detach()).double()
         x64, r64, w64 = (t.detach().double().requires_grad_() for t in (x, r, w))
         h64 = x64 + r64
         y64 = f64(h64 + (h_round - h64).detach(), w64, 1e-6)
-        want = _grad((y64, h64), (x64, r64, w64), (gy.double(), gh.double()))
+        want = vjp((y64, h64), (x64, r64, w64), (gy.double(), gh.double()))
         case = f"{m}x{n} {str(dtype)[6:]}"
-        c.add("add_rms_norm", be, case, "y", y, y64, _tol(dtype))
-        c.add("add_rms_norm", be, case, "h", h, h_round, _tol(dtype))
+        c.add("add_rms_norm", be, case, "y", y, y64, tolerance(dtype))
+        c.add("add_rms_norm", be, case, "h", h, h_round, tolerance(dtype))
         for q, got, ref in zip(("dx", "dresidual", "dweight"), grads, want):
-            c.add("add_rms_norm", be, case, q, got, ref, _tol(dtype))
+            c.add("add_rms_norm", be, case, q, got, ref, tolerance(dtype))
 
 
 def check_rotary(c: Checks, dev, S) -> None:
@@ -153,21 +98,21 @@ def check_rotary(c: Checks, dev, S) -> None:
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x[..., 2 * half:]), -1)
 
     (b, s, h, hkv, d), dtype = S.rotary
-    for be in _backends("rotary", dev):
+    for be in device_backends("rotary", dev):
         for interleaved in (False, True):
-            q = _randn(b, s, h, d, dtype=dtype, dev=dev).requires_grad_()
-            k = _randn(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
+            q = randn_as(b, s, h, d, dtype=dtype, dev=dev).requires_grad_()
+            k = randn_as(b, s, hkv, d, dtype=dtype, dev=dev).requires_grad_()
             cos, sin = tk.rope_cos_sin(d, s, 500000.0, device=dev)
-            gq, gk = _randn(b, s, h, d, dtype=dtype, dev=dev), _randn(b, s, hkv, d, dtype=dtype, dev=dev)
+            gq, gk = randn_as(b, s, h, d, dtype=dtype, dev=dev), randn_as(b, s, hkv, d, dtype=dtype, dev=dev)
             with tk.use_backend(be):
                 qo, ko = tk.apply_rotary_emb(q, k, cos, sin, interleaved=interleaved)
-                dq, dk = _grad((qo, ko), (q, k), (gq, gk))
+                dq, dk = vjp((qo, ko), (q, k), (gq, gk))
             q64, k64 = q.detach().double().requires_grad_(), k.detach().double().requires_grad_()
             qo64, ko64 = f64(q64, cos, sin, interleaved), f64(k64, cos, sin, interleaved)
-            dq64, dk64 = _grad((qo64, ko64), (q64, k64), (gq.double(), gk.double()))
+            dq64, dk64 = vjp((qo64, ko64), (q64, k64), (gq.double(), gk.double()))
             case = f"b{b} s{s} h{h}/{hkv} d{d} {'interleaved' if interleaved else 'half-split'} {str(dtype)[6:]}"
             for qn, got, want in (("q", qo, qo64), ("k", ko, ko64), ("dq", dq, dq64), ("dk", dk, dk64)):
-                c.add("rotary", be, case, qn, got, want, _tol(dtype))
+                c.add("rotary", be, case, qn, got, want, tolerance(dtype))
 
 
 def check_fp8_quantize(c: Checks, dev, S) -> None:
@@ -178,9 +123,9 @@ def check_fp8_quantize(c: Checks, dev, S) -> None:
 
     (m, n), dtype = S.fp8
     e4m3 = torch.float8_e4m3fn
-    for be in _backends("fp8_quantize", dev):
+    for be in device_backends("fp8_quantize", dev):
         for gran in ("tensorwise", "rowwise", "colwise"):
-            x = _randn(m, n, dtype=dtype, dev=dev, scale=3.0)
+            x = randn_as(m, n, dtype=dtype, dev=dev, scale=3.0)
             with tk.use_backend(be):
                 codes, scale = tk.fp8_quantize(x, dtype=e4m3, granularity=gran)
             x64 = x.double()
@@ -202,7 +147,7 @@ def check_fp8_gemm(c: Checks, dev, S) -> None:
     from titan_kernels.ops import fp8 as ops_fp8
 
     (m, n, k), dtype = S.gemm
-    names = _backends("fp8_gemm", dev)
+    names = device_backends("fp8_gemm", dev)
     if ops_fp8.scaled_mm_available(dev):
         names.append(dev.type)  # the native backend name routes the GEMM to torch._scaled_mm
     else:
@@ -210,8 +155,8 @@ def check_fp8_gemm(c: Checks, dev, S) -> None:
     for be in names:
         label = f"{be} (_scaled_mm)" if be in ("cpu", "cuda") else be
         for gran in ("tensorwise", "rowwise"):
-            a, sa = tk.fp8_quantize(_randn(m, k, dtype=dtype, dev=dev), granularity=gran)
-            b, sb = tk.fp8_quantize(_randn(n, k, dtype=dtype, dev=dev, scale=0.05), granularity=gran)
+            a, sa = tk.fp8_quantize(randn_as(m, k, dtype=dtype, dev=dev), granularity=gran)
+            b, sb = tk.fp8_quantize(randn_as(n, k, dtype=dtype, dev=dev, scale=0.05), granularity=gran)
             with tk.use_backend(be):
                 y = tk.fp8_gemm(a, b, sa, sb, out_dtype=dtype)
             want = (a.double() * sa.double()) @ (b.double() * sb.double()).t()
@@ -223,16 +168,16 @@ def check_fp8_linear(c: Checks, dev, S) -> None:
 
     (m, n, k), dtype = S.gemm
     for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
-        x = _randn(m, k, dtype=dtype, dev=dev).requires_grad_()
-        w = _randn(n, k, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
-        g = _randn(m, n, dtype=dtype, dev=dev)
+        x = randn_as(m, k, dtype=dtype, dev=dev).requires_grad_()
+        w = randn_as(n, k, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+        g = randn_as(m, n, dtype=dtype, dev=dev)
         y = tk.fp8_linear(x, w, recipe)
-        dx, dw = _grad(y, (x, w), g)
+        dx, dw = vjp(y, (x, w), g)
         x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
         y64 = x64 @ w64.t()
-        dx64, dw64 = _grad(y64, (x64, w64), g.double())
+        dx64, dw64 = vjp(y64, (x64, w64), g.double())
         tol_dx = E5M2_TOL if recipe == "tensorwise" else E4M3_TOL
-        tol_dw = E5M2_TOL if recipe == "tensorwise" else (E4M3_TOL if recipe == "rowwise" else _tol(dtype))
+        tol_dw = E5M2_TOL if recipe == "tensorwise" else (E4M3_TOL if recipe == "rowwise" else tolerance(dtype))
         case = f"{m}x{k}x{n} {recipe} {str(dtype)[6:]}"
         c.add("fp8_linear", "auto", case, "y", y, y64, E4M3_TOL)
         c.add("fp8_linear", "auto", case, "dx", dx, dx64, tol_dx)
@@ -245,22 +190,22 @@ def check_swiglu(c: Checks, dev, S) -> None:
     import titan_kernels as tk
 
     (m, n), dtype = S.swiglu
-    for be in _backends("swiglu", dev) or ["auto"]:
+    for be in device_backends("swiglu", dev) or ["auto"]:
         # Plain; GPT-OSS's clamped variant on gate/up interleaved in one tensor, a good share beyond +-7.
         for scalars in ({}, {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}):
-            gu = _randn(m, 2 * n, dtype=dtype, dev=dev, scale=6.0 if scalars else 1.0)
+            gu = randn_as(m, 2 * n, dtype=dtype, dev=dev, scale=6.0 if scalars else 1.0)
             gate, up = (gu[:, ::2], gu[:, 1::2]) if scalars else (gu[:, :n].contiguous(), gu[:, n:].contiguous())
-            gate, up, g = gate.requires_grad_(), up.requires_grad_(), _randn(m, n, dtype=dtype, dev=dev)
-            with tk.use_backend(be) if be != "auto" else _nullcontext():
+            gate, up, g = gate.requires_grad_(), up.requires_grad_(), randn_as(m, n, dtype=dtype, dev=dev)
+            with tk.use_backend(be) if be != "auto" else contextlib.nullcontext():
                 y = tk.swiglu(gate, up, **scalars)
-                dg, du = _grad(y, (gate, up), g)
+                dg, du = vjp(y, (gate, up), g)
             g64, u64 = gate.detach().double().requires_grad_(), up.detach().double().requires_grad_()
             gc = g64.clamp(max=7.0)  # as Hugging Face's GptOssExperts._apply_gate
             y64 = (u64.clamp(-7.0, 7.0) + 1) * gc * (gc * 1.702).sigmoid() if scalars else F.silu(g64) * u64
-            dg64, du64 = _grad(y64, (g64, u64), g.double())
+            dg64, du64 = vjp(y64, (g64, u64), g.double())
             case = f"{m}x{n} {str(dtype)[6:]}" + (" GPT-OSS clamped (1.702, 7, +1), interleaved" if scalars else "")
             for qn, got, want in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
-                c.add("swiglu", be, case, qn, got, want, _tol(dtype))
+                c.add("swiglu", be, case, qn, got, want, tolerance(dtype))
 
 
 def check_linear_cross_entropy(c: Checks, dev, S) -> None:
@@ -270,21 +215,21 @@ def check_linear_cross_entropy(c: Checks, dev, S) -> None:
 
     (m, d, vocab), dtype = S.lce
     params = list(inspect.signature(tk.linear_cross_entropy).parameters)
-    hidden = _randn(m, d, dtype=dtype, dev=dev).requires_grad_()
-    weight = _randn(vocab, d, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+    hidden = randn_as(m, d, dtype=dtype, dev=dev).requires_grad_()
+    weight = randn_as(vocab, d, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
     target = torch.randint(0, vocab, (m,), device=dev)
     target[::7] = -100  # ignored positions
     loss = tk.linear_cross_entropy(hidden, weight, target)
     if loss.dim() != 0:
         c.skip(f"linear_cross_entropy: returns shape {tuple(loss.shape)} (parameters {params}); expected a mean loss")
         return
-    dh, dw = _grad(loss, (hidden, weight), torch.ones((), device=dev))
+    dh, dw = vjp(loss, (hidden, weight), torch.ones((), device=dev))
     h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
     loss64 = torch.nn.functional.cross_entropy(h64 @ w64.t(), target, ignore_index=-100)
-    dh64, dw64 = _grad(loss64, (h64, w64), torch.ones((), dtype=torch.float64, device=dev))
+    dh64, dw64 = vjp(loss64, (h64, w64), torch.ones((), dtype=torch.float64, device=dev))
     case = f"{m} tokens x {d} -> vocab {vocab} {str(dtype)[6:]}"
     for qn, got, want in (("loss", loss, loss64), ("dhidden", dh, dh64), ("dweight", dw, dw64)):
-        c.add("linear_cross_entropy", "auto", case, qn, got, want, _tol(dtype))
+        c.add("linear_cross_entropy", "auto", case, qn, got, want, tolerance(dtype))
 
 
 def _uneven_offsets(t: int, e: int, dev):
@@ -311,7 +256,7 @@ def _loop64_grads(x, w, offsets, g):
     """(y, dx, dw) of ``_loop64`` in float64 on x and w's values, the gradients of g."""
     x64, w64 = x.detach().double().requires_grad_(), w.detach().double().requires_grad_()
     y64 = _loop64(x64, w64, offsets)
-    return (y64, *_grad(y64, (x64, w64), g.double()))
+    return (y64, *vjp(y64, (x64, w64), g.double()))
 
 
 def _grouped_runs(c: Checks, dev, name: str, op, native: str, shape, dtype, offsets):
@@ -323,15 +268,15 @@ def _grouped_runs(c: Checks, dev, name: str, op, native: str, shape, dtype, offs
 
     t, k, n, e = shape
     for be in ("reference", "triton", dev.type):
-        x = _randn(t, k, dtype=dtype, dev=dev).requires_grad_()
-        w = _randn(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
-        g = _randn(t, n, dtype=dtype, dev=dev)
+        x = randn_as(t, k, dtype=dtype, dev=dev).requires_grad_()
+        w = randn_as(e, k, n, dtype=dtype, dev=dev, scale=0.05).requires_grad_()
+        g = randn_as(t, n, dtype=dtype, dev=dev)
         label = f"{be} ({native})" if be == dev.type else be
         case = f"{t}x{k} -> {e} experts x {n} {str(dtype)[6:]}"
         try:
             with tk.use_backend(be):
                 y = op(x, w, offsets)
-                dx, dw = _grad(y, (x, w), g)
+                dx, dw = vjp(y, (x, w), g)
         except RuntimeError as err:
             c.skip(f"{name} [{label}] {case}: {str(err).splitlines()[0][:160]}")
             continue
@@ -347,7 +292,7 @@ def check_grouped_mm(c: Checks, dev, S) -> None:
     for label, case, x, w, g, y, dx, dw in _grouped_runs(c, dev, "grouped_mm", tk.grouped_mm, "torch._grouped_mm",
                                                          (t, k, n, e), dtype, offsets):
         for qn, got, want in zip(("y", "dx", "dw"), (y, dx, dw), _loop64_grads(x, w, offsets, g)):
-            c.add("grouped_mm", label, case, qn, got, want, _tol(dtype))
+            c.add("grouped_mm", label, case, qn, got, want, tolerance(dtype))
 
 
 def check_fp8_grouped_mm(c: Checks, dev, S) -> None:
@@ -379,7 +324,7 @@ def check_fp8_grouped_mm(c: Checks, dev, S) -> None:
                 "dw": torch.stack([xcd[a:b].t() @ gcd[a:b] for a, b in zip(bounds[:-1], bounds[1:])]),
             }
             for qn, got in (("y", y), ("dx", dx), ("dw", dw)):
-                c.add("fp8_grouped_mm", label, case, f"{qn} vs dequantized float64", got, want[qn], _tol(dtype))
+                c.add("fp8_grouped_mm", label, case, f"{qn} vs dequantized float64", got, want[qn], tolerance(dtype))
 
 
 def check_moe_permute(c: Checks, dev, S) -> None:
@@ -405,16 +350,16 @@ def check_moe_permute(c: Checks, dev, S) -> None:
     offsets64 = torch.tensor([s + p for s, p in zip(starts, padded)], device=dev)
     for be in ("reference", "triton", dev.type):
         case = f"T{t} top-{top_k} of {e} experts, D {d}, align {align} {str(dtype)[6:]}"
-        x = _randn(t, d, dtype=dtype, dev=dev).requires_grad_()
-        yp = _randn(rows, d, dtype=dtype, dev=dev).requires_grad_()
+        x = randn_as(t, d, dtype=dtype, dev=dev).requires_grad_()
+        yp = randn_as(rows, d, dtype=dtype, dev=dev).requires_grad_()
         scores = torch.rand(t, top_k, device=dev).requires_grad_()
-        gp, go = _randn(rows, d, dtype=dtype, dev=dev), _randn(t, d, dtype=dtype, dev=dev)
+        gp, go = randn_as(rows, d, dtype=dtype, dev=dev), randn_as(t, d, dtype=dtype, dev=dev)
         try:
             with tk.use_backend(be):
                 xp, routing = tk.moe_permute(x, idx, e, align)
-                (dx,) = _grad(xp, (x,), gp)
+                (dx,) = vjp(xp, (x,), gp)
                 out = tk.moe_unpermute(yp, routing, scores)
-                dyp, ds = _grad(out, (yp, scores), go)
+                dyp, ds = vjp(out, (yp, scores), go)
         except RuntimeError as err:
             c.skip(f"moe_permute [{be}] {case}: {str(err).splitlines()[0][:160]}")
             continue
@@ -423,64 +368,45 @@ def check_moe_permute(c: Checks, dev, S) -> None:
         x64 = x.detach().double().requires_grad_()
         xp64 = torch.zeros(rows, d, dtype=torch.float64, device=dev).index_copy(
             0, dst64.reshape(-1), x64.repeat_interleave(top_k, 0))
-        (dx64,) = _grad(xp64, (x64,), gp.double())
+        (dx64,) = vjp(xp64, (x64,), gp.double())
         yp64, s64 = yp.detach().double().requires_grad_(), scores.detach().double().requires_grad_()
         out64 = (yp64[dst64] * s64[..., None]).sum(1)
-        dyp64, ds64 = _grad(out64, (yp64, s64), go.double())
+        dyp64, ds64 = vjp(out64, (yp64, s64), go.double())
         c.add("moe_permute", be, case, "xp", xp, xp64, 0.0)  # a copy: exact
-        c.add("moe_permute", be, case, "dx", dx, dx64, _tol(dtype))
-        c.add("moe_unpermute", be, case, "out", out, out64, _tol(dtype))
-        c.add("moe_unpermute", be, case, "dyp", dyp, dyp64, _tol(dtype))
-        c.add("moe_unpermute", be, case, "dscores", ds, ds64, _tol(dtype))
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        c.add("moe_permute", be, case, "dx", dx, dx64, tolerance(dtype))
+        c.add("moe_unpermute", be, case, "out", out, out64, tolerance(dtype))
+        c.add("moe_unpermute", be, case, "dyp", dyp, dyp64, tolerance(dtype))
+        c.add("moe_unpermute", be, case, "dscores", ds, ds64, tolerance(dtype))
 
 
 # ----------------------------------------------------------------------------- sizes and the run
 
 
 def sizes(cuda: bool):
+    """The shapes of each check: the GPU's (awkward rows, Llama widths), else the dry run's tiny ones
+    (Triton in the interpreter)."""
+    import types
+
     import torch
 
     bf16, fp32 = torch.bfloat16, torch.float32
+    table = {  # name: (on the GPU, in the dry run)
+        "rms": ([((257, 4096), bf16, False), ((33, 8192), bf16, True), ((64, 1000), fp32, False)],
+                [((7, 64), fp32, False), ((5, 40), bf16, True)]),
+        "add_rms": (((129, 4096), bf16), ((5, 40), fp32)),
+        "rotary": (((2, 257, 32, 8, 128), bf16), ((1, 9, 4, 2, 16), fp32)),
+        "fp8": (((1000, 4096), bf16), ((9, 64), fp32)),
+        "gemm": (((1000, 1536, 4096), bf16), ((17, 32, 64), fp32)),
+        "attn": (((2, 1000, 16, 4, 128), bf16), ((1, 17, 4, 2, 16), fp32)),
+        "swiglu": (((1000, 14336), bf16), ((9, 40), fp32)),
+        "lce": (((1000, 1024, 32000), bf16), ((9, 32, 100), fp32)),
+        "gmm": (((1000, 512, 768, 8), bf16), ((40, 16, 24, 4), fp32)),
+        # aligned (the 30B-A3B path), and K/N off 16 with small groups (the padding of _scaled_grouped_mm)
+        "fp8_gmm": ([((1000, 512, 768, 8), bf16), ((333, 200, 136, 5), bf16)], [((40, 16, 24, 4), fp32)]),
+        "permute": (((1000, 2048, 16, 4, 16), bf16), ((9, 40, 5, 2, 4), fp32)),
+    }
+    return types.SimpleNamespace(**{name: pair[0 if cuda else 1] for name, pair in table.items()})
 
-    class S:
-        if cuda:
-            rms = [((257, 4096), bf16, False), ((33, 8192), bf16, True), ((64, 1000), fp32, False)]
-            add_rms = ((129, 4096), bf16)
-            rotary = ((2, 257, 32, 8, 128), bf16)
-            fp8 = ((1000, 4096), bf16)
-            gemm = ((1000, 1536, 4096), bf16)
-            attn = ((2, 1000, 16, 4, 128), bf16)
-            swiglu = ((1000, 14336), bf16)
-            lce = ((1000, 1024, 32000), bf16)
-            gmm = ((1000, 512, 768, 8), bf16)
-            # aligned (the 30B-A3B path), and K/N off 16 with small groups (the padding of _scaled_grouped_mm)
-            fp8_gmm = [((1000, 512, 768, 8), bf16), ((333, 200, 136, 5), bf16)]
-            permute = ((1000, 2048, 16, 4, 16), bf16)
-        else:  # the dry run: tiny shapes, Triton in the interpreter
-            rms = [((7, 64), fp32, False), ((5, 40), bf16, True)]
-            add_rms = ((5, 40), fp32)
-            rotary = ((1, 9, 4, 2, 16), fp32)
-            fp8 = ((9, 64), fp32)
-            gemm = ((17, 32, 64), fp32)
-            attn = ((1, 17, 4, 2, 16), fp32)
-            swiglu = ((9, 40), fp32)
-            lce = ((9, 32, 100), fp32)
-            gmm = ((40, 16, 24, 4), fp32)
-            fp8_gmm = [((40, 16, 24, 4), fp32)]
-            permute = ((9, 40, 5, 2, 4), fp32)
-
-    return S
-
-
-from bench.gpu_correctness_attention import check_flash_attn  # noqa: E402  (it imports this module's helpers)
 
 CHECKS = [("rms_norm", check_rms_norm), ("rotary", check_rotary), ("fp8_quantize", check_fp8_quantize),
           ("fp8_gemm", check_fp8_gemm), ("fp8_linear", check_fp8_linear), ("flash_attn", check_flash_attn),

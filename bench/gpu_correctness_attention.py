@@ -12,6 +12,8 @@ variants stay few: the CPU interpreter tests cover their combinations (tests/ker
 """
 from __future__ import annotations
 
+from bench.gpu_checks import randn_as, tolerance, vjp
+
 
 def attention_f64(q, k, v, causal, cu=None, window=(-1, -1), sinks=None, softcap=0.0):
     """Float64 attention: q (b, s, h, d) / k, v (b, s, h_kv, .), or packed (total, h, .) with cu.
@@ -49,40 +51,37 @@ def attention_f64(q, k, v, causal, cu=None, window=(-1, -1), sinks=None, softcap
 
 
 def _compare(c, op, be, case, outs, inputs, want_fn, g, dtype):
-    from bench.gpu_correctness import _grad, _tol
-
     x64 = [t.detach().double().requires_grad_() for t in inputs]
     out64 = want_fn(*x64)
-    want = _grad(out64, x64, g.double())
+    want = vjp(out64, x64, g.double())
     names = ("dq", "dk", "dv", "dsinks")
     for qn, got, ref in (("out", outs[0], out64), *zip(names, outs[1:], want)):
-        c.add(op, be, case, qn, got, ref, _tol(dtype))
+        c.add(op, be, case, qn, got, ref, tolerance(dtype))
 
 
 def check_flash_attn(c, dev, S) -> None:
     import torch
 
     import titan_kernels as tk
-    from bench.gpu_correctness import _grad, _randn
     from titan_kernels.ops import attention as att
 
     (b, s, h, hkv, d), dtype = S.attn
 
     def qkv(*lead):
-        return (_randn(*lead, h, d, dtype=dtype, dev=dev).requires_grad_(),
-                _randn(*lead, hkv, d, dtype=dtype, dev=dev).requires_grad_(),
-                _randn(*lead, hkv, d, dtype=dtype, dev=dev).requires_grad_())
+        return (randn_as(*lead, h, d, dtype=dtype, dev=dev).requires_grad_(),
+                randn_as(*lead, hkv, d, dtype=dtype, dev=dev).requires_grad_(),
+                randn_as(*lead, hkv, d, dtype=dtype, dev=dev).requires_grad_())
 
     # Causal (the training case) on every backend; non-causal on the automatic choice only (each mask
     # is another compile of our Triton kernels).
     for be in (*att.ATTENTION_BACKENDS, None):
         for causal in ((True,) if be is not None else (False,)):
             q, k, v = qkv(b, s)
-            g = _randn(b, s, h, d, dtype=dtype, dev=dev)
+            g = randn_as(b, s, h, d, dtype=dtype, dev=dev)
             case = f"b{b} s{s} h{h}/{hkv} d{d} {'causal' if causal else 'full'} {str(dtype)[6:]}"
             try:
                 out = tk.flash_attn(q, k, v, causal=causal, backend=be)
-                grads = _grad(out, (q, k, v), g)
+                grads = vjp(out, (q, k, v), g)
                 if be is None:
                     be = f"auto ({tk.attention_backend(q, k, v, causal=causal).backend})"
             except RuntimeError as e:  # this backend cannot take the case here (the reason says why)
@@ -99,7 +98,7 @@ def check_flash_attn(c, dev, S) -> None:
     for window, with_sinks, softcap in (((-1, -1), False, 0.0), ((min(127, maxlen // 4), 0), True, 30.0)):
         q, k, v = qkv(t_total)
         sinks = torch.randn(h, device=dev, requires_grad=True) if with_sinks else None
-        g = _randn(t_total, h, d, dtype=dtype, dev=dev)
+        g = randn_as(t_total, h, d, dtype=dtype, dev=dev)
         kw = dict(window_size=window, sinks=sinks, softcap=softcap)
         out = tk.flash_attn_varlen(q, k, v, cu, cu, maxlen, maxlen, causal=True, **kw)
         inputs = (q, k, v) + ((sinks,) if with_sinks else ())
@@ -107,18 +106,18 @@ def check_flash_attn(c, dev, S) -> None:
                                      window_size=window, softcap=softcap).backend
         case = f"{t_total} tokens, 3 documents h{h}/{hkv} d{d} causal" + (
             f" window {window[0] + 1} sinks softcap {softcap:g}" if with_sinks else "")
-        _compare(c, "flash_attn_varlen", str(label), case, (out, *_grad(out, inputs, g)), inputs,
+        _compare(c, "flash_attn_varlen", str(label), case, (out, *vjp(out, inputs, g)), inputs,
                  lambda q, k, v, s=None: attention_f64(q, k, v, True, cu, window, s, softcap), g, dtype)
 
     # Multi-head latent attention's head dims (DeepSeek-V3: q/k 192, v 128), causal, every backend.
     d_qk, d_v = (192, 128) if dev.type == "cuda" else (24, 16)
     for be in (*att.ATTENTION_BACKENDS, None):
-        q, k, v = (_randn(b, s, h, x, dtype=dtype, dev=dev).requires_grad_() for x in (d_qk, d_qk, d_v))
-        g = _randn(b, s, h, d_v, dtype=dtype, dev=dev)
+        q, k, v = (randn_as(b, s, h, x, dtype=dtype, dev=dev).requires_grad_() for x in (d_qk, d_qk, d_v))
+        g = randn_as(b, s, h, d_v, dtype=dtype, dev=dev)
         case = f"b{b} s{s} h{h} d{d_qk}/{d_v} causal {str(dtype)[6:]}"
         try:
             out = tk.flash_attn(q, k, v, backend=be)
-            grads = _grad(out, (q, k, v), g)
+            grads = vjp(out, (q, k, v), g)
             if be is None:
                 be = f"auto ({tk.attention_backend(q, k, v).backend})"
         except RuntimeError as e:
