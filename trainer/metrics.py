@@ -332,7 +332,7 @@ class MetricsLogger:
 
     def log_validation(self, step: int, result: dict) -> dict:
         """Write (rank 0) one validation record: ``result`` holds val_loss, val_perplexity, val_tokens,
-        val_batches and val_time_s (``trainer.validate.Validator.evaluate``). Returns the record."""
+        val_batches and val_time_s (``trainer.evaluate.Validator.evaluate``). Returns the record."""
         record = {"step": step, **result, "elapsed_s": time.perf_counter() - self._run_start}
         self.summary.last_val_loss = record["val_loss"]
         if not self.enabled:

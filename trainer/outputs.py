@@ -3,9 +3,9 @@
 * The log lines of setup: the model and the shape of a step (``log_model``), where the run writes
   (``log_outputs``: metrics, TensorBoard, checkpoints, plot, traces).
 * ``<dump_folder>/metrics.png`` at the end (``save_plot``; a missing matplotlib is a warning).
-* The one-line errors of an input that fails, naming its config key: the tokenizer
-  (``build_tokenizer``) and a data source (``data_error`` with ``dataset_key``), raised by
-  :class:`trainer.train.Trainer` as :class:`trainer.step.TrainingError` (exit 1, no traceback).
+* The one-line errors of an input that fails, naming its config key (``data_error``; a data
+  source's key: ``dataset_key``), raised by :class:`trainer.train.Trainer` as :class:`trainer.step.TrainingError`
+  (exit 1, no traceback).
 
 Everything logs to the ``trainer`` logger, as the Trainer does (``trainer.environment.setup_logging``).
 """
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from trainer.config import JobConfig
-from trainer.data import build_tokenizer as _data_build_tokenizer
 from trainer.models.args import format_params
 from trainer.step import TrainingError
 
@@ -72,20 +71,11 @@ def save_plot(dump_folder: str) -> None:
     logger.info("plot of the metrics written to %s", path)
 
 
-def build_tokenizer(config: JobConfig):
-    """The tokenizer of ``model.tokenizer_path`` (empty: the built-in byte-level one); TrainingError
-    naming the key for a file that is missing or not a tokenizer."""
-    path = config.model.tokenizer_path or None
-    try:
-        return _data_build_tokenizer(path)
-    except (ValueError, OSError) as exc:
-        raise TrainingError(f"--model.tokenizer_path: {exc}") from None
-
-
 def data_error(exc: Exception, key: str) -> TrainingError:
-    """A one-line error for a data source that failed, naming the key (``key`` unless the message does)."""
+    """A one-line error for an input that failed (a data source, the tokenizer), naming the key
+    (``key`` unless the message does)."""
     msg = str(exc)
-    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.")) else f"--{key}: {msg}")
+    return TrainingError(f"--{msg}" if msg.startswith(("training.", "validation.", "model.")) else f"--{key}: {msg}")
 
 
 def dataset_key(config: JobConfig, section: str) -> str:

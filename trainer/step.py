@@ -20,9 +20,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from trainer.data.loader import IGNORE_INDEX
 from trainer.models.losses import future_labels
-
-IGNORE_INDEX = -100
 
 
 class TrainingError(RuntimeError):

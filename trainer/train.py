@@ -13,7 +13,7 @@ Then :meth:`Trainer.train` runs the loop (:meth:`Trainer.train_step`, validation
 profiler, garbage collection) and ends with the final checkpoint, the summary and the plot. The
 numerics of one step (the exact token-mean scaling over micro-batches and ranks, the clip, the
 non-finite flag) are in ``trainer/step.py``; its setup log lines, the plot and the one-line errors of
-a failing tokenizer or data source in ``trainer/outputs.py``.
+a failing data source in ``trainer/outputs.py``; validation in ``trainer/evaluate.py``.
 
 Non-finite values: a device-side flag records the first bad step without a host sync per step; it
 is read at every log step and before every checkpoint save, before that step's update, so a
@@ -46,8 +46,8 @@ from pathlib import Path
 # First: it sets the OpenMP wait policy before torch loads (trainer/environment.py says why).
 from trainer.environment import (
     DTYPES,
-    env_int,
     check_backend_environment,
+    env_int,
     init_distributed,
     rank_zero_warnings,
     resolve_compute_dtype,
@@ -62,21 +62,22 @@ from trainer.checkpoint import Checkpointer
 from trainer.checkpoint_folder import CheckpointError, complete_steps
 from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
-from trainer.data import build_dataloader
+from trainer.data import build_dataloader, build_tokenizer, build_validation_loader
+from trainer.evaluate import Validator
+from trainer.fault_tolerance import ReplicaGroups
 from trainer.fit import fit_message
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
 from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
-from trainer.outputs import build_tokenizer, data_error, dataset_key, log_model, log_outputs, save_plot
+from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
 from trainer.profiling import Profiler
-from trainer import step as numerics  # one step's numerics, looked up there at each call
+from trainer import step as numerics  # one step's numerics (trainer/step.py), called through their module
 from trainer.run_history import settle_previous_outputs
 from trainer.step import NonFiniteWatch, TrainingError
-from trainer.validate import Validator, build_validation_loader
 
 logger = logging.getLogger("trainer")
 
@@ -177,7 +178,7 @@ class Trainer:
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
-            self._ft = __import__("trainer.fault_tolerance", fromlist=["ReplicaGroups"]).ReplicaGroups(self)
+            self._ft = ReplicaGroups(self)
         if self.step >= config.training.steps:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
                         config.training.steps)
@@ -228,7 +229,10 @@ class Trainer:
     def _setup_tokenizer(self) -> None:
         """The tokenizer and the model's arguments (the flavor with the tokenizer's vocabulary)."""
         config = self.config
-        self.tokenizer = build_tokenizer(config)
+        try:
+            self.tokenizer = build_tokenizer(config.model.tokenizer_path or None)
+        except (ValueError, OSError) as exc:  # missing, or not a tokenizer
+            raise data_error(exc, "model.tokenizer_path") from None
         try:
             if config.model.flavor == "custom":  # the model a Hugging Face folder describes
                 from trainer.hf import custom_model_args

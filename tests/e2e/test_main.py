@@ -60,6 +60,15 @@ def test_a_bad_dataset_is_a_one_line_error_before_the_model_is_built(tmp_path, c
     assert "Traceback" not in proc.stderr and "model llama3" not in proc.stdout
 
 
+def test_a_file_that_is_no_tokenizer_is_a_one_line_error_naming_the_key_once(tmp_path):
+    bad = tmp_path / "tokenizer.model"
+    bad.write_text("not a tokenizer\n")
+    proc, _ = _trainer("--model.tokenizer_path", str(bad), "--job.dump_folder", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert proc.stderr.startswith("python -m trainer: error: --model.tokenizer_path: ") and str(bad) in proc.stderr
+    assert proc.stderr.count("tokenizer_path") == 1 and "Traceback" not in proc.stderr
+
+
 def test_a_bad_backend_in_the_environment_is_a_one_line_error(tmp_path, monkeypatch):
     monkeypatch.setenv("TITAN_KERNELS_BACKEND", "bogus")
     proc, _ = _trainer("--training.steps", "2", "--job.dump_folder", str(tmp_path), timeout=120)

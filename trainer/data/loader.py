@@ -25,16 +25,24 @@ One pass (``one_epoch=True``, for validation): at the end of the source the stre
 starting the next epoch. The last window is filled up with padding whose labels are
 ``ignore_index``, and every later window is all padding, so a batch never mixes in a second epoch
 and the loss over the batches is the loss over exactly the tokens of one pass.
+
+From a configuration: :func:`build_dataloader` (training) and :func:`build_validation_loader` (one
+pass of the validation source, or of the training source's held-out part).
 """
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from trainer.data.datasets import DocumentSource, build_source
+from trainer.data.splits import held_out_split, split_source
 from trainer.data.tokenizer import Tokenizer
+
+logger = logging.getLogger("trainer")
 
 STATE_VERSION = 1
 IGNORE_INDEX = -100  # labels of padding (one_epoch mode); the loss skips them
@@ -319,10 +327,30 @@ def build_dataloader(config, tokenizer: Tokenizer, dp_rank: int, dp_world_size: 
     Raises:
         ValueError / RuntimeError: from :func:`trainer.data.datasets.build_source`.
     """
-    from trainer.data.splits import held_out_split, split_source
-
     t = config.training
     source = build_source(t.dataset, t.dataset_path)
     if held_out_split(config):
         source = split_source(source, config.validation.split_every, "train")
     return DataLoader(source, tokenizer, t.seq_len, t.local_batch_size, dp_rank, dp_world_size)
+
+
+def build_validation_loader(config, tokenizer, dp_rank: int, dp_world_size: int):
+    """The one-pass validation loader for ``config.validation`` (its dataset, or the training source's
+    held-out part), on this data-parallel rank.
+
+    Raises ValueError / RuntimeError as :func:`trainer.data.datasets.build_source` (messages name the
+    ``validation.*`` or ``training.*`` key whose source failed).
+    """
+    v, t = config.validation, config.training
+    if held_out_split(config):
+        source = split_source(build_source(t.dataset, t.dataset_path), v.split_every, "validation")
+    else:
+        source = build_source(v.dataset, v.dataset_path, section="validation")
+        same_path = bool(v.dataset_path and t.dataset_path) and \
+            Path(v.dataset_path).expanduser().resolve() == Path(t.dataset_path).expanduser().resolve()
+        if same_path or (not v.dataset_path and not t.dataset_path and v.dataset == t.dataset):
+            logger.warning("validation: the validation dataset is the training dataset; the validation loss is "
+                           "measured on text the model trains on (leave validation.dataset empty for a held-out part)")
+    seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
+    batch = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
+    return DataLoader(source, tokenizer, seq_len, batch, dp_rank, dp_world_size, one_epoch=True)

@@ -1,4 +1,6 @@
-"""Validation: the mean token loss and perplexity on held-out text, every ``validation.freq`` steps.
+"""Evaluation of the model being trained: the validation loss and perplexity on held-out text, every
+``validation.freq`` steps (the ``[validation]`` section; checking a configuration is
+``trainer.config.validate``).
 
 What is measured. ``val_loss`` is the summed token cross-entropy over every validation token of the
 evaluation (all batches, all data-parallel and context-parallel ranks) divided by the number of
@@ -7,8 +9,9 @@ accumulation (whose ``dp / global_tokens`` scale belongs to training only) can e
 ``val_perplexity = exp(val_loss)``. Every evaluation reads the same batches (the loader is rewound),
 so successive values are comparable.
 
-Data. ``validation.dataset`` / ``validation.dataset_path`` name a source of its own; without one,
-the held-out part of the training source (``trainer.data.splits``: 1 document in
+Data (``trainer.data.loader.build_validation_loader``). ``validation.dataset`` /
+``validation.dataset_path`` name a source of its own; without one, the held-out part of the
+training source (``trainer.data.splits``: 1 document in
 ``validation.split_every``, never trained on). The loader reads one pass (``one_epoch``): the last
 window is padded with ignored labels, and ``validation.steps = -1`` evaluates the whole split; with
 ``steps = M`` it stops after M batches or at the end of the split, whichever comes first. The ranks
@@ -24,50 +27,23 @@ the schedule's forward-only ``eval`` (each validation batch cut into pieces of
 from __future__ import annotations
 
 import contextlib
-import logging
 import math
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-logger = logging.getLogger("trainer")
+from trainer.data.loader import IGNORE_INDEX
 
-IGNORE_INDEX = -100
-
-
-def build_validation_loader(config, tokenizer, dp_rank: int, dp_world_size: int):
-    """The one-pass validation loader for ``config.validation`` (its dataset, or the training source's
-    held-out part), on this data-parallel rank.
-
-    Raises ValueError / RuntimeError as :func:`trainer.data.datasets.build_source` (messages name the
-    ``validation.*`` or ``training.*`` key whose source failed).
-    """
-    from trainer.data import DataLoader, build_source
-    from trainer.data.splits import held_out_split, split_source
-
-    v, t = config.validation, config.training
-    if held_out_split(config):
-        source = split_source(build_source(t.dataset, t.dataset_path), v.split_every, "validation")
-    else:
-        source = build_source(v.dataset, v.dataset_path, section="validation")
-        same_path = bool(v.dataset_path and t.dataset_path) and \
-            Path(v.dataset_path).expanduser().resolve() == Path(t.dataset_path).expanduser().resolve()
-        if same_path or (not v.dataset_path and not t.dataset_path and v.dataset == t.dataset):
-            logger.warning("validation: the validation dataset is the training dataset; the validation loss is "
-                           "measured on text the model trains on (leave validation.dataset empty for a held-out part)")
-    seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
-    batch = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
-    return DataLoader(source, tokenizer, seq_len, batch, dp_rank, dp_world_size, one_epoch=True)
 
 
 class Validator:
     """Evaluates the validation loss of the model being trained.
 
     Args:
-        loader: a one-pass ``DataLoader`` (``build_validation_loader``); rewound for every evaluation.
+        loader: a one-pass ``DataLoader`` (``trainer.data.build_validation_loader``); rewound for every
+            evaluation.
         steps: batches per evaluation, -1 = the whole split.
         device: where the model runs.
         micro_batch_loss: ``(inputs, labels, position_ids) -> summed token loss`` of one batch through
