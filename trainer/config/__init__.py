@@ -29,7 +29,7 @@ Import from ``trainer.config``; the names below are its public surface. The pack
 torch nor the rest of the trainer, so ``--help`` and config errors are fast.
 """
 from trainer.config import sections
-from trainer.config.cli import _HINTS, all_keys, apply_toml, help_text, parse_args
+from trainer.config.cli import all_keys, apply_toml, help_text, parse_args
 from trainer.config.flavors import CONFIG_DIR, available_flavors, flavor_config_path
 from trainer.config.job import JobConfig
 from trainer.config.sections import *  # noqa: F403  (ConfigError and one dataclass per section: sections.__all__)
@@ -39,4 +39,3 @@ __all__ = [
     "CONFIG_DIR", "JobConfig", "all_keys", "apply_toml", "available_flavors", "flavor_config_path", "help_text",
     "parse_args", "validate_config", *sections.__all__,
 ]
-# _HINTS (section -> key -> type) is read by tests/test_readme.py to check the README's keys.
