@@ -1,7 +1,10 @@
 """Helpers shared by the trainer tests."""
+import json
 from functools import partial
+from pathlib import Path
 
 from trainer.models.llama3.args import LLAMA31_ROPE_SCALING, Llama3Args
+from trainer.models.registry import build_model
 from trainer.models.registry import model_args as family_model_args
 
 # The Llama 3 flavor's args for a tokenizer and sequence length: llama_model_args("8B", 128256, 8192).
@@ -13,3 +16,33 @@ def tiny_llama(dim: int, vocab_size: int, multiple_of: int, max_seq_len: int, **
     scaling, at the test's own sizes (``kw``: any other Llama3Args field)."""
     return Llama3Args(dim=dim, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=vocab_size, multiple_of=multiple_of,
                       rope_scaling=LLAMA31_ROPE_SCALING, max_seq_len=max_seq_len, **kw)
+
+
+def rel(a, b) -> float:
+    """Relative norm error of ``a`` against ``b``, in float64."""
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def cpu_model(args, seed: int = 0):
+    """The model of ``args`` on the CPU with ``init_weights(seed)``."""
+    model = build_model(args, device="cpu")
+    model.init_weights(seed)
+    return model
+
+
+def assert_near_published(counted: float, published: float, rounding: float = 0.0) -> None:
+    """A parameter count within 1% of a published figure, or within half a unit of the figure's last
+    digit (``rounding``) where that is wider."""
+    assert abs(counted - published) <= max(0.01 * published, rounding * 1.03), (counted, published)
+
+
+def train_records(dump_folder, *argv: str) -> list[dict]:
+    """``python -m trainer`` (in this process) with ``argv``, every step logged, writing into
+    ``dump_folder``; returns the metrics.jsonl records after asserting exit code 0."""
+    from trainer import train
+    from trainer.config import parse_args
+
+    config = parse_args([*argv, "--metrics.log_freq", "1", "--metrics.save_plot", "false",
+                         "--job.dump_folder", str(dump_folder)])
+    assert train.main(config) == 0
+    return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]

@@ -12,15 +12,21 @@ import torch.nn.functional as F
 
 from trainer import train
 from trainer.config import parse_args
-from trainer.convert import main as convert_main
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
-from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model
+from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config
 from trainer.models.args import format_params
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from trainer.models.losses import future_labels
 from trainer.models.moe_args import MoEArgs
 from trainer.models.registry import build_model
-from trainer.checkpoint import Checkpointer
+from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
+from tests.trainer.hf_parity import (
+    assert_converter_round_trip,
+    assert_logits_loss_and_gradients_equal,
+    assert_refused_in_one_line,
+    first_batch,
+    hf_loss,
+    hf_pair,
+)
 
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the [test] extra)")
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
@@ -33,10 +39,6 @@ PUBLISHED = {"16B": (15.7e9, 2.4e9, 0.05e9), "236B": (236e9, 21e9, 0.5e9), "671B
              "kimi_k2": (1.04e12, 32.6e9, 0.05e9)}
 
 
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 @pytest.mark.parametrize("flavor", list(PUBLISHED))
 def test_parameter_counts_match_the_published_figures(flavor):
     total, active, rounding = PUBLISHED[flavor]
@@ -47,8 +49,8 @@ def test_parameter_counts_match_the_published_figures(flavor):
     else:
         n = args.num_params() - args.extra_params()
     a = args.active_params() - args.extra_params(active=True) * (flavor != "kimi_k2")  # without the embedding
-    assert abs(n - total) <= 0.01 * total
-    assert abs(a - active) <= max(0.01 * active, rounding * 1.03), (a, active)
+    assert_near_published(n, total)
+    assert_near_published(a, active, rounding)
 
 
 def test_format_shows_mtp_apart():
@@ -75,26 +77,19 @@ def test_analytic_counts_equal_the_built_modules(args):
     assert args.extra_params() == mtp
 
 
+def _randomize(hf) -> None:
+    """Random weights and a non-zero correction bias."""
+    for name, p in hf.named_parameters():
+        p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
+    for m in hf.modules():
+        if hasattr(m, "e_score_correction_bias"):
+            m.e_score_correction_bias.normal_(0, 0.05)
+
+
 def _hf_pair(args: DeepSeekV3Args, seed: int, tmp_path):
-    """A transformers DeepseekV3ForCausalLM of ``args``'s config with random weights and a non-zero
-    correction bias, saved and imported into ours."""
-    cfg = transformers.DeepseekV3Config(**{k: v for k, v in hf_config(args).items()
-                                           if k not in ("architectures", "model_type", "torch_dtype")},
-                                        attn_implementation="eager")
-    torch.manual_seed(seed)
-    hf = transformers.DeepseekV3ForCausalLM(cfg).float()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
-        for m in hf.modules():
-            if hasattr(m, "e_score_correction_bias"):
-                m.e_score_correction_bias.normal_(0, 0.05)
-    hf.save_pretrained(tmp_path / "hf")
-    ckpt = HFCheckpoint(tmp_path / "hf")
-    ours = build_model(ckpt.args, "cpu")
-    ours.init_weights(0)
-    load_into_model(ours, ckpt)
-    return hf, ours, ckpt
+    """A transformers DeepseekV3ForCausalLM of ``args``'s config, saved and imported into ours."""
+    classes = (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    return hf_pair(args, classes, seed, tmp_path, _randomize)
 
 
 @pytest.mark.parametrize("args", [_tiny(), _tiny(q_lora=0), _tiny(n_group=1, topk_group=1, route_norm=False),
@@ -103,44 +98,20 @@ def _hf_pair(args: DeepSeekV3Args, seed: int, tmp_path):
 def test_logits_loss_and_gradients_equal_transformers(args, tmp_path):
     hf, ours, ckpt = _hf_pair(args, 3, tmp_path)
     assert ckpt.args == args and ckpt.flavor == "custom"
-    tokens = torch.randint(0, args.vocab_size, (2, 19))
-    labels = torch.randint(0, args.vocab_size, (2, 19))
-    ours_logits, hf_logits = ours(tokens), hf(tokens).logits
-    assert _rel(ours_logits, hf_logits) < 1e-5
-    loss_ours = F.cross_entropy(ours_logits.flatten(0, 1), labels.flatten())
-    loss_hf = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten())
-    assert loss_ours.item() == pytest.approx(loss_hf.item(), rel=1e-6)
-    loss_ours.backward()
-    loss_hf.backward()
-    hf_grads = ckpt.adapter.from_hf({n: p.grad for n, p in hf.named_parameters()}, args)
-    for name, p in ours.named_parameters():
-        assert _rel(p.grad, hf_grads[name]) < 1e-5, name
+    assert_logits_loss_and_gradients_equal(hf, ours, ckpt, args)
 
 
 def test_export_loads_in_transformers_and_the_converter_round_trips(tmp_path):
     args = _tiny(mtp=1)
-    model = build_model(args, "cpu")
-    model.init_weights(5)
+    model = cpu_model(args, seed=5)
     with torch.no_grad():
         for _, m in model.named_modules():
             if hasattr(m, "expert_bias"):
                 m.expert_bias.normal_(0, 0.05)  # exported as e_score_correction_bias: routes the same
-    Checkpointer(tmp_path / "ckpt", model, model_args=args).save_seed()
-    assert convert_main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--max_shard_size", "40KB"]) == 0
-    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg, hf = assert_converter_round_trip(model, args, transformers.DeepseekV3ForCausalLM, tmp_path)
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"] and cfg["num_nextn_predict_layers"] == 1
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
     assert "model.layers.3.eh_proj.weight" in index and "model.layers.3.shared_head.norm.weight" in index
-    hf = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf").float().eval()
-    tokens = torch.randint(0, args.vocab_size, (2, 17))
-    with torch.no_grad():
-        assert _rel(hf(tokens).logits, model.eval()(tokens)) < 1e-5
-    back = hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
-    again = build_model(args, "cpu")
-    again.init_weights(9)
-    Checkpointer(tmp_path / "dcp-parent", again, model_args=args).initial_load(back, model_only=True)
-    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
-        assert torch.equal(a, b), name
     # a folder transformers wrote (no MTP tensors) imports without the MTP module
     hf.save_pretrained(tmp_path / "resaved")
     assert HFCheckpoint(tmp_path / "resaved").args.num_mtp_layers == 0
@@ -166,8 +137,7 @@ def _mtp_by_hand(model, tokens, stacked):
 def test_mtp_loss_and_its_gradient_equal_a_recomputation_by_hand():
     # float32: the fused ops (grouped GEMM, fused loss) take float32 / bf16; both sides run the same modules
     args = _tiny(mtp=2)
-    model = build_model(args, "cpu")
-    model.init_weights(4)
+    model = cpu_model(args, seed=4)
     model.return_hidden = True
     model.mtp_loss_weight = 0.5
     tokens = torch.randint(0, args.vocab_size, (2, 13))
@@ -180,7 +150,7 @@ def test_mtp_loss_and_its_gradient_equal_a_recomputation_by_hand():
     assert got.item() == pytest.approx(main.item(), rel=1e-6)  # the reported loss is the main one
     got.backward()
     for name, p in model.named_parameters():
-        assert _rel(p.grad, want[name]) < 1e-5, name
+        assert rel(p.grad, want[name]) < 1e-5, name
     total, count = model.take_mtp_loss().tolist()
     assert total == pytest.approx(mtp.item(), rel=1e-6)
     assert count == (13 - 1) * 2 + (13 - 2) * 2  # targets past the sequence are ignored
@@ -192,12 +162,9 @@ def test_mtp_loss_and_its_gradient_equal_a_recomputation_by_hand():
 
 @pytest.mark.parametrize("mtp", [1, 0])
 def test_debugmodel_trains_with_mtp_on_and_off(tmp_path, mtp):
-    config = parse_args(["--model.name", "deepseek_v3", "--flavor", "debugmodel", "--model.mtp_layers", str(mtp),
-                         "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size", "4",
-                         "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", "--metrics.log_freq", "1",
-                         "--metrics.save_plot", "false", "--job.dump_folder", str(tmp_path)])
-    assert train.main(config) == 0
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = train_records(tmp_path, "--model.name", "deepseek_v3", "--flavor", "debugmodel", "--model.mtp_layers",
+                            str(mtp), "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size",
+                            "4", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3")
     losses = [r["loss"] for r in records]
     assert losses[-1] < losses[0] - 0.5, losses
     assert ("mtp_loss" in records[-1]) == bool(mtp)
@@ -206,15 +173,12 @@ def test_debugmodel_trains_with_mtp_on_and_off(tmp_path, mtp):
 
 
 def test_configs_we_cannot_reproduce_are_refused_in_one_line():
-    cfg = {k: v for k, v in hf_config(_tiny()).items()}
-    for change, message in [({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
-                            ({"num_key_value_heads": 2}, "num_key_value_heads 2 is not supported"),
-                            ({"rope_interleave": False}, "rope_interleave False is not supported"),
-                            ({"attention_bias": True}, "attention_bias True is not supported"),
-                            ({"n_group": 3}, "MoEArgs.n_group: expected a divisor of num_experts=8, got 3")]:
-        with pytest.raises(HFCheckpointError, match=message) as e:
-            args_from_hf_config({**cfg, **change}, "x/config.json")
-        assert "\n" not in str(e.value) and str(e.value).startswith("x/config.json: ")
+    assert_refused_in_one_line(hf_config(_tiny()), [
+        ({"scoring_func": "softmax"}, "scoring_func 'softmax' is not supported"),
+        ({"num_key_value_heads": 2}, "num_key_value_heads 2 is not supported"),
+        ({"rope_interleave": False}, "rope_interleave False is not supported"),
+        ({"attention_bias": True}, "attention_bias True is not supported"),
+        ({"n_group": 3}, "MoEArgs.n_group: expected a divisor of num_experts=8, got 3")])
     with pytest.raises(HFCheckpointError, match="scores experts with a sigmoid"):
         hf_config(_tiny(score_func="softmax"))
 
@@ -234,8 +198,6 @@ def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkey
     """--flavor custom builds the model a transformers DeepseekV3ForCausalLM folder describes (a shape
     no flavor has); step 1's loss is transformers' loss on the first batch, and the exported folder
     loads in transformers with the trained model's logits (balancing off: the bias stays as imported)."""
-    from trainer.data import build_dataloader, build_tokenizer
-
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
     args = _tiny().replace(vocab_size=258)
@@ -251,10 +213,8 @@ def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkey
             "--metrics.save_plot", "false", "--checkpoint.initial_load_path", str(tmp_path / "hf-in"),
             "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "run")]
     config = parse_args(argv)
-    batch = next(iter(build_dataloader(config, build_tokenizer(None), 0, 1)))
-    with torch.no_grad():
-        start = hf(batch["input_ids"]).logits
-    want = F.cross_entropy(start.flatten(0, 1), batch["labels"].flatten()).item()
+    batch = first_batch(config)
+    start, want = hf_loss(hf, batch)
     trainer = train.Trainer(config)
     try:
         assert trainer.setup() is True
@@ -270,7 +230,7 @@ def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkey
     trained = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "hf-step-4")
     with torch.no_grad():
         got = trained.float().eval()(batch["input_ids"]).logits
-    assert _rel(got, ours) < 1e-4 and _rel(got, start) > 1e-2
+    assert rel(got, ours) < 1e-4 and rel(got, start) > 1e-2
 
 
 def test_custom_flavor_needs_a_hugging_face_folder():

@@ -14,19 +14,16 @@ from torch import nn
 from trainer import train
 from trainer.config import ConfigError, parse_args
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.models.registry import build_model
 from trainer.optim import LRSchedule, TitanOptimizer, build_lr_scheduler, build_optimizer
 from trainer.optim.groups import param_groups, settings
-from tests.trainer.helpers import tiny_llama
+from tests.trainer.helpers import cpu_model, tiny_llama
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 TINY = tiny_llama(dim=32, vocab_size=64, multiple_of=16, max_seq_len=16)
 
 
 def _model(seed=0):
-    m = build_model(TINY, device="cpu")
-    m.init_weights(seed)
-    return m
+    return cpu_model(TINY, seed)
 
 
 def _kinds(model, name="muon", rules=()):

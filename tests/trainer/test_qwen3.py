@@ -12,6 +12,7 @@ from trainer.hf import from_hf_state_dict, hf_config, to_hf_state_dict
 from trainer.models.moe_args import MoEArgs
 from trainer.models.qwen3.args import QWEN3_FLAVORS
 from trainer.models.registry import args_from_record, args_record, build_model, model_args
+from tests.trainer.helpers import assert_near_published, cpu_model, train_records
 from trainer.models.qwen3.args import Qwen3Args
 from trainer.models.args import format_params
 
@@ -26,8 +27,8 @@ PUBLISHED_DENSE = {"0.6B": (0.6e9, 0.44e9), "1.7B": (1.7e9, 1.4e9), "4B": (4.0e9
 def test_moe_parameter_counts_match_the_published_figures(flavor):
     total, active = PUBLISHED_MOE[flavor]
     args = QWEN3_FLAVORS[flavor]
-    assert abs(args.num_params() - total) <= 0.01 * total
-    assert abs(args.active_params() - active) <= 0.01 * active
+    assert_near_published(args.num_params(), total)
+    assert_near_published(args.active_params(), active)
 
 
 @pytest.mark.parametrize("flavor", list(PUBLISHED_DENSE))
@@ -115,8 +116,7 @@ def _hf_disk_state(model, args: Qwen3Args) -> dict:
 def test_logits_equal_transformers_qwen3(moe):
     args = _tiny(moe)
     hf = _hf_model(args)
-    ours = build_model(args, "cpu")
-    ours.init_weights(0)
+    ours = cpu_model(args)
     hf_state = _hf_disk_state(hf, args)
     ours.load_state_dict(from_hf_state_dict(hf_state, args))
     ours.eval()
@@ -141,15 +141,9 @@ def test_from_hf_names_a_missing_expert():
 
 @pytest.mark.parametrize("flavor", ["debugmodel", "debugmodel_moe"])
 def test_cli_trains_the_debug_flavors_with_the_loss_falling(tmp_path, flavor):
-    from trainer import train
-    from trainer.config import parse_args
-
-    argv = ["--model.name", "qwen3", "--flavor", flavor, "--training.steps", "6", "--training.seq_len", "32",
-            "--training.local_batch_size", "4", "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "2",
-            "--metrics.log_freq", "1", "--metrics.save_plot", "false", "--job.dump_folder", str(tmp_path),
-            "--metrics.enable_tensorboard"]
-    assert train.main(parse_args(argv)) == 0
-    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    recs = train_records(tmp_path, "--model.name", "qwen3", "--flavor", flavor, "--training.steps", "6",
+                         "--training.seq_len", "32", "--training.local_batch_size", "4", "--optimizer.lr", "3e-3",
+                         "--lr_scheduler.warmup_steps", "2", "--metrics.enable_tensorboard")
     recs = [r for r in recs if "loss" in r]
     assert recs[-1]["loss"] < recs[0]["loss"] - 1.0
     if flavor == "debugmodel_moe":  # expert loads in the records and TensorBoard
@@ -194,6 +188,6 @@ def test_a_llama_flavor_is_refused_for_qwen3_with_the_qwen3_flavors_named():
 
     with pytest.raises(ConfigError, match="--model.flavor: expected one of debugmodel, debugmodel_moe"):
         parse_args(["--model.name", "qwen3", "--flavor", "70B"])
-    # Hugging Face folders in and out are Qwen3's too (tests/trainer/test_hf.py trains from and to one)
+    # Hugging Face folders in and out are Qwen3's too (tests/trainer/test_hf_qwen3.py trains from and to one)
     config = parse_args(["--model.name", "qwen3", "--flavor", "debugmodel_moe", "--checkpoint.last_save_in_hf"])
     assert config.checkpoint.last_save_in_hf and config.model.name == "qwen3"

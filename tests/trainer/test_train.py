@@ -14,9 +14,8 @@ from trainer import train
 from trainer.environment import rank_zero_warnings
 from trainer.config import ConfigError, parse_args
 from trainer.metrics import MetricsLogger, peak_flops
-from trainer.models.registry import build_model
 from trainer.models.losses import cross_entropy_loss
-from tests.trainer.helpers import tiny_llama
+from tests.trainer.helpers import cpu_model, tiny_llama
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
@@ -24,9 +23,7 @@ TINY = tiny_llama(dim=48, vocab_size=67, multiple_of=16, max_seq_len=32)
 
 
 def _model(seed=0):
-    m = build_model(TINY, device="cpu")
-    m.init_weights(seed)
-    return m
+    return cpu_model(TINY, seed)
 
 
 def _batch(n, seq=11, ignore_rows=()):
