@@ -42,6 +42,27 @@ def records(folder: Path, kind: str = "loss") -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, lines) if kind in r}
 
 
+def fork_context():
+    """The fork context of a zygote process: one thread per rank, Triton's interpreter, and the trainer
+    (torch included) imported before forking, so that the forked ranks start in milliseconds."""
+    os.environ.update(OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    import trainer.train  # noqa: F401  (everything the ranks need, imported before forking)
+    import trainer.parallel.parallelize  # noqa: F401
+
+    return mp.get_context("fork")
+
+
+def family_layouts(*argv: str) -> dict[str, list[str]]:
+    """FSDP 2, TP 2, EP 2 and CP 2 of the job ``argv`` (a model family's flavor), 2 ranks each, with the
+    local batches that keep the reference's global batch."""
+    return {
+        "fsdp2": [*argv, "--training.local_batch_size", "2"],
+        "tp2": [*argv, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+        "ep2": [*argv, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
+        "cp2": [*argv, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
+    }
+
+
 def _rank_main(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
@@ -64,11 +85,7 @@ def _zygote(world_size: int, layouts: dict[str, list[str]], folder: str, timeout
     caches sharding decisions under meshes that compare equal across process groups, so a second run
     in the same process could reach the groups of the first).
     """
-    os.environ.update(OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    import trainer.train  # noqa: F401  (everything the ranks need, imported before forking)
-    import trainer.parallel.parallelize  # noqa: F401
-
-    fork = mp.get_context("fork")
+    fork = fork_context()
     for name, argv in layouts.items():
         out = Path(folder) / name
         out.mkdir(parents=True, exist_ok=True)

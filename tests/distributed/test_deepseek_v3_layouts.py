@@ -9,7 +9,7 @@ gradient norm within 1e-4 relative of the single-process run, for
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, reference, run_layouts
+from tests.distributed.layouts import assert_same, family_layouts, reference, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -19,12 +19,7 @@ NO_MTP = ["--model.mtp_layers", "0"]
 
 def test_fsdp2_tp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
     single = reference(tmp_path_factory, *DS)
-    runs = run_layouts(2, {
-        "fsdp2": [*DS, "--training.local_batch_size", "2"],
-        "tp2": [*DS, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
-        "ep2": [*DS, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
-        "cp2": [*DS, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
-    }, tmp_path)
+    runs = run_layouts(2, family_layouts(*DS), tmp_path)
     for name, got in runs.items():
         assert_same(got, single), name
         assert "mtp_loss" in got[1], name

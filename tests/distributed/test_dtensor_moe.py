@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.distributed.dtensor_checks import assert_gathered_close
 from tests.distributed.launcher import run_distributed
 
 
@@ -59,16 +60,14 @@ def _check_tp(rank: int, world: int) -> None:
                 assert comm.get_total_counts() == 0, (backend, w_pl, comm.get_comm_counts())
                 assert y.placements == (y_pl,), (backend, w_pl, y.placements)
                 assert dw.placements == (w_pl,), (backend, w_pl, dw.placements)
-                torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(dx.full_tensor(), dx_ref, rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(dw.full_tensor(), dw_ref, rtol=1e-5, atol=1e-5)
+                assert_gathered_close((y, y_ref), (dx, dx_ref), (dw, dw_ref), rtol=1e-5, atol=1e-5)
 
             # Tokens split on dim 0 would cut groups: DTensor gathers x first (a collective), right answer.
             xd = distribute_tensor(x, mesh, [Shard(0)])
             with CommDebugMode() as comm:
                 y = tk.grouped_mm(xd, distribute_tensor(w, mesh, [rep]), offsets)  # plain offsets: replicated
             assert comm.get_total_counts() > 0
-            torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-5, atol=1e-5)
+            assert_gathered_close((y, y_ref), rtol=1e-5, atol=1e-5)
 
 
 def _check_fp8_tp(rank: int, world: int) -> None:
@@ -156,9 +155,9 @@ def _check_moe_ffn(rank: int, world: int) -> None:
     assert comm.get_total_counts() == 0, comm.get_comm_counts()
     assert grads[0].placements[0].is_partial() and grads[4].placements[0].is_partial()
     assert grads[1].placements == (Shard(2),) and grads[3].placements == (Shard(1),)
-    torch.testing.assert_close(out.full_tensor(), out_ref.detach(), rtol=1e-5, atol=1e-5)
+    assert_gathered_close((out, out_ref.detach()), rtol=1e-5, atol=1e-5)
     for g, gr in zip(grads, g_ref):
-        torch.testing.assert_close(g.full_tensor(), gr, rtol=1e-5, atol=1e-5)
+        assert_gathered_close((g, gr), rtol=1e-5, atol=1e-5)
 
     # Tokens split on the hidden dim: permute and unpermute are local, placements kept.
     xd = distribute_tensor(x, mesh, [Shard(1)]).requires_grad_()
@@ -174,9 +173,8 @@ def _check_moe_ffn(rank: int, world: int) -> None:
     xp0, r0 = tk.moe_permute(xx, idx, e, 4)
     y0 = tk.moe_unpermute(xp0 * 2, r0, ss)
     dx0, ds0 = torch.autograd.grad(y0, (xx, ss), dout)
-    torch.testing.assert_close(y.full_tensor(), y0.detach(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dxd.full_tensor(), dx0, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dsd.full_tensor(), ds0, rtol=1e-5, atol=1e-6)
+    assert_gathered_close((y, y0.detach()), (dxd, dx0), rtol=1e-6, atol=1e-6)
+    assert_gathered_close((dsd, ds0), rtol=1e-5, atol=1e-6)
 
 
 def test_dtensor_grouped_mm_tensor_parallel():

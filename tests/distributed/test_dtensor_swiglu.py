@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.distributed.dtensor_checks import assert_gathered_close
 from tests.distributed.launcher import run_distributed
 
 
@@ -60,9 +61,7 @@ def _check_1d(rank: int, world: int) -> None:
                 assert comm.get_total_counts() == 0, (be, placement, comm.get_comm_counts())
                 assert y.placements == (placement,) and dg.placements == (placement,), (be, placement)
                 assert du.placements == (placement,)
-                torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(dg.full_tensor(), dg_ref, rtol=1e-6, atol=1e-6)
-                torch.testing.assert_close(du.full_tensor(), du_ref, rtol=1e-6, atol=1e-6)
+                assert_gathered_close((y, y_ref), (dg, dg_ref), (du, du_ref), rtol=1e-6, atol=1e-6)
 
             # Different splits: DTensor redistributes one input (a collective), the answer is right.
             gd = distribute_tensor(gate, mesh, [Shard(0)])
@@ -70,14 +69,14 @@ def _check_1d(rank: int, world: int) -> None:
             with CommDebugMode() as comm:
                 y = tk.swiglu(gd, ud)
             assert comm.get_total_counts() > 0
-            torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-6, atol=1e-6)
+            assert_gathered_close((y, y_ref), rtol=1e-6, atol=1e-6)
 
             # A Partial gate (a pending sum) is reduced first: silu is not linear.
             gp = DTensor.from_local(gate / world, mesh, [Partial()])  # the ranks' shares sum to gate
             with CommDebugMode() as comm:
                 y = tk.swiglu(gp, distribute_tensor(up, mesh, [Replicate()]))
             assert comm.get_total_counts() > 0
-            torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-5, atol=1e-6)
+            assert_gathered_close((y, y_ref), rtol=1e-5, atol=1e-6)
 
             # The clamped variant, gate and up split alike on batch, sequence or hidden (TP): local.
             g_var, u_var = gate * 4, up * 8  # a good share beyond +-7
@@ -92,7 +91,7 @@ def _check_1d(rank: int, world: int) -> None:
                 assert comm.get_total_counts() == 0, (be, placement, comm.get_comm_counts())
                 assert y.placements == (placement,) and dg.placements == (placement,), (be, placement)
                 for a, b in ((y, y_ref), (dg, dg_ref), (du, du_ref)):
-                    torch.testing.assert_close(a.full_tensor(), b, rtol=1e-6, atol=1e-6)
+                    assert_gathered_close((a, b), rtol=1e-6, atol=1e-6)
 
             # GPT-OSS's interleaved gate_up split on tokens: its strided column views run locally. (Split
             # on the hidden dim, DTensor gathers a strided slice first: its slice rule, not the op's.)
@@ -106,8 +105,7 @@ def _check_1d(rank: int, world: int) -> None:
             full = gate_up.clone().requires_grad_()
             y_var = tk.swiglu(full[..., ::2], full[..., 1::2], **GPT_OSS)
             (dgu_var,) = torch.autograd.grad(y_var, full, dy)
-            torch.testing.assert_close(y.full_tensor(), y_var, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(dgu.full_tensor(), dgu_var, rtol=1e-6, atol=1e-6)
+            assert_gathered_close((y, y_var), (dgu, dgu_var), rtol=1e-6, atol=1e-6)
 
     # Double backward on DTensors (the second derivatives are aten ops): equals the unsharded one,
     # plain and clamped.
@@ -123,7 +121,7 @@ def _check_1d(rank: int, world: int) -> None:
         gd, ud = (distribute_tensor(t, mesh, sh).requires_grad_() for t in (g_in, u_in))
         got = hvp(gd, ud, *(distribute_tensor(t, mesh, sh) for t in (dy, vg, vu)))
         for a, b in zip(got, want):
-            torch.testing.assert_close(a.full_tensor(), b, rtol=1e-5, atol=1e-6)
+            assert_gathered_close((a, b), rtol=1e-5, atol=1e-6)
 
 
 def _check_2d(rank: int, world: int) -> None:
@@ -146,9 +144,7 @@ def _check_2d(rank: int, world: int) -> None:
         dg, du = torch.autograd.grad(y, (gd, ud), dyd)
     assert comm.get_total_counts() == 0, comm.get_comm_counts()
     assert y.placements == tuple(pl) and dg.placements == tuple(pl)
-    torch.testing.assert_close(y.full_tensor(), y_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(dg.full_tensor(), dg_ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(du.full_tensor(), du_ref, rtol=1e-6, atol=1e-6)
+    assert_gathered_close((y, y_ref), (dg, dg_ref), (du, du_ref), rtol=1e-6, atol=1e-6)
 
 
 def test_dtensor_swiglu_1d_mesh():

@@ -16,6 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.launcher import free_port
+from tests.distributed.layouts import fork_context
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ARGS = ["--training.seq_len", "16", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
@@ -50,11 +51,7 @@ def _rank(rank, world, port, argv, out):
 
 
 def _zygote(phases, out):
-    os.environ.update(OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
-    import trainer.train  # noqa: F401
-    import trainer.parallel.parallelize  # noqa: F401
-
-    fork = mp.get_context("fork")
+    fork = fork_context()
     for world, steps in phases:
         port = free_port()
         procs = [fork.Process(target=_rank, args=(r, world, port, ["--training.steps", str(steps)], out))

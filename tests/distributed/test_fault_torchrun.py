@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.layouts import COMMON, assert_same, records, reference
+from tests.distributed.layouts import COMMON, assert_same, records
 from tests.distributed.launcher import free_port
 from trainer.checkpoint_folder import complete_steps
 
@@ -33,11 +33,6 @@ def torchrun(folder: Path, *argv: str, restarts: int = 0, fault: str = "", timeo
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
     return out, time.monotonic() - t0
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return reference(tmp_path_factory)
 
 
 def test_kill_9_of_one_rank_mid_step_restarts_and_resumes_exactly(tmp_path, single):

@@ -9,7 +9,7 @@ kinds of layer at work, and under CP 2 the window spans the zigzag chunks (8 pos
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, reference, run_layouts
+from tests.distributed.layouts import assert_same, family_layouts, reference, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -18,11 +18,6 @@ OSS = ["--model.name", "gpt_oss", "--flavor", "debugmodel"]
 
 def test_fsdp2_tp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
     single = reference(tmp_path_factory, *OSS)
-    runs = run_layouts(2, {
-        "fsdp2": [*OSS, "--training.local_batch_size", "2"],
-        "tp2": [*OSS, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
-        "ep2": [*OSS, "--parallelism.expert_parallel_degree", "2", "--training.local_batch_size", "2"],
-        "cp2": [*OSS, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"],
-    }, tmp_path)
+    runs = run_layouts(2, family_layouts(*OSS), tmp_path)
     for name, got in runs.items():
         assert_same(got, single), name

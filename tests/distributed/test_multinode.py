@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.distributed.launcher import free_port
-from tests.distributed.layouts import COMMON, assert_same, records, reference
+from tests.distributed.layouts import COMMON, assert_same, records
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REPO = Path(__file__).resolve().parents[2]
@@ -46,11 +46,6 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
     for p, out in zip(procs, outs):
         assert p.returncode == 0, out[-4000:]
     return outs
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return reference(tmp_path_factory)
 
 
 def test_two_torchrun_nodes_equal_one_process(tmp_path, single):

@@ -8,7 +8,7 @@ slow: ``pytest -m slow tests/distributed/test_parallel_3d.py``.
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, reference, run_layouts
+from tests.distributed.layouts import assert_same, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -21,11 +21,6 @@ EIGHT_RANKS = {
     "fsdp2_tp2_pp2": [*TP2, *PP2, *DP2],
     "fsdp2_tp2_cp2": [*TP2, *CP2, *DP2],
 }
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ hsdp2_tp2, hsdp2_cp2, cp2_fsdp2_compile and the Inductor-compiled variant (CPU c
 """
 import pytest
 
-from tests.distributed.layouts import GLOBAL_BATCH, assert_same, reference, run_layouts
+from tests.distributed.layouts import GLOBAL_BATCH, assert_same, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -78,11 +78,6 @@ FOUR_RANKS_SLOW = {
     "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
     "cp2_fsdp2_compile": [*CP2, *_lbs(2), "--compile.enable", "--compile.backend", "aot_eager"],
 }
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    return reference(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,11 @@ def cpu_model(args, seed: int = 0):
     return model
 
 
-def assert_near_published(counted: float, published: float, rounding: float = 0.0) -> None:
-    """A parameter count within 1% of a published figure, or within half a unit of the figure's last
-    digit (``rounding``) where that is wider."""
-    assert abs(counted - published) <= max(0.01 * published, rounding * 1.03), (counted, published)
+def assert_near_published(counted: tuple[float, ...], published: tuple[float, ...], rounding: float = 0.0) -> None:
+    """Parameter counts (e.g. total and active) each within 1% of a published figure, or within half a
+    unit of the figure's last digit (``rounding``) where that is wider."""
+    for c, p in zip(counted, published, strict=True):
+        assert abs(c - p) <= max(0.01 * p, rounding * 1.03), (counted, published)
 
 
 def train_records(dump_folder, *argv: str) -> list[dict]:

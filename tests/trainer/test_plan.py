@@ -12,8 +12,9 @@ import pytest
 from tests.trainer import memory_probe
 from trainer.config import parse_args
 from trainer.estimate import GIB, USABLE_FRACTION, Layout
-from trainer.models.llama3.args import LLAMA3_FLAVORS
 from trainer.estimate_time import GPUS
+from trainer.models.llama3.args import LLAMA3_FLAVORS
+from trainer.models.qwen3.args import QWEN3_FLAVORS
 from trainer.plan import best, evaluate, flavor_args, main, search
 
 REPO = Path(__file__).resolve().parents[2]
@@ -52,22 +53,23 @@ def test_cli_prints_the_best_layouts_with_memory_communication_time_and_command(
     assert plans[0].tokens_per_s_per_gpu >= plans[-1].tokens_per_s_per_gpu
 
 
-def test_every_flavor_from_8_to_16384_gpus_quickly():
-    for flavor in LLAMA3_FLAVORS:
+@pytest.mark.parametrize("model, flavors", [("llama3", LLAMA3_FLAVORS), ("qwen3", QWEN3_FLAVORS)])
+def test_every_flavor_from_8_to_16384_gpus_quickly(model, flavors):
+    for flavor in flavors:
         for n in (8, 24, 512, 16384):
             t0 = time.perf_counter()
-            plans = best(flavor_args(flavor, 8192), flavor, n, GPUS["H100"], 8192, top=2)
+            args = flavor_args(flavor, 8192, model=model)
+            plans = best(args, flavor, n, GPUS["H100"], 8192, top=2)
             assert time.perf_counter() - t0 < 10, (flavor, n)
-            args = flavor_args(flavor, 8192)
             if 16 * args.num_params() / n > USABLE_FRACTION * GPUS["H100"].memory:
                 assert not plans  # 16 bytes of state per parameter alone exceed n x 72 GiB
                 continue
             assert plans, (flavor, n)
             for p in plans:
                 _check_plan(p, n)
-                # over the 16Mi-token cap only where no split of the model can bring it down, and
-                # then with the smallest batch: one sequence per GPU's data-parallel rank
-                assert p.tokens_per_step <= 2**24 or p.tokens_per_step <= 8192 * n // (p.layout.tp * p.layout.pp)
+                # Llama: over the 16Mi-token cap only where no split of the model can bring it down,
+                # and then with the smallest batch: one sequence per GPU's data-parallel rank
+                assert model != "llama3" or p.tokens_per_step <= 2**24 or p.tokens_per_step <= 8192 * n // (p.layout.tp * p.layout.pp)
     # the tied Llama 3.2 models are never given TP or PP (the trainer refuses them)
     assert all(p.layout.tp == p.layout.pp == 1 for p in search(flavor_args("1B", 8192), "1B", 64, GPUS["H100"], 8192))
 
@@ -116,8 +118,6 @@ def test_memory_model_within_15_percent_of_the_measured_peak_under_every_layout(
 
 def test_moe_counts_active_parameters_for_flops_and_all_for_memory():
     from trainer.estimate import model_costs
-    from trainer.models.qwen3.args import QWEN3_FLAVORS
-
     moe = QWEN3_FLAVORS["30B-A3B"]
     c = model_costs(moe)
     assert c.total_params == moe.num_params() and c.active_params == moe.active_params() < c.total_params / 5
@@ -178,20 +178,3 @@ def test_expert_parallel_memory_communication_and_time_terms():
     moe = flavor_args("debugmodel_moe", 2048, model="qwen3")
     assert ep_choices(moe, 12) == [1, 2, 4] and ep_choices(moe, 12, dp_replicate=2) == [1]
     assert ep_choices(moe, 12, cp=2) == [1] and ep_choices(args.replace(moe=None), 16) == [1]
-
-
-def test_every_qwen3_flavor_from_8_to_16384_gpus_quickly():
-    from trainer.models.qwen3.args import QWEN3_FLAVORS
-
-    for flavor in QWEN3_FLAVORS:
-        for n in (8, 24, 512, 16384):
-            t0 = time.perf_counter()
-            args = flavor_args(flavor, 8192, model="qwen3")
-            plans = best(args, flavor, n, GPUS["H100"], 8192, top=2)
-            assert time.perf_counter() - t0 < 10, (flavor, n)
-            if 16 * args.num_params() / n > USABLE_FRACTION * GPUS["H100"].memory:
-                assert not plans  # 16 bytes of state per parameter alone exceed n x 72 GiB
-                continue
-            assert plans, (flavor, n)
-            for p in plans:
-                _check_plan(p, n)

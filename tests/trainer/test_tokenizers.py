@@ -244,22 +244,23 @@ def test_errors_name_the_argument(tmp_path):
         build_tokenizer(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="model.tokenizer_path: folder .* holds neither"):
         build_tokenizer(tmp_path)
-    garbage = tmp_path / "garbage.model"
-    garbage.write_bytes(bytes(range(256)) * 4)
-    with pytest.raises(ValueError, match="model.tokenizer_path: .* is neither a tokenizer.json, a tiktoken"):
-        build_tokenizer(garbage)
-    bad_json = tmp_path / "bad.json"
-    bad_json.write_text('{"model": 3}')
-    with pytest.raises(ValueError, match="model.tokenizer_path: .* is not a valid tokenizer.json"):
-        build_tokenizer(bad_json)
-    partial = tmp_path / "partial.model"  # a ranks file without all 256 single bytes
-    partial.write_text("".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(200)))
-    with pytest.raises(ValueError, match="lacks 56 of the 256 single-byte tokens"):
-        build_tokenizer(partial)
-    malformed = tmp_path / "malformed.model"
-    malformed.write_text("QQ== 0\nQg== x\n")
-    with pytest.raises(ValueError, match="line 2: expected '<base64 token> <rank>'"):
-        build_tokenizer(malformed)
+
+
+# a ranks file without all 256 single bytes
+_PARTIAL_RANKS = "".join(f"{base64.b64encode(bytes([b])).decode()} {b}\n" for b in range(200)).encode()
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("garbage.model", bytes(range(256)) * 4, "model.tokenizer_path: .* is neither a tokenizer.json, a tiktoken"),
+    ("bad.json", b'{"model": 3}', "model.tokenizer_path: .* is not a valid tokenizer.json"),
+    ("partial.model", _PARTIAL_RANKS, "lacks 56 of the 256 single-byte tokens"),
+    ("malformed.model", b"QQ== 0\nQg== x\n", "line 2: expected '<base64 token> <rank>'"),
+], ids=["garbage", "bad-json", "partial-ranks", "malformed-ranks"])
+def test_a_file_that_is_no_tokenizer_is_refused_naming_the_argument(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        build_tokenizer(path)
 
 
 def test_tokenizer_json_without_bos_eos_is_refused(tmp_path):
