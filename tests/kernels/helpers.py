@@ -32,6 +32,44 @@ def backends_here(op: str | None = None, names: tuple[str, ...] = ("reference", 
     return out
 
 
+def cpu_capabilities() -> list[str]:
+    """The instruction-set builds of the native cpu kernels this CPU runs ("default", "avx2",
+    "avx512"), best last; empty when the native backend is not built."""
+    from titan_kernels import backend
+
+    if not backend.backend_status("cpu", "cpu").available:
+        return []
+    from titan_kernels import _C
+
+    out = []
+    for cap in ("default", "avx2", "avx512"):
+        try:
+            _C.set_cpu_capability(cap)
+        except ValueError:  # this CPU cannot run it
+            continue
+        out.append(cap)
+    _C.set_cpu_capability("auto")
+    return out
+
+
+def cpu_capability_params() -> list:
+    """:func:`cpu_capabilities` as pytest params; one skipped with the reason when none is built."""
+    caps = cpu_capabilities()
+    return caps or [pytest.param("none", marks=pytest.mark.skip(reason="native cpu backend unavailable"))]
+
+
+@contextlib.contextmanager
+def cpu_capability(cap: str):
+    """The native cpu kernels of the ``cap`` build inside the block; the automatic choice after."""
+    from titan_kernels import _C
+
+    _C.set_cpu_capability(cap)
+    try:
+        yield
+    finally:
+        _C.set_cpu_capability("auto")
+
+
 def llama31_scaled_freqs64(freqs: list[float], scaling: dict) -> list[float]:
     """RoPE inverse frequencies after Llama 3.1's ``apply_scaling`` (smooth long-wavelength scaling),
     as a per-frequency Python loop in float64, written from Meta's reference (not from our code).

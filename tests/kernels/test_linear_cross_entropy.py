@@ -16,21 +16,10 @@ from titan_kernels import backend
 from titan_kernels.triton import triton_interpret
 from titan_kernels.reference import cross_entropy as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import TOL, backends_here
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 REDUCTIONS = ("mean", "sum", "none")
-
-
-def backends_here() -> list:
-    out = []
-    for name in ("reference", "triton"):
-        st = backend.backend_status(name, TEST_DEVICE)
-        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-BACKENDS = backends_here()
+BACKENDS = backends_here(names=("reference", "triton"))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -27,39 +27,16 @@ if not _OK:
     pytest.skip(f"native cpu backend unavailable: {_WHY}", allow_module_level=True)
 
 from titan_kernels import _C  # noqa: E402
+from tests.kernels.helpers import TOL, cpu_capabilities, cpu_capability, rel_err  # noqa: E402
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 ops = torch.ops.titan
-
-
-def _capabilities() -> list[str]:
-    """The ISA builds this CPU can run, best last."""
-    out = []
-    for cap in ("default", "avx2", "avx512"):
-        try:
-            _C.set_cpu_capability(cap)
-        except ValueError:
-            continue
-        out.append(cap)
-    _C.set_cpu_capability("auto")
-    return out
-
-
-CAPS = _capabilities()
+CAPS = cpu_capabilities()  # this CPU's builds, best last
 
 
 @pytest.fixture(params=CAPS)
 def cap(request):
-    _C.set_cpu_capability(request.param)
-    yield request.param
-    _C.set_cpu_capability("auto")
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    with cpu_capability(request.param):
+        yield request.param
 
 
 def randn(*shape, dtype=torch.float32, scale=1.0):

@@ -16,29 +16,10 @@ from titan_kernels import backend
 from titan_kernels.ops import swiglu as swiglu_ops
 from titan_kernels.reference import swiglu as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels.helpers import TOL, backends_here, cpu_capability, cpu_capability_params, rel_err
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-def backends_here() -> list:
-    """Each backend, skipped with its reason when it cannot run on the device here."""
-    out = []
-    for name in ("reference", "triton", "cpu"):
-        st = backend.backend_status(name, TEST_DEVICE)
-        marks = [] if st.available else [pytest.mark.skip(reason=f"{name} backend unavailable: {st.reason}")]
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-BACKENDS = backends_here()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    if b.numel() == 0:
-        return 0.0
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+BACKENDS = backends_here(names=("reference", "triton", "cpu"))
 
 
 def randn(*shape, dtype=torch.float32, scale=2.0):
@@ -293,29 +274,10 @@ def test_triton_fixed_configs():
     assert tri.default_config(14336)["block_n"] == tri.MAX_BLOCK_N
 
 
-def _cpu_capabilities() -> list:
-    if not backend.backend_status("cpu", "cpu").available:
-        return [pytest.param("none", marks=pytest.mark.skip(reason="native cpu backend unavailable"))]
-    from titan_kernels import _C
-
-    caps = []
-    for cap in ("default", "avx2", "avx512"):
-        try:
-            _C.set_cpu_capability(cap)
-        except ValueError:
-            continue
-        caps.append(cap)
-    _C.set_cpu_capability("auto")
-    return caps
-
-
-@pytest.mark.parametrize("cap", _cpu_capabilities())
+@pytest.mark.parametrize("cap", cpu_capability_params())
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_native_every_isa(cap, dtype):
-    from titan_kernels import _C
-
-    _C.set_cpu_capability(cap)
-    try:
+    with cpu_capability(cap):
         h = 77  # not a multiple of any vector width
         fused = randn(5, 2 * h, dtype=dtype)
         cases = [
@@ -330,8 +292,6 @@ def test_native_every_isa(cap, dtype):
             dg, du = torch.ops.titan.swiglu_bwd_native(dy, g, u)
             y64, dg64, du64 = f64(g, u, dy)
             assert rel_err(y, y64) < TOL[dtype] and rel_err(dg, dg64) < TOL[dtype] and rel_err(du, du64) < TOL[dtype]
-    finally:
-        _C.set_cpu_capability("auto")
 
 
 def test_native_errors_name_the_argument():

@@ -19,7 +19,7 @@ from titan_kernels import backend
 from titan_kernels.ops import swiglu as swiglu_ops
 from titan_kernels.reference import swiglu as ref
 from tests.conftest import TEST_DEVICE
-from tests.kernels.helpers import TOL, backends_here, rel_err
+from tests.kernels.helpers import TOL, backends_here, cpu_capability, cpu_capability_params, rel_err
 
 BACKENDS = backends_here(names=("reference", "triton", "cpu"))
 GPT_OSS = {"alpha": 1.702, "limit": 7.0, "up_offset": 1.0}
@@ -379,29 +379,10 @@ def test_triton_fixed_configs():
         assert all(rel_err(a, b) < 1e-5 for a, b in zip((y, dg, du), want)), cfg
 
 
-def _cpu_capabilities() -> list:
-    if not backend.backend_status("cpu", "cpu").available:
-        return [pytest.param("none", marks=pytest.mark.skip(reason="native cpu backend unavailable"))]
-    from titan_kernels import _C
-
-    caps = []
-    for cap in ("default", "avx2", "avx512"):
-        try:
-            _C.set_cpu_capability(cap)
-        except ValueError:
-            continue
-        caps.append(cap)
-    _C.set_cpu_capability("auto")
-    return caps
-
-
-@pytest.mark.parametrize("cap", _cpu_capabilities())
+@pytest.mark.parametrize("cap", cpu_capability_params())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_native_every_isa(cap, dtype):
-    from titan_kernels import _C
-
-    _C.set_cpu_capability(cap)
-    try:
+    with cpu_capability(cap):
         h = 77  # not a multiple of any vector width
         fused = straddling(5, 2 * h, dtype=dtype)
         cases = [
@@ -427,8 +408,6 @@ def test_native_every_isa(cap, dtype):
         dg, du = torch.ops.titan.swiglu_clamped_bwd_native(dy, g, u, 1.702, 7.0, 1.0)
         for a, b in zip((y, dg, du), f64(g, u, dy, GPT_OSS)):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a == 0, b == 0), (a, b)
-    finally:
-        _C.set_cpu_capability("auto")
 
 
 # --------------------------------------------------------------------------- errors
