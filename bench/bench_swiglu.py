@@ -206,36 +206,31 @@ def paired(fns: dict, rounds: int = 9, reps: int = 3) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _table(shapes, inputs, ours_fn, eager_fn, bw: float) -> None:
+    """One Markdown table: each pass of ``ours_fn`` against ``eager_fn`` at each shape and dtype
+    (``inputs(m, n, dtype)`` gives gate, up, dy), timed alternately, with the bandwidth ours reaches."""
+    print("| pass | shape | dtype | ours (us) | eager (us) | eager / ours | ours GB/s | % copy BW |")
+    print("|---|---|---|---|---|---|---|---|")
+    for shape in shapes:
+        for dtype in DTYPES:
+            g, u, dy = inputs(*shape, dtype)
+            for pass_ in ("fwd", "bwd", "fwd+bwd"):
+                ours, moved = _call(ours_fn, pass_, g, u, dy)
+                base, _ = _call(eager_fn, pass_, g, u, dy)
+                t = paired({"ours": ours, "eager": base})
+                print(f"| {pass_} | {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {t['ours'] * 1e6:.0f} | "
+                      f"{t['eager'] * 1e6:.0f} | {t['eager'] / t['ours']:.2f} | {moved / t['ours'] / 1e9:.1f} | "
+                      f"{100 * moved / t['ours'] / bw:.0f} |")
+
+
 def main(argv) -> None:
     bw = common.copy_bandwidth()
     print(f"device {common.environment()['device']}, threads {torch.get_num_threads()}, copy bandwidth "
           f"{bw / 1e9:.1f} GB/s")
-    print("| pass | shape | dtype | ours (us) | eager (us) | eager / ours | ours GB/s | % copy BW |")
-    print("|---|---|---|---|---|---|---|---|")
-    for shape in SHAPES:
-        for dtype in DTYPES:
-            g, u, dy = _inputs(*shape, dtype)
-            for pass_ in ("fwd", "bwd", "fwd+bwd"):
-                ours, moved = _call(tk.swiglu, pass_, g, u, dy)
-                base, _ = _call(eager, pass_, g, u, dy)
-                t = paired({"ours": ours, "eager": base})
-                print(f"| {pass_} | {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {t['ours'] * 1e6:.0f} | "
-                      f"{t['eager'] * 1e6:.0f} | {t['eager'] / t['ours']:.2f} | {moved / t['ours'] / 1e9:.1f} | "
-                      f"{100 * moved / t['ours'] / bw:.0f} |")
+    _table(SHAPES, _inputs, tk.swiglu, eager, bw)
     print("\nGPT-OSS's clamped SwiGLU (gate, up: the interleaved columns of one (M, 2N) tensor) against its"
           " eager torch composition:")
-    print("| pass | shape | dtype | ours (us) | eager (us) | eager / ours | ours GB/s | % copy BW |")
-    print("|---|---|---|---|---|---|---|---|")
-    for shape in CLAMPED_SHAPES:
-        for dtype in DTYPES:
-            g, u, dy = _gate_up(*shape, dtype)
-            for pass_ in ("fwd", "bwd", "fwd+bwd"):
-                ours, moved = _call(titan_clamped, pass_, g, u, dy)
-                base, _ = _call(eager_clamped, pass_, g, u, dy)
-                t = paired({"ours": ours, "eager": base})
-                print(f"| {pass_} | {shape[0]}x{shape[1]} | {str(dtype)[6:]} | {t['ours'] * 1e6:.0f} | "
-                      f"{t['eager'] * 1e6:.0f} | {t['eager'] / t['ours']:.2f} | {moved / t['ours'] / 1e9:.1f} | "
-                      f"{100 * moved / t['ours'] / bw:.0f} |")
+    _table(CLAMPED_SHAPES, _gate_up, titan_clamped, eager_clamped, bw)
     if DEV.type == "cpu" or "--w13" in argv:
         steps, _ = ffn_variants(2048, 256, 768)
         t = paired(steps, rounds=11)

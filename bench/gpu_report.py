@@ -49,6 +49,24 @@ def update(prefix: str, section: str, data) -> None:
 # ----------------------------------------------------------------------------- Markdown
 
 
+def run_summary(folder) -> dict:
+    """What a trainer run's ``folder/metrics.jsonl`` reports: the mean tokens/s (per device) and MFU
+    of the steady steps (all but the first, which compiles and warms up), the peak memory, the losses,
+    whether the loss fell and the steps logged; empty when the run logged nothing."""
+    metrics = pathlib.Path(folder) / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.is_file() else []
+    steady = records[1:] or records
+    if not steady:
+        return {}
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {"tokens_per_s": sum(r["tps"] for r in steady) / len(steady),
+            "mfu_percent": sum(mfus) / len(mfus) if mfus else None,
+            "memory_gib": max(r["memory_gib"] for r in records), "losses": [r["loss"] for r in records],
+            "loss_falling": len(records) > 1 and records[-1]["loss"] < records[0]["loss"],
+            "steps_logged": [r.get("step") for r in records]}
+
+
 def _fmt(v, spec: str = "") -> str:
     if v is None:
         return "n/a"

@@ -27,13 +27,14 @@ every layer (the small-GEMM filter would skip all toy layers).
 """
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import signal
 import subprocess
 import sys
 import time
+
+from bench import gpu_report
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = 4
@@ -126,17 +127,7 @@ def run_one(name: str, cmd: list[str], folder: pathlib.Path, timeout: float, env
         _children.discard(proc)
     row["wall_s"] = time.perf_counter() - t0
     print("\n".join(f"    {line}" for line in _tail(out, 12)), flush=True)
-    metrics = folder / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.is_file() else []
-    steady = records[1:] or records
-    if steady:
-        row["tokens_per_s"] = sum(r["tps"] for r in steady) / len(steady)
-        mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-        row["mfu_percent"] = sum(mfus) / len(mfus) if mfus else None
-        row["memory_gib"] = max(r["memory_gib"] for r in records)
-        row["losses"] = [r["loss"] for r in records]
-        row["loss_falling"] = len(records) > 1 and records[-1]["loss"] < records[0]["loss"]
-        row["steps_logged"] = [r.get("step") for r in records]
+    row.update(gpu_report.run_summary(folder))
     if row["rc"] != 0:
         row["output_tail"] = _tail(out)
     return row
@@ -156,8 +147,6 @@ def main(argv: list[str]) -> int:
 
     prefix, dry = argv[0], "--dry-run" in argv
     signal.signal(signal.SIGTERM, _kill_children)
-    from bench import gpu_report
-
     env_info = gpu_report.load(prefix).get("environment", {})
     measured = env_info.get("matmul_TFLOPs")
     folder = pathlib.Path(prefix + "-runs")

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from bench import gpu_report
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS, LOG_FREQ = 20, 5
 COMMON = ["--flavor", "8B", "--training.steps", str(STEPS), "--metrics.log_freq", str(LOG_FREQ),
@@ -59,15 +61,10 @@ def run(name: str, nproc: int, extra: list[str], folder: Path, timeout: float = 
     except subprocess.TimeoutExpired as exc:
         row["rc"] = "timeout"
         tail = ((exc.stdout or b"").decode(errors="replace") + (exc.stderr or b"").decode(errors="replace")).splitlines()[-15:]
-    metrics = out / "metrics.jsonl"
-    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    steady = records[1:] or records
-    if steady:
-        row["tokens_per_s_per_gpu"] = sum(r["tps"] for r in steady) / len(steady)
-        mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
-        row["mfu_percent"] = sum(mfus) / len(mfus) if mfus else None
-        row["memory_gib"] = max(r["memory_gib"] for r in records)
-        row["losses"] = [r["loss"] for r in records]
+    summary = gpu_report.run_summary(out)
+    if summary:
+        row["tokens_per_s_per_gpu"] = summary.pop("tokens_per_s")
+        row.update(summary)
     if row["rc"] != 0:
         row["output_tail"] = tail
     return row

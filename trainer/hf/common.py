@@ -10,6 +10,7 @@ beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate), as
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -27,6 +28,16 @@ _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_f
 
 class HFCheckpointError(ValueError):
     """A folder is not a usable Hugging Face checkpoint of one of our families; the message is one line."""
+
+
+@contextlib.contextmanager
+def config_errors(where: str):
+    """Inside the block, the model args' own checks of a config.json's values (ValueError, TypeError)
+    become one-line HFCheckpointErrors naming the file ``where``."""
+    try:
+        yield
+    except (ValueError, TypeError) as exc:
+        raise HFCheckpointError(f"{where}: {exc}") from None
 
 
 def model_types() -> dict[str, str]:

@@ -65,6 +65,11 @@ def differences(a, b, ignore_vocab: bool = False) -> list[str]:
     return [f"{f} {va} vs {vb}" for f, va, vb in _differing(a, b, ignore_vocab)]
 
 
+def matching_flavor(args, flavors: dict) -> str:
+    """The name of the flavor in ``flavors`` that is the same model as ``args``, else "custom"."""
+    return next((name for name, flavor in flavors.items() if not differences(args, flavor)), "custom")
+
+
 def check_compatible(found, run, where: str, run_name: str) -> None:
     """Raise HFCheckpointError if ``found`` (a checkpoint's) has other shapes than ``run``; warn for other math."""
     diff = _differing(found, run)

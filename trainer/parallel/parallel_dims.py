@@ -49,6 +49,11 @@ CONFIG_KEYS = {
 }
 
 
+def _above_one(dim: str) -> property:
+    """A read-only property: whether the degree ``dim`` is more than 1 (that parallelism is on)."""
+    return property(lambda self: getattr(self, dim) > 1, doc=f"Whether {dim} > 1.")
+
+
 @dataclass
 class ParallelDims:
     """Degrees of each parallel dimension for ``world_size`` processes.
@@ -119,10 +124,6 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def dp_enabled(self) -> bool:
-        return self.dp_size > 1
-
-    @property
     def fsdp_size(self) -> int:
         """Ranks FSDP2 averages gradients over: dp_replicate * dp_shard * cp."""
         return self.dp_replicate * self.dp_shard * self.cp
@@ -132,25 +133,12 @@ class ParallelDims:
         """FSDP2 (or HSDP, or pure replication) wraps the model: more than one rank holds the same parameters."""
         return self.fsdp_size > 1
 
-    @property
-    def hsdp_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
-    @property
-    def tp_enabled(self) -> bool:
-        return self.tp > 1
-
-    @property
-    def pp_enabled(self) -> bool:
-        return self.pp > 1
-
-    @property
-    def cp_enabled(self) -> bool:
-        return self.cp > 1
-
-    @property
-    def ep_enabled(self) -> bool:
-        return self.ep > 1
+    # Whether each parallelism is on: its degree is more than 1.
+    hsdp_enabled = _above_one("dp_replicate")
+    tp_enabled = _above_one("tp")
+    pp_enabled = _above_one("pp")
+    cp_enabled = _above_one("cp")
+    ep_enabled = _above_one("ep")
 
     @property
     def dp_shard_mod_ep(self) -> int:

@@ -22,8 +22,9 @@ import re
 import torch
 
 from trainer.hf.adapter import HFAdapter
-from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, rope_to_config
-from trainer.hf.compare import differences
+from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
+from trainer.hf.common import rope_to_config
+from trainer.hf.compare import matching_flavor
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from trainer.models.moe_args import MoEArgs
 
@@ -157,7 +158,7 @@ class DeepSeekV3Adapter(HFAdapter):
         if norm and top_k == 1:
             refuse("num_experts_per_tok", "> 1 with norm_topk_prob (transformers would weigh the one expert 1)")
         theta, scaling = _rope_from_config(cfg, where, ("yarn", "llama3"))
-        try:
+        with config_errors(where):  # the args' own checks (sizes, groups)
             moe = MoEArgs(num_experts=get("n_routed_experts", 256), top_k=top_k,
                           hidden_dim=get("moe_intermediate_size", 2048), num_shared_experts=get("n_shared_experts", 1),
                           score_func="sigmoid", route_norm=norm, route_scale=float(get("routed_scaling_factor", 2.5)),
@@ -172,12 +173,7 @@ class DeepSeekV3Adapter(HFAdapter):
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)), moe=moe,
                 n_dense_layers=min(get("first_k_dense_replace", 3), cfg["num_hidden_layers"]),
                 num_mtp_layers=get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 0)))
-        except (ValueError, TypeError) as exc:  # the args' own checks (sizes, groups)
-            raise HFCheckpointError(f"{where}: {exc}") from None
-        for name, flavor in DEEPSEEK_V3_FLAVORS.items():
-            if not differences(args, flavor):
-                return args, name
-        return args, "custom"
+        return args, matching_flavor(args, DEEPSEEK_V3_FLAVORS)
 
 
 ADAPTER = DeepSeekV3Adapter()

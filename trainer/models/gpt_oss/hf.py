@@ -18,8 +18,9 @@ import re
 
 import torch
 
-from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, rope_to_config
-from trainer.hf.compare import differences
+from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
+from trainer.hf.common import rope_to_config
+from trainer.hf.compare import matching_flavor
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from trainer.models.llama3.hf import RotaryPermutingAdapter
 from trainer.models.moe_args import MoEArgs
@@ -162,7 +163,7 @@ class GptOssAdapter(RotaryPermutingAdapter):
                                     f"full_attention for each of {n_layers} layers)")
         theta, scaling = _rope_from_config(cfg, where, ("yarn",))
         hidden = get("intermediate_size", 2880)
-        try:
+        with config_errors(where):  # the args' own checks
             moe = MoEArgs(num_experts=get("num_local_experts", get("num_experts", 128)),
                           top_k=get("num_experts_per_tok", 4), hidden_dim=hidden, score_func="softmax",
                           route_norm=True, router_bias=True, expert_proj_bias=True,
@@ -176,12 +177,7 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 max_seq_len=int(get("max_position_embeddings", 131072)),
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)), sliding_window=get("sliding_window", 128),
                 layer_types=types, moe=moe)
-        except (ValueError, TypeError) as exc:
-            raise HFCheckpointError(f"{where}: {exc}") from None
-        for name, flavor in GPT_OSS_FLAVORS.items():
-            if not differences(args, flavor):
-                return args, name
-        return args, "custom"
+        return args, matching_flavor(args, GPT_OSS_FLAVORS)
 
 
 ADAPTER = GptOssAdapter()

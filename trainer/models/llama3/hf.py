@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from trainer.hf.adapter import HFAdapter, half_to_interleaved, interleaved_to_half
-from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, rope_to_config
+from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
+from trainer.hf.common import rope_to_config
 from trainer.hf.compare import differences
 from trainer.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
@@ -97,7 +98,7 @@ class LlamaAdapter(RotaryPermutingAdapter):
                       norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
                       max_seq_len=int(cfg.get("max_position_embeddings") or 8192),
                       tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)))
-        try:
+        with config_errors(where):  # Llama3Args' own checks (e.g. heads not dividing dim)
             for name, flavor in LLAMA3_FLAVORS.items():
                 # The flavor's multiple_of / ffn_dim_multiplier with the config's sizes: a match gives
                 # the flavor's own arguments.
@@ -106,8 +107,6 @@ class LlamaAdapter(RotaryPermutingAdapter):
                     return cand, name
             base = int(2 * (4 * dim) / 3)
             args = Llama3Args(multiple_of=hidden, ffn_dim_multiplier=hidden / base, **common)
-        except ValueError as exc:  # Llama3Args' own checks (e.g. heads not dividing dim)
-            raise HFCheckpointError(f"{where}: {exc}") from None
         if args.ffn_hidden_dim != hidden:  # cannot happen for hidden >= 1; a guard on the arithmetic
             raise HFCheckpointError(f"{where}: cannot express intermediate_size {hidden} for hidden_size {dim}")
         return args, "custom"

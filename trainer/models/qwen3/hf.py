@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from trainer.hf.common import HFCheckpointError, _int_fields, _rope_from_config, rope_to_config
-from trainer.hf.compare import differences
+from trainer.hf.common import HFCheckpointError, _int_fields, _rope_from_config, config_errors, rope_to_config
+from trainer.hf.compare import matching_flavor
 from trainer.models.llama3.hf import KEY_MAP as _LLAMA_KEYS
 from trainer.models.llama3.hf import RotaryPermutingAdapter
 from trainer.models.moe_args import MoEArgs
@@ -126,7 +126,7 @@ class Qwen3Adapter(RotaryPermutingAdapter):
         moe, n_dense = None, 0
         if moe_type:
             moe, n_dense = self._moe(cfg, where)
-        try:
+        with config_errors(where):  # Qwen3Args' own checks (heads, head_dim, layers)
             args = Qwen3Args(
                 dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=cfg.get("num_key_value_heads") or heads,
                 head_dim=head_dim, hidden_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
@@ -134,12 +134,7 @@ class Qwen3Adapter(RotaryPermutingAdapter):
                 max_seq_len=int(cfg.get("max_position_embeddings") or 4096),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), moe=moe, n_dense_layers=n_dense,
                 layer_types=layer_types, sliding_window=window)
-        except ValueError as exc:  # Qwen3Args' own checks (heads, head_dim, layers)
-            raise HFCheckpointError(f"{where}: {exc}") from None
-        for name, flavor in QWEN3_FLAVORS.items():
-            if not differences(args, flavor):
-                return args, name
-        return args, "custom"
+        return args, matching_flavor(args, QWEN3_FLAVORS)
 
     @staticmethod
     def _windows(cfg: dict, n_layers: int, moe_type: bool, where: str) -> tuple[tuple[str, ...], int]:
@@ -191,10 +186,8 @@ class Qwen3Adapter(RotaryPermutingAdapter):
         if norm and top_k == 1:
             raise HFCheckpointError(f"{where}: num_experts_per_tok 1 with norm_topk_prob true is not supported (every "
                                     f"routing weight would be 1; our router keeps the score)")
-        try:
+        with config_errors(where):
             moe = MoEArgs(num_experts=n_exp, top_k=top_k, hidden_dim=hidden, score_func="softmax", route_norm=norm)
-        except ValueError as exc:
-            raise HFCheckpointError(f"{where}: {exc}") from None
         return moe, len(only)
 
 
