@@ -21,6 +21,7 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -63,19 +64,41 @@ def family_layouts(*argv: str) -> dict[str, list[str]]:
     }
 
 
-def _rank_main(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
+def as_rank(rank: int, world_size: int, port: int) -> None:
+    """This forked process as rank ``rank`` of ``world_size`` (torchrun's variables, the rendezvous on
+    ``port``), with one intra-op thread."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)
+
+
+def run_main(argv: list[str], out: Path, rank: int, rc_file: str) -> None:
+    """``python -m trainer``'s main with ``argv``, writing into ``out``: its exit code into
+    ``out/rc_file``, or the traceback into ``out/error-<rank>.txt`` (and raised again)."""
     from trainer import train
     from trainer.config import parse_args
 
     try:
-        rc = train.main(parse_args([*COMMON, *argv, "--job.dump_folder", str(out)]))
-        (out / f"rc-{rank}").write_text(str(rc))
+        rc = train.main(parse_args([*argv, "--job.dump_folder", str(out)]))
+        (out / rc_file).write_text(str(rc))
     except BaseException:
         (out / f"error-{rank}.txt").write_text(traceback.format_exc())
         raise
+
+
+def layouts_fixture(world_size: int, layouts: dict[str, list[str]]):
+    """A module-scoped fixture: ``run_layouts(world_size, layouts, ...)`` once for the test module."""
+
+    @pytest.fixture(scope="module")
+    def ranks(tmp_path_factory):
+        return run_layouts(world_size, layouts, tmp_path_factory.mktemp(f"ranks_{world_size}"))
+
+    return ranks
+
+
+def _rank_main(rank: int, world_size: int, port: int, argv: list[str], out: Path) -> None:
+    as_rank(rank, world_size, port)
+    run_main([*COMMON, *argv], out, rank, f"rc-{rank}")
 
 
 def _zygote(world_size: int, layouts: dict[str, list[str]], folder: str, timeout: float) -> None:

@@ -6,17 +6,14 @@ dropped or repeated), and the per-step losses equal the single-process run's wit
 A global batch of 12 sequences: 4 ranks x 3 micro-batches, 2 x 6, 3 x 4. About 40 s on 2 cores.
 """
 import json
-import os
 import time
-import traceback
 from pathlib import Path
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from tests.distributed.launcher import free_port
-from tests.distributed.layouts import fork_context
+from tests.distributed.layouts import as_rank, fork_context, run_main
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 ARGS = ["--training.seq_len", "16", "--training.global_batch_size", "12", "--training.local_batch_size", "1",
@@ -26,11 +23,8 @@ ARGS = ["--training.seq_len", "16", "--training.global_batch_size", "12", "--tra
 
 
 def _rank(rank, world, port, argv, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+    as_rank(rank, world, port)
     from trainer import train
-    from trainer.config import parse_args
 
     real = train.Trainer._next_batches
 
@@ -42,12 +36,7 @@ def _rank(rank, world, port, argv, out):
         return batches, wait
 
     train.Trainer._next_batches = recording
-    try:
-        rc = train.main(parse_args([*ARGS, *argv, "--job.dump_folder", str(out)]))
-        (out / f"rc-{world}-{rank}").write_text(str(rc))
-    except BaseException:
-        (out / f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
+    run_main([*ARGS, *argv], out, rank, f"rc-{world}-{rank}")
 
 
 def _zygote(phases, out):

@@ -8,7 +8,7 @@ slow: ``pytest -m slow tests/distributed/test_parallel_3d.py``.
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, run_layouts
+from tests.distributed.layouts import assert_same, layouts_fixture, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -23,9 +23,7 @@ EIGHT_RANKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def eight_ranks(tmp_path_factory):
-    return run_layouts(8, EIGHT_RANKS, tmp_path_factory.mktemp("eight_ranks"))
+eight_ranks = layouts_fixture(8, EIGHT_RANKS)
 
 
 @pytest.mark.parametrize("layout", list(EIGHT_RANKS))

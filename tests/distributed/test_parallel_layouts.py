@@ -31,7 +31,7 @@ hsdp2_tp2, hsdp2_cp2, cp2_fsdp2_compile and the Inductor-compiled variant (CPU c
 """
 import pytest
 
-from tests.distributed.layouts import GLOBAL_BATCH, assert_same, run_layouts
+from tests.distributed.layouts import GLOBAL_BATCH, assert_same, layouts_fixture, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -80,14 +80,8 @@ FOUR_RANKS_SLOW = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return run_layouts(2, TWO_RANKS, tmp_path_factory.mktemp("two_ranks"))
-
-
-@pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory):
-    return run_layouts(4, FOUR_RANKS, tmp_path_factory.mktemp("four_ranks"))
+two_ranks = layouts_fixture(2, TWO_RANKS)
+four_ranks = layouts_fixture(4, FOUR_RANKS)
 
 
 @pytest.mark.parametrize("layout", list(TWO_RANKS))
