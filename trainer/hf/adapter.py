@@ -22,6 +22,15 @@ import torch
 
 from trainer.hf.common import HFCheckpointError
 
+# The names every family's decoder shares with Hugging Face's *ForCausalLM (ours, the layer index as
+# {} -> theirs): the embedding, the two norms of a block, the final norm and the output projection.
+DECODER_KEYS: dict[str, str] = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
+    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
 _EXPERT_RE = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])$")
 _HF_EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _HF_FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")

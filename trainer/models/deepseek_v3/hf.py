@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from trainer.hf.adapter import HFAdapter
+from trainer.hf.adapter import DECODER_KEYS, HFAdapter
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
 from trainer.hf.common import rope_to_config
 from trainer.hf.compare import matching_flavor
@@ -32,10 +32,8 @@ _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": 
          "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}
 _FFN = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 KEY_MAP: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
+    **DECODER_KEYS,
     **{f"layers.{{}}.attention.{k}.weight": f"model.layers.{{}}.self_attn.{v}.weight" for k, v in _ATTN.items()},
-    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
     **{f"layers.{{}}.feed_forward.{k}.weight": f"model.layers.{{}}.mlp.{v}.weight" for k, v in _FFN.items()},
     **{f"layers.{{}}.feed_forward.shared_experts.{k}.weight": f"model.layers.{{}}.mlp.shared_experts.{v}.weight"
        for k, v in _FFN.items()},
@@ -45,8 +43,6 @@ KEY_MAP: dict[str, str] = {
     "layers.{}.hnorm.weight": "model.layers.{}.hnorm.weight",
     "layers.{}.eh_proj.weight": "model.layers.{}.eh_proj.weight",
     "layers.{}.post_norm.weight": "model.layers.{}.shared_head.norm.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
 }
 _OURS_MTP = re.compile(r"^mtp\.(\d+)\.(?:block\.)?(.*)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")

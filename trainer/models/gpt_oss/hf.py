@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from trainer.hf.adapter import DECODER_KEYS
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
 from trainer.hf.common import rope_to_config
 from trainer.hf.compare import matching_flavor
@@ -27,16 +28,12 @@ from trainer.models.moe_args import MoEArgs
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 KEY_MAP: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
+    **DECODER_KEYS,
     **{f"layers.{{}}.attention.{k}.{t}": f"model.layers.{{}}.self_attn.{v}.{t}"
        for k, v in _ATTN.items() for t in ("weight", "bias")},
     "layers.{}.attention.sinks": "model.layers.{}.self_attn.sinks",
-    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
     "layers.{}.feed_forward.router.gate.weight": "model.layers.{}.mlp.router.weight",
     "layers.{}.feed_forward.router.gate.bias": "model.layers.{}.mlp.router.bias",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
 }
 _OURS_EXPERT = re.compile(r"^layers\.(\d+)\.feed_forward\.experts\.(w[123])(_bias)?$")
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.hf.adapter import HFAdapter, half_to_interleaved, interleaved_to_half
+from trainer.hf.adapter import DECODER_KEYS, HFAdapter, half_to_interleaved, interleaved_to_half
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
 from trainer.hf.common import rope_to_config
 from trainer.hf.compare import differences
@@ -16,7 +16,7 @@ from trainer.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
 
 # ours (layer index as {}) -> Hugging Face LlamaForCausalLM
 KEY_MAP: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
+    **DECODER_KEYS,
     "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
     "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
     "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
@@ -24,10 +24,6 @@ KEY_MAP: dict[str, str] = {
     "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
     "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
     "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
-    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
 }
 
 
