@@ -33,6 +33,7 @@ sees it; the backward twice that (K/V again plus their gradients). See trainer/p
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -126,14 +127,15 @@ def _ring_apply(q, k, v, sinks, a, cp):
     return _RingAttention.apply(q, k, v, sinks, a, cp)
 
 
-def _schedule(cp: ContextParallel, c: int, a: AttentionArgs):
+def _schedule(cp: ContextParallel, c: int, a: AttentionArgs) -> tuple:
     """Per step s: (source rank, calls on its block, whether this rank sends its block to r + s)."""
-    n, r = cp.size, cp.rank
-    steps = []
-    for s in range(n):
-        src, dst = (r - s) % n, (r + s) % n
-        steps.append((src, _calls(r, src, n, c, a), s == 0 or bool(_calls(dst, r, n, c, a))))
-    return steps
+    return _schedule_of(cp.size, cp.rank, c, a)
+
+
+@functools.lru_cache(maxsize=256)  # per (ring, rank, chunk, mask): every layer and step of a run asks again
+def _schedule_of(n: int, r: int, c: int, a: AttentionArgs) -> tuple:
+    return tuple(((r - s) % n, tuple(_calls(r, (r - s) % n, n, c, a)), s == 0 or bool(_calls((r + s) % n, r, n, c, a)))
+                 for s in range(n))
 
 
 def _exchange(cp, steps, s, kv):
