@@ -7,7 +7,7 @@ remove it), plus ``__import__("x")`` / ``importlib.import_module("x")`` with a l
 ``from package import name`` depends on ``package.name`` when that is a module, else on the package.
 
 Layers, highest first: ``bench`` -> ``trainer`` -> ``titan_kernels`` (its public surface: the
-package itself, ``nn``, ``patch``, ``dtensor``, ``float8_linear``) -> ``titan_kernels.ops`` ->
+package itself, ``nn``, ``patch``, ``dtensor``) -> ``titan_kernels.ops`` ->
 the kernels and what they stand on (``triton``, ``reference``, the native extension, ``backend``,
 ``attention_mask``, any other module of ``titan_kernels``). A module may import its own layer
 or any below it, never one above.
@@ -29,8 +29,7 @@ KNOWN_KERNEL_CYCLES = [
     {"titan_kernels.ops.rms_norm", "titan_kernels.ops.rms_norm_triton_op"},
 ]
 
-_SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch", "titan_kernels.dtensor",
-            "titan_kernels.float8_linear"}
+_SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch", "titan_kernels.dtensor"}
 
 
 def layer(module: str) -> tuple[int, str]:
