@@ -4,7 +4,6 @@ import torch
 
 from trainer.estimate import (
     GIB,
-    USABLE_FRACTION,
     Layout,
     activation_values_per_token,
     block_values_per_token,

@@ -14,8 +14,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
-
 from trainer.checkpoint_folder import complete_steps
 
 REPO = Path(__file__).resolve().parents[2]
