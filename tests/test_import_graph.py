@@ -22,14 +22,7 @@ PACKAGES = ("titan_kernels", "trainer", "bench")
 # Built from csrc/, not a .py file: a module all the same (``from titan_kernels import _C``).
 NATIVE_MODULES = ("titan_kernels._C",)
 
-# Cycles inside titan_kernels that the kernel-library work (issue 22: backend layer and op scaffold)
-# removes; none may be added. Remove an entry (and then the allow-list) once its cycle is gone:
-# test_allowed_cycles_still_exist fails until then, so that the list never outlives its cycles.
-KNOWN_KERNEL_CYCLES = [
-    {"titan_kernels.ops.rms_norm", "titan_kernels.ops.rms_norm_triton_op"},
-]
-
-_SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch", "titan_kernels.dtensor"}
+_SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch"}
 
 
 def layer(module: str) -> tuple[int, str]:
@@ -163,14 +156,8 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
 def test_no_import_cycles():
     graph = import_graph()
     assert "trainer.train" in graph and "titan_kernels.ops.rms_norm" in graph and "bench.common" in graph
-    found = [c for c in cycles(graph) if c not in KNOWN_KERNEL_CYCLES]
+    found = cycles(graph)
     assert not found, "import cycles:\n" + "\n".join(_describe(c, graph) for c in found)
-
-
-def test_allowed_cycles_still_exist():
-    current = cycles(import_graph())
-    gone = [sorted(c) for c in KNOWN_KERNEL_CYCLES if c not in current]
-    assert not gone, f"no longer cycles, remove them from KNOWN_KERNEL_CYCLES: {gone}"
 
 
 def test_imports_flow_down_the_layers():
