@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import titan_kernels
+from titan_kernels.backend import capture_request
 from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_softcap, check_window
 from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
 from trainer.parallel import cp_schedule
@@ -183,7 +184,8 @@ class _RingAttention(torch.autograd.Function):
             out, lse = apply_sinks(out, lse, sinks, False)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.cp, ctx.a = cp, a
+        # The backward runs the backend this forward's request named (the request, not the choice).
+        ctx.cp, ctx.a, ctx.backend = cp, a, capture_request("flash_attn")
         return out
 
     @staticmethod
@@ -210,7 +212,7 @@ class _RingAttention(torch.autograd.Function):
             for rows, keys, pa in steps[step][1]:
                 dq_b, dk_b, dv_b, _ = torch.ops.titan.flash_attn_backward(
                     dout[:, rows], q[:, rows], blk[:, keys, :, :dk], blk[:, keys, :, dk:], out[:, rows],
-                    lse[:, :, rows], None, None, None, None, *pa.op_args(), "")
+                    lse[:, :, rows], None, None, None, None, *pa.op_args(), ctx.backend)
                 dq[:, rows] += dq_b
                 part[:, keys, :, :dk] += dk_b
                 part[:, keys, :, dk:] += dv_b
