@@ -9,6 +9,11 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def dtype_name(dtype: object) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: a dtype as the errors and cache keys name it."""
+    return str(dtype).replace("torch.", "")
+
+
 def check_tensor(t: object, arg: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")

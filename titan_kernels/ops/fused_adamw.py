@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from titan_kernels.ops._common import check_tensor
+from titan_kernels.ops._common import check_tensor, dtype_name
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import fused_adamw as _ref
 
@@ -56,10 +56,6 @@ fused_adamw_def.register_native(_native, families=("cpu",))  # available where c
 # ----------------------------------------------------------------------------- validation
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _check_lists(params, grads, exp_avgs, exp_avg_sqs) -> int:
     lists = {"params": params, "grads": grads, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs}
     for name, lst in lists.items():
@@ -74,15 +70,15 @@ def _check_lists(params, grads, exp_avgs, exp_avg_sqs) -> int:
         for name, lst in lists.items():
             t = check_tensor(lst[i], f"{name}[{i}]")
             if t.dtype not in DTYPES:
-                raise TypeError(f"{name}[{i}]: expected dtype float32 or bfloat16, got {_dt(t.dtype)}")
+                raise TypeError(f"{name}[{i}]: expected dtype float32 or bfloat16, got {dtype_name(t.dtype)}")
             if t.shape != p.shape:
                 raise ValueError(f"{name}[{i}]: expected shape {tuple(p.shape)} (the shape of params[{i}]), "
                                  f"got {tuple(t.shape)}")
             if t.device != p.device:
                 raise ValueError(f"{name}[{i}]: expected device {p.device} (the device of params[{i}]), got {t.device}")
         if exp_avg_sqs[i].dtype != exp_avgs[i].dtype:
-            raise TypeError(f"exp_avg_sqs[{i}]: expected dtype {_dt(exp_avgs[i].dtype)} (the dtype of exp_avgs[{i}]), "
-                            f"got {_dt(exp_avg_sqs[i].dtype)}")
+            raise TypeError(f"exp_avg_sqs[{i}]: expected dtype {dtype_name(exp_avgs[i].dtype)} (the dtype of exp_avgs[{i}]), "
+                            f"got {dtype_name(exp_avg_sqs[i].dtype)}")
         if i and p.device != params[0].device:
             raise ValueError(f"params[{i}]: expected device {params[0].device} (the device of params[0]), got {p.device}")
     return n

@@ -47,7 +47,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops._common import (
-    check_float, check_same_device, check_tensor, eager_fast_path, refuse_create_graph, replicate_like,
+    check_float, check_same_device, check_tensor, dtype_name, eager_fast_path, refuse_create_graph, replicate_like,
 )
 from titan_kernels.ops import _common
 from titan_kernels.ops._scaffold import Op
@@ -58,10 +58,6 @@ grouped_mm_def = Op(OP)
 BACKENDS = ("aten", "triton", "reference")
 AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("aten", "reference")}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _dt(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------- backends
@@ -163,7 +159,7 @@ def why_not(name: str, device_type: str, index: int | None, dt: torch.dtype, k: 
     es = dt.itemsize
     for dim, size in (("K", k), ("N", n)):
         if size * es % 16:
-            return f"{dim} = {size} ({_dt(dt)}) is not a multiple of 16 bytes, as torch._grouped_mm's strides must be"
+            return f"{dim} = {size} ({dtype_name(dt)}) is not a multiple of 16 bytes, as torch._grouped_mm's strides must be"
     # The forms the op runs, on tiny tensors of this key (torch's own checks answer: dtype, arch, ...).
     dev = torch.device(device_type, index) if index is not None else torch.device(device_type)
     try:
@@ -283,13 +279,13 @@ def _validate(x, w, offsets) -> None:
     if w.dim() != 3:
         raise ValueError(f"w: expected 3 dims (experts E, K, N), got shape {tuple(w.shape)}")
     if w.dtype != x.dtype:
-        raise TypeError(f"w: expected dtype {_dt(x.dtype)} (the dtype of x), got {_dt(w.dtype)}")
+        raise TypeError(f"w: expected dtype {dtype_name(x.dtype)} (the dtype of x), got {dtype_name(w.dtype)}")
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"w: expected shape (E, {x.shape[1]}, N) (K = x.shape[1]), got {tuple(w.shape)}")
     if w.shape[0] < 1:
         raise ValueError(f"w: expected at least one expert, got shape {tuple(w.shape)}")
     if offsets.dtype != torch.int32:
-        raise TypeError(f"offsets: expected dtype int32 (cumulative group ends), got {_dt(offsets.dtype)}")
+        raise TypeError(f"offsets: expected dtype int32 (cumulative group ends), got {dtype_name(offsets.dtype)}")
     if offsets.dim() != 1 or offsets.shape[0] != w.shape[0]:
         raise ValueError(f"offsets: expected shape ({w.shape[0]},) (one end per expert), got {tuple(offsets.shape)}")
     check_same_device({"x": x, "w": w, "offsets": offsets})

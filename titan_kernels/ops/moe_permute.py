@@ -23,7 +23,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from titan_kernels.ops._common import (
-    check_float, check_same_device, check_tensor, eager_fast_path, refuse_create_graph, replicate_like,
+    check_float, check_same_device, check_tensor, dtype_name, eager_fast_path, refuse_create_graph, replicate_like,
 )
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import moe as _ref
@@ -54,10 +54,6 @@ moe_permute_def.register_triton("titan_kernels.triton.moe_permute", "permute_row
 
 _INT = (torch.int32, torch.int64)
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _dt(dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 # ----------------------------------------------------------------------------- routing index
@@ -102,7 +98,7 @@ def moe_routing(expert_indices: torch.Tensor, num_experts: int, align: int = 1) 
     """
     check_tensor(expert_indices, "expert_indices")
     if expert_indices.dtype not in _INT:
-        raise TypeError(f"expert_indices: expected dtype int32 or int64, got {_dt(expert_indices.dtype)}")
+        raise TypeError(f"expert_indices: expected dtype int32 or int64, got {dtype_name(expert_indices.dtype)}")
     if expert_indices.dim() != 2:
         raise ValueError(f"expert_indices: expected 2 dims (tokens T, top_k), got shape {tuple(expert_indices.shape)}")
     _check_int(num_experts, "num_experts", 1)

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from titan_kernels.ops._common import check_float, check_same_device, check_tensor
+from titan_kernels.ops._common import check_float, check_same_device, check_tensor, dtype_name
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import swiglu as _ref
 
@@ -55,10 +55,6 @@ swiglu_def.register_native((_native_fwd, _native_bwd), families=("cpu",))
 # ----------------------------------------------------------------------------- validation
 
 
-def _dt(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def _validate(gate, up) -> None:
     check_float(gate, "gate")
     check_tensor(up, "up")
@@ -67,7 +63,7 @@ def _validate(gate, up) -> None:
     if up.shape != gate.shape:
         raise ValueError(f"up: expected shape {tuple(gate.shape)} (the shape of gate), got {tuple(up.shape)}")
     if up.dtype != gate.dtype:
-        raise TypeError(f"up: expected dtype {_dt(gate.dtype)} (the dtype of gate), got {_dt(up.dtype)}")
+        raise TypeError(f"up: expected dtype {dtype_name(gate.dtype)} (the dtype of gate), got {dtype_name(up.dtype)}")
     check_same_device({"gate": gate, "up": up})
 
 
@@ -106,7 +102,7 @@ def _validate_backward(dy, gate, up) -> None:
     if dy.shape != gate.shape:
         raise ValueError(f"dy: expected shape {tuple(gate.shape)} (the shape of gate), got {tuple(dy.shape)}")
     if dy.dtype != gate.dtype:
-        raise TypeError(f"dy: expected dtype {_dt(gate.dtype)} (the dtype of gate), got {_dt(dy.dtype)}")
+        raise TypeError(f"dy: expected dtype {dtype_name(gate.dtype)} (the dtype of gate), got {dtype_name(dy.dtype)}")
     check_same_device({"gate": gate, "dy": dy})
 
 

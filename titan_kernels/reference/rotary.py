@@ -70,27 +70,15 @@ def _apply(q, k, cos, sin, position_ids, interleaved, sign):
     return _rotate(q, c, s, interleaved, sign), _rotate(k, c, s, interleaved, sign)
 
 
-def rotary_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_fwd(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               position_ids: torch.Tensor | None, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q (batch, seq, n_heads, head_dim) and k (batch, seq, n_kv_heads, head_dim) by the
     angles in cos/sin (max_positions, R) at ``position_ids``. Returns (q_out, k_out), contiguous,
     in the input dtypes."""
     return _apply(q, k, cos, sin, position_ids, interleaved, 1.0)
 
 
-def rotary_bwd(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_bwd(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               position_ids: torch.Tensor | None, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients of ``rotary_fwd`` with respect to q and k: the rotation by -theta of (dq, dk)."""
     return _apply(dq, dk, cos, sin, position_ids, interleaved, -1.0)

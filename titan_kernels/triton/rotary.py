@@ -163,25 +163,11 @@ def _launch(
     return qo, ko
 
 
-def rotary_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_fwd(q, k, cos, sin, position_ids, interleaved):
     """Triton forward; same contract as ``titan_kernels.reference.rotary.rotary_fwd``."""
     return _launch(q, k, cos, sin, position_ids, interleaved, backward=False)
 
 
-def rotary_bwd(
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    position_ids: torch.Tensor | None,
-    interleaved: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_bwd(dq, dk, cos, sin, position_ids, interleaved):
     """Triton backward (rotation by -theta); same contract as ``titan_kernels.reference.rotary.rotary_bwd``."""
     return _launch(dq, dk, cos, sin, position_ids, interleaved, backward=True)

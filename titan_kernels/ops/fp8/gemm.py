@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, check_same_device, check_tensor, dtype_name
 from titan_kernels.ops._scaffold import Op
-from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype, dtype_name
+from titan_kernels.ops.fp8.quantize import check_bool, check_fp8_dtype
 from titan_kernels.reference import fp8 as _ref
 
 OP = "fp8_gemm"

@@ -64,7 +64,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops import grouped_mm as _gmm
-from titan_kernels.ops._common import FLOAT_DTYPES, check_float, refuse_create_graph
+from titan_kernels.ops._common import FLOAT_DTYPES, check_float, dtype_name, refuse_create_graph
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.ops.fp8.config import RECIPES as LINEAR_RECIPES
 from titan_kernels.reference import fp8_grouped_mm as _ref
@@ -76,8 +76,6 @@ AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
 RECIPES = ("rowwise", "rowwise_with_gw_hp")  # the recipes implemented here (axiswise, as above)
 E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_grouped_mm: 16-byte strides (K, N) and token groups (the weight gradient)
-
-_dt = _gmm._dt
 
 
 class Kernels(NamedTuple):
@@ -226,7 +224,7 @@ def why_not(name: str, device_type: str, index: int | None, dtype: torch.dtype) 
         return _gmm.triton_why_not(device_type, "titan_kernels.triton.fp8_grouped_mm")
     assert name == "aten", name
     if dtype != torch.bfloat16:
-        return f"torch._scaled_grouped_mm writes bfloat16 only; x is {_dt(dtype)}"
+        return f"torch._scaled_grouped_mm writes bfloat16 only; x is {dtype_name(dtype)}"
     return aten_why_not(device_type, index)
 
 

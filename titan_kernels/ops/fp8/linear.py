@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.ops._common import check_float, check_same_device, refuse_create_graph
+from titan_kernels.ops._common import check_float, check_same_device, dtype_name, refuse_create_graph
 from titan_kernels.ops._scaffold import Op
 import titan_kernels.ops.fp8.gemm as _gemm
 import titan_kernels.ops.fp8.quantize as _quantize
@@ -39,7 +39,7 @@ from titan_kernels.ops.fp8.config import (
     GRAD_INPUT, GRAD_WEIGHT, OUTPUT, RECIPES, TENSORWISE, CastConfig, Float8LinearConfig, GemmSpec,
 )
 from titan_kernels.ops.fp8.gemm import fp8_gemm
-from titan_kernels.ops.fp8.quantize import dtype_name, fp8_quantize
+from titan_kernels.ops.fp8.quantize import fp8_quantize
 
 OP = "fp8_linear"
 fp8_linear_def = Op(OP, composite=True)

@@ -16,7 +16,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from titan_kernels.ops._common import check_float
+from titan_kernels.ops._common import check_float, dtype_name
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import fp8 as _ref
 from titan_kernels.reference.fp8 import FP8_DTYPES, GRANULARITIES
@@ -47,10 +47,6 @@ def kernels(device: torch.device) -> QuantizeKernels:
 
 
 # ----------------------------------------------------------------------------- validation (shared by the family)
-
-
-def dtype_name(dtype: object) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def check_fp8_dtype(dtype: object, arg: str) -> None:
