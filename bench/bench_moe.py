@@ -98,7 +98,7 @@ IMPLS = implementations()
 
 def _usable(impl, x, w) -> str | None:
     if impl == "_grouped_mm":
-        return _gmm.why_not("aten", DEV.type, DEV.index, str(DTYPE)[6:], x.shape[1], w.shape[2], True)
+        return _gmm.why_not("aten", DEV.type, DEV.index, DTYPE, x.shape[1], w.shape[2])
     return None
 
 
