@@ -136,12 +136,16 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     ``backend`` argument names nothing that implements ``op``, or when no automatic candidate can
     run; ValueError for a name that is no backend at all.
     """
-    dev = _as_device(device)
+    dev = device if type(device) is torch.device else _as_device(device)  # (inline: every op call)
     if backend is not None:
         if backend == AUTO:
             return registry.choose(op, dev, key, case, None, None, "")
         return registry.choose(op, dev, key, case, backend, None, f"requested by backend={backend!r}")
-    request = _context_request()
+    request = _override.get()
+    if request is None:
+        request = _env_request() if _env[0] is not None else None
+    elif request == AUTO:
+        request = None
     return registry.choose(op, dev, key, case, None, request,
                            f"requested by use_backend({request!r}) or {ENV_VAR}" if request else "")
 

@@ -6,7 +6,7 @@ the rest of the op contract from them (DESIGN.md, "Add an op"):
   schema from the bodies' annotations) with their fake implementations;
 - autograd through ``register_autograd`` on the op path and, for plain eager calls, an
   ``autograd.Function`` that runs the same bodies and the same ``setup``/``grads`` without the
-  dispatcher (``eager_fast_path``; about a third of a ``custom_op`` call's cost);
+  dispatcher (``eager_route``; about a third of a ``custom_op`` call's cost);
 - the hand-off of the backend request from the forward to the backward, in one idiom: every body's
   last parameter is ``backend: str | None = None``; a forward gets ``capture_request(name)``, and
   ``ctx.backend`` (that request, or the one in force when a direct op call ran) goes to the backward;
@@ -32,7 +32,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.backend import Kernels, capture_request
-from titan_kernels.ops._common import eager_fast_path, needs_grad
+from titan_kernels.ops._common import FAST, FAST_GRAD, eager_route
 
 _TENSOR_TYPES = (torch.Tensor, typing.Optional[torch.Tensor], torch.Tensor | None)
 
@@ -113,18 +113,25 @@ class _Direction:
 
         self.custom_op.register_autograd(backward, setup_context=setup_context)
 
-        fast = self.body
+        fast, pick = self.body, self.tensors
 
-        def fn_forward(ctx, *args):
+        # The eager fast path: the same body, setup and grads, as an autograd.Function of this op. It is
+        # applied to the call's tensors and then the whole argument tuple (``backend`` last): autograd
+        # sees the tensors, the body its arguments, and Function.apply's per-argument cost is paid for
+        # the tensors only. Its backward returns the body's gradients of those tensors.
+        def fn_forward(ctx, *tensors_then_args):
+            args = tensors_then_args[-1]
             if not materialize_grads:
                 ctx.set_materialize_grads(False)
             out = fast(*args)
             setup_context(ctx, args, out)
             return out
 
-        # The eager fast path: the same body, setup and grads, as an autograd.Function of this op.
+        def fn_backward(ctx, *grad_outputs):
+            return (*pick(backward(ctx, *grad_outputs)), None)
+
         self.fn_cls = type(f"{op.name}{suffix}_eager", (torch.autograd.Function,), {
-            "forward": staticmethod(fn_forward), "backward": staticmethod(backward),
+            "forward": staticmethod(fn_forward), "backward": staticmethod(fn_backward),
             "__doc__": f"The eager fast path of {self.qualname}.",
         })
 
@@ -133,10 +140,11 @@ class _Direction:
         the autograd.Function when a gradient is recorded), else through the custom op."""
         if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
             tensors = self.tensors(args)
-            if eager_fast_path(*tensors):
-                if self.fn_cls is not None and needs_grad(*tensors):
-                    return self.fn_cls.apply(*args)
+            route = eager_route(tensors)
+            if route == FAST or (route == FAST_GRAD and self.fn_cls is None):
                 return self.body(*args)
+            if route == FAST_GRAD:
+                return self.fn_cls.apply(*tensors, args)
         return self.overload(*args)
 
 
@@ -232,10 +240,11 @@ class Op:
         d = self._forward
         if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
             tensors = d.tensors(args)
-            if eager_fast_path(*tensors):
-                if d.fn_cls is not None and needs_grad(*tensors):
-                    return d.fn_cls.apply(*args, capture_request(self.request_of))
+            route = eager_route(tensors)
+            if route == FAST or (route == FAST_GRAD and d.fn_cls is None):
                 return d.body(*args, None)
+            if route == FAST_GRAD:
+                return d.fn_cls.apply(*tensors, (*args, capture_request(self.request_of)))
         return d.overload(*args, capture_request(self.request_of))
 
     def call(self, *args: Any) -> Any:

@@ -74,19 +74,32 @@ def _run(request, q, k, v, cu_q, a, backward, has_dlse, call):
         try:
             return call(choice.kernels)
         except (RuntimeError, NotImplementedError) as e:
-            if isinstance(e, torch.OutOfMemoryError) or choice.explicit or choice.backend == "reference":
-                raise
-            _backend.mark_failed(_d.OP, choice, q.device, key, e)
+            _failed(choice, key, e)
+
+
+def _failed(choice, key, error) -> None:
+    """Re-raise what an explicit request, the reference or memory raised; else record the failure
+    (the next automatic choice passes the backend over)."""
+    if isinstance(error, torch.OutOfMemoryError) or choice.explicit or choice.backend == "reference":
+        raise error
+    _backend.mark_failed(_d.OP, choice, key[0], key, error)
 
 
 def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
     """(out, lse) of one call on the chosen backend, sinks applied; out contiguous, lse in the
     kernel's layout."""
-    if _trivial(q, k, cu_q):
+    if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # (inline: every call)
         out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
         lse = torch.full(_lse_shape(q, cu_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
-        out, lse = _run(request, q, k, v, cu_q, a, False, False, lambda kern: kern.forward(q, k, v, cu_q, cu_k, a))
+        # The first try inline, without _run's closures: most of a small call's overhead otherwise.
+        key = _d.case_key(q, k, v, cu_q, a)
+        choice = _backend.choose(_d.OP, key[0], key, backend=request, case=lambda: _d.make_case(q, k, v, cu_q, a))
+        try:
+            out, lse = choice.kernels.forward(q, k, v, cu_q, cu_k, a)
+        except (RuntimeError, NotImplementedError) as e:
+            _failed(choice, key, e)
+            out, lse = _run(request, q, k, v, cu_q, a, False, False, lambda kern: kern.forward(q, k, v, cu_q, cu_k, a))
         out = out.contiguous()
     if sinks is not None:
         out, lse = apply_sinks(out, lse, sinks, cu_q is not None)
