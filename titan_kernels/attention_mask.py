@@ -200,6 +200,7 @@ class AttentionArgs:
     local: bool = field(init=False, compare=False, repr=False)
     plain: bool = field(init=False, compare=False, repr=False)
     key: tuple = field(init=False, compare=False, repr=False)
+    flat: tuple = field(init=False, compare=False, repr=False)
 
     def __post_init__(self):
         # causal: the upper bound is the diagonal (right == 0), with or without a left bound or chunks.
@@ -212,6 +213,8 @@ class AttentionArgs:
                             ("key", (self.left >= 0, (self.right > 0) - (self.right < 0), self.chunk > 0,
                                      self.softcap > 0.0))):
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "flat", (self.max_q, self.max_k, self.scale, self.left, self.right, self.softcap,
+                                          self.chunk, self.return_lse))
 
     def kind(self) -> tuple:
         """What a backend's capability depends on (the dispatch key's part): not the exact sizes."""
@@ -219,7 +222,7 @@ class AttentionArgs:
 
     def op_args(self) -> tuple:
         """The flat arguments of ``titan::flash_attn`` after the tensors (see ``from_op``)."""
-        return (self.max_q, self.max_k, self.scale, self.left, self.right, self.softcap, self.chunk, self.return_lse)
+        return self.flat
 
     @classmethod
     def from_op(cls, max_q, max_k, scale, left, right, softcap, chunk, return_lse) -> "AttentionArgs":

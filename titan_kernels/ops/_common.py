@@ -64,8 +64,15 @@ def eager_route(tensors: tuple) -> int:
     is a plain ``torch.Tensor`` or ``nn.Parameter`` (no DTensor or other subclass; a Parameter
     wrapping a subclass keeps the subclass's type). One pass over the tensors: it runs on every call.
     """
-    if (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack()
-            or torch._C._is_torch_function_mode_enabled() or torch._C._are_functorch_transforms_active()):
+    if torch.compiler.is_compiling():
+        return OP_PATH
+    return eager_route_untraced(tensors)
+
+
+def eager_route_untraced(tensors: tuple) -> int:
+    """``eager_route`` for a caller that has checked ``torch.compiler.is_compiling()`` already."""
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._are_functorch_transforms_active()):
         return OP_PATH
     grad = False
     for t in tensors:

@@ -32,7 +32,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.backend import Kernels, capture_request
-from titan_kernels.ops._common import FAST, FAST_GRAD, eager_route
+from titan_kernels.ops._common import FAST, FAST_GRAD, eager_route_untraced
 
 _TENSOR_TYPES = (torch.Tensor, typing.Optional[torch.Tensor], torch.Tensor | None)
 
@@ -68,6 +68,10 @@ def _placements_for_given(rule: Callable) -> Callable:
     return given
 
 
+def no_context(ctx, inputs, output) -> None:
+    """The setup_context of an op whose backward refuses: nothing to save."""
+
+
 def _refusal(qualname: str, what: str) -> Callable:
     msg = f"{qualname}: {what} is not implemented"
 
@@ -100,7 +104,7 @@ class _Direction:
         name = op.request_of
         if grads is None:
             what = "double backward" if suffix else "a backward (it is not differentiable)"
-            backward, setup_context = _refusal(self.qualname, what), (lambda ctx, inputs, output: None)
+            backward, setup_context = _refusal(self.qualname, what), no_context
         else:
             def setup_context(ctx, inputs, output):
                 request = inputs[-1]
@@ -124,7 +128,11 @@ class _Direction:
             if not materialize_grads:
                 ctx.set_materialize_grads(False)
             out = fast(*args)
-            setup_context(ctx, args, out)
+            if setup_context is not no_context:  # (setup_context inline: every call)
+                request = args[-1]
+                ctx.backend = request if request is not None else capture_request(name)
+                if setup is not None:
+                    setup(ctx, args, out)
             return out
 
         def fn_backward(ctx, *grad_outputs):
@@ -140,7 +148,7 @@ class _Direction:
         the autograd.Function when a gradient is recorded), else through the custom op."""
         if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
             tensors = self.tensors(args)
-            route = eager_route(tensors)
+            route = eager_route_untraced(tensors)
             if route == FAST or (route == FAST_GRAD and self.fn_cls is None):
                 return self.body(*args)
             if route == FAST_GRAD:
@@ -240,7 +248,7 @@ class Op:
         d = self._forward
         if not torch.compiler.is_compiling():  # (traced code takes the op; itemgetter does not trace)
             tensors = d.tensors(args)
-            route = eager_route(tensors)
+            route = eager_route_untraced(tensors)
             if route == FAST or (route == FAST_GRAD and d.fn_cls is None):
                 return d.body(*args, None)
             if route == FAST_GRAD:
