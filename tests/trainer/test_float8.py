@@ -260,9 +260,9 @@ def test_qwen3_moe_trains_with_float8_experts(tmp_path, monkeypatch, capsys):
     from titan_kernels.ops.fp8 import grouped_mm as fgm
 
     calls = []
-    fwd, bwd = fgm._forward, fgm._backward_kernel
+    fwd, bwd = fgm._forward, fgm._backward  # (kernels, x, w, offsets), (kernels, name, dy, x, w, offsets, recipe, ...)
     monkeypatch.setattr(fgm, "_forward", lambda *a: (calls.append("fwd"), fwd(*a))[1])
-    monkeypatch.setattr(fgm, "_backward_kernel", lambda *a: (calls.append(f"bwd {a[4]}"), bwd(*a))[1])
+    monkeypatch.setattr(fgm, "_backward", lambda *a: (calls.append(f"bwd {a[6]}"), bwd(*a))[1])
     moe, steps = ["--model.name", "qwen3", "--flavor", "debugmodel_moe"], 10
     short = [*SHORT, "--training.steps", str(steps), "--lr_scheduler.warmup_steps", "3"]
     rc, base = _run(tmp_path / "fp32", *moe, *short)
