@@ -34,8 +34,8 @@ setup(
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "expecttest", "ninja", "transformers>=4.45",
-                 "wandb>=0.19", "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
+        "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "pytest-xdist>=3", "expecttest", "ninja",
+                 "transformers>=4.45", "wandb>=0.19", "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
         "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.fault_tolerance)
         "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],

@@ -30,3 +30,19 @@ def shared_data() -> pathlib.Path:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# The order files run in. pytest-xdist's ``--dist loadfile`` hands whole files to its workers in
+# collection order, so a long file collected last leaves one worker running it alone. The folders
+# of long files (process groups, subprocess runs, benchmarks) go first and the many short kernel
+# tests last, where they fill both workers to the end; within a file the order is unchanged.
+_FIRST = ("tests/distributed/", "bench/", "tests/test_", "tests/e2e/", "tests/trainer/")
+
+
+def _rank(item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return next((i for i, prefix in enumerate(_FIRST) if path.startswith(prefix)), len(_FIRST))
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items[:] = [item for _, item in sorted(enumerate(items), key=lambda p: (_rank(p[1]), p[0]))]

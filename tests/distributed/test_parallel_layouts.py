@@ -25,9 +25,10 @@ What each layout exercises:
                            Dynamo fullgraph + AOT autograd, no code generation) in interleaved stages
   tp2_no_loss_parallel     logits all-gathered, plain cross-entropy
 
-The default run holds one layout of each kind; GPipe and InterleavedZeroBubble, pp2_zbv_fsdp2,
-hsdp2_tp2, hsdp2_cp2, cp2_fsdp2_compile and the Inductor-compiled variant (CPU code generation) run with
-``pytest -m slow tests/distributed/test_parallel_layouts.py``.
+The default run holds one layout of each kind; GPipe and InterleavedZeroBubble, fsdp4, hsdp2x2,
+fsdp2_tp2_ac, pp2_zbv_fsdp2, hsdp2_tp2, hsdp2_cp2, cp2_fsdp2_compile and the Inductor-compiled variant
+(CPU code generation) run with ``pytest -m slow tests/distributed/test_parallel_layouts.py`` (what
+covers each by default: the comment at FOUR_RANKS_SLOW).
 """
 import pytest
 
@@ -60,19 +61,22 @@ TWO_RANKS = {
     "tp2_no_loss_parallel": [*TP2, "--parallelism.disable_loss_parallel", *_lbs(1)],
 }
 FOUR_RANKS = {
-    "fsdp4": _lbs(4),
-    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-                *_lbs(4)],
     "fsdp2_tp2": [*TP2, *_lbs(2)],
     "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
     "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
-    "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
-                     "--activation_checkpoint.selective_ac_option", "op"],
     "pp2_fsdp2_ac_compile": [*_pp("Interleaved1F1B"), *_lbs(2), "--activation_checkpoint.mode", "full",
                              "--compile.enable", "--compile.backend", "aot_eager"],
 }
 TWO_RANKS_SLOW = {f"pp2_{s}": [*_pp(s), *_lbs(1)] for s in SCHEDULES if s not in DEFAULT_SCHEDULES}
+# Slow, each covered by default elsewhere: fsdp4 by test_parallel_resume.py's fsdp4 run (4 ranks,
+# same comparison) and test_fsdp.py's 2-rank FSDP2; hsdp2x2 by test_fsdp.py's HSDP with accumulation;
+# fsdp2_tp2_ac by fsdp2_tp2 above and test_activation_checkpoint.py's selective "op" policy.
 FOUR_RANKS_SLOW = {
+    "fsdp4": _lbs(4),
+    "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
+                *_lbs(4)],
+    "fsdp2_tp2_ac": [*TP2, *_lbs(2), "--activation_checkpoint.mode", "selective",
+                     "--activation_checkpoint.selective_ac_option", "op"],
     "pp2_zbv_fsdp2": [*_pp("ZBVZeroBubble"), *_lbs(2)],
     "hsdp2_tp2": ["--parallelism.data_parallel_replicate_degree", "2", *TP2, *_lbs(2)],
     "hsdp2_cp2": ["--parallelism.data_parallel_replicate_degree", "2", *CP2, *_lbs(2)],
