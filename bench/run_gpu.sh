@@ -8,7 +8,12 @@
 #                                                  benchmark file and, with >= 2 GPUs, the parallel layouts
 #   bash bench/run_gpu.sh --dry-run [RESULTS_DIR]  on a CPU, no GPU: every stage's entry points and
 #                                                  arguments at toy sizes (tests/test_run_gpu_dry.py runs it)
-#   bash bench/run_gpu.sh --plan                   print the stage plan and exit
+#   bash bench/run_gpu.sh --plan                   print the stage plan and where results go, and exit
+#   --commit-results                               results into the tracked bench/results/ (the files
+#                                                  we commit), not the untracked bench/results/local/
+#
+# Without --dry-run it needs a CUDA device: when the python it runs ($PYTHON, else python3) sees none
+# (torch.cuda.is_available() false or device_count() 0) it says so in one line and exits 3 at once.
 #
 # Default stages (each under `timeout` with its own budget, seconds):
 #   environment  20   GPU, driver, versions; measured copy bandwidth and bf16 matmul rate (the ceilings)
@@ -20,7 +25,8 @@
 #                     step and Newton-Schulz (optimizers); ratios to baselines
 #   native       50   the native CUDA extension and standalone kernels (built in the background
 #                     since stage 3), their tests and ctest
-# Results: RESULTS_DIR/<date>-<gpu>.{json,md,log} (default bench/results), rewritten as each stage
+# Results: RESULTS_DIR/<date>-<gpu>.{json,md,log} (default bench/results/local, ignored by git;
+# bench/results with --commit-results; a temporary folder in the dry run), rewritten as each stage
 # ends, so a stage that overruns loses only itself; trainer outputs under <date>-<gpu>-runs/.
 # Autotuning is capped to the first 3 configs of each kernel (BENCH_AUTOTUNE_CONFIGS; 0 = all) in the
 # headline stage, and to the default config in the trainer and correctness stages (compile time).
@@ -28,14 +34,16 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-MODE=quick DRY=0 PLAN_ONLY=0 OUT=""
+MODE=quick DRY=0 PLAN_ONLY=0 OUT="" COMMIT=0
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY=1 ;;
     --full) MODE=full ;;
     --plan) PLAN_ONLY=1 ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
-    -*) echo "run_gpu.sh: unknown option $arg (expected --dry-run, --full, --plan, --help)" >&2; exit 2 ;;
+    --commit-results) COMMIT=1 ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/p;}' "$0"; exit 0 ;;  # this header
+    -*) echo "run_gpu.sh: unknown option $arg (expected --dry-run, --full, --plan, --commit-results, --help)" >&2
+        exit 2 ;;
     *) OUT=$arg ;;
   esac
 done
@@ -47,11 +55,16 @@ else
           fp8-benchmarks:420 attention-benchmarks:540 layouts:1500)
 fi
 total=0; for s in "${STAGES[@]}"; do total=$((total + ${s#*:})); done
+# Results stay out of git unless asked: the tracked folder holds only the runs we mean to commit.
+if [ "$COMMIT" = 1 ]; then DEFAULT_OUT=bench/results; else DEFAULT_OUT=bench/results/local; fi
 if [ "$PLAN_ONLY" = 1 ]; then
   echo "stage plan ($MODE):"; for s in "${STAGES[@]}"; do printf '  %-22s %5d s\n' "${s%%:*}" "${s#*:}"; done
-  printf '  %-22s %5d s\n' total "$total"; exit 0
+  printf '  %-22s %5d s\n' total "$total"
+  [ "$DRY" = 1 ] && where=${OUT:-${TMPDIR:-/tmp}/titan-run-gpu-dry-run} || where=${OUT:-$DEFAULT_OUT}
+  echo "results: $where/<date>-<gpu>.{json,md,log}"; exit 0
 fi
 
+[ "$COMMIT" = 1 ] && export BENCH_COMMIT_RESULTS=1  # --full's benchmark tables (BENCH_OUT) go beside them
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export BENCH_AUTOTUNE_CONFIGS=${BENCH_AUTOTUNE_CONFIGS:-3} TRITON_CACHE_AUTOTUNING=1 TRITON_PRINT_AUTOTUNING=1
 if [ "$DRY" = 1 ]; then
@@ -67,7 +80,16 @@ if [ "$DRY" = 1 ]; then
   TIME_SCALE=3  # the dry run walks; a shared CPU may be slow: its limits are 3x the printed budgets
 else
   PY=${PYTHON:-python3}
-  OUT=${OUT:-bench/results}
+  # No device, no run: say so at once (not after every stage has failed in turn) and write nothing.
+  if ! why=$($PY -c "
+import torch
+n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}): is_available() {torch.cuda.is_available()}, device_count() {n}')
+raise SystemExit(n == 0)" 2>/dev/null); then
+    echo "run_gpu.sh: no CUDA device visible to $PY (${why:-it cannot import torch}); nothing run (--dry-run walks the stages on a CPU)" >&2
+    exit 3
+  fi
+  OUT=${OUT:-$DEFAULT_OUT}
   gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')
   [ -n "$gpu" ] || gpu=$($PY -c "import torch; print(torch.cuda.get_device_name().replace(' ', '-'))")
   export TITAN_TEST_DEVICE=cuda TRITON_INTERPRET=0

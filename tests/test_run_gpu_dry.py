@@ -10,7 +10,9 @@ packages missing on the GPU machine are unimportable there (bench/dry_run_site).
 minute on 2 idle cores.
 
 Checked here: every stage exits 0 within its (dry) budget, the result files hold every stage's
-section, and the printed budgets of the default plan add up to at most 8 minutes.
+section, and the printed budgets of the default plan add up to at most 8 minutes. Without
+``--dry-run`` and without a CUDA device the script stops at once in one line; its results go to the
+untracked bench/results/local/ unless ``--commit-results``.
 """
 from __future__ import annotations
 
@@ -51,6 +53,31 @@ def test_plan_fits_eight_minutes():
 def test_unknown_option_is_refused():
     r = _run("--fulll")
     assert r.returncode == 2 and "unknown option --fulll" in r.stderr
+
+
+def test_without_cuda_it_stops_at_once(tmp_path):
+    # A CPU machine (or no device visible): one line and a non-zero code before any stage, and no
+    # result file, instead of five failed stages and a results file without a GPU name.
+    out = tmp_path / "results"
+    r = _run(str(out), timeout=120, CUDA_VISIBLE_DEVICES="")
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and len(r.stderr.splitlines()) == 1, r.stderr
+    assert "no CUDA device visible" in r.stderr and "is_available() False" in r.stderr and "--dry-run" in r.stderr
+    assert not out.exists()
+
+
+def test_results_stay_untracked_unless_asked():
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "bench/results/local/" in ignored
+    r = _run("--plan")
+    assert r.returncode == 0 and "results: bench/results/local/<date>-<gpu>.{json,md,log}" in r.stdout, r.stdout
+    r = _run("--plan", "--commit-results")
+    assert r.returncode == 0 and "results: bench/results/<date>-<gpu>.{json,md,log}" in r.stdout, r.stdout
+    r = _run("--plan", "/elsewhere")
+    assert "results: /elsewhere/<date>-<gpu>" in r.stdout, r.stdout
+    r = _run("--help")
+    assert r.returncode == 0 and "--commit-results" in r.stdout and r.stdout.startswith("# The one script"), r.stdout
+    assert "set -uo" not in r.stdout
 
 
 @pytest.fixture(scope="module")
