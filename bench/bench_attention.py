@@ -14,7 +14,7 @@ backend, with ``enable_gqa``), ``fa3`` (``flash_attn_interface.flash_attn_func``
 CUDA: bf16, head_dim 64 and 128, 16k tokens per batch (batch = 16384 / seq), n_heads = 2048 /
 head_dim, seq 1k-16k, causal and not; sdpa-math only up to 2k (it materializes the scores).
 CPU: one small float32 shape as a smoke test (default test run).
-Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_attention.py`` (bench/run_gpu.sh
+Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_attention.py`` (bench/run_gpu.sh
 does, in its own stage). ``test_dispatch_choice_report`` prints, per shape, how far the dispatcher's
 choice is from the fastest implementation timed (target: within 5%).
 """

@@ -21,7 +21,7 @@ the three GEMMs (what a native CPU kernel for the elementwise passes could at mo
 ``python -m bench.bench_cross_entropy --paired 8192 256 32000`` (OpenMP waiting passively, as in
 the trainer; under pytest the OpenMP settings are whatever the session started with).
 CUDA: Llama 3 8B's output layer (D = 4096, V = 128256) at 8k and 16k tokens in bf16, and the
-memory shape. Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_cross_entropy.py``.
+memory shape. Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_cross_entropy.py``.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ Targets (H100/H200, one run): fp8_gemm ``_scaled_mm`` >= 1.6x ``torch.mm`` at 81
 
 CPU: one small shape of each as a smoke test in the default run (the Triton interpreter is no
 benchmark, so ``titan-triton`` is left out there). Run on a GPU:
-``BENCH_OUT=bench/results/<name>-fp8 pytest bench/bench_fp8.py`` (bench/run_gpu.sh does it).
+``BENCH_OUT=bench/results/local/<name>-fp8 pytest bench/bench_fp8.py`` (bench/run_gpu.sh does it).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ the automatic backend, torch._scaled_grouped_mm on sm_90; ``titan-fp8-triton``: 
 same bf16 inputs and include their quantization passes; their FLOP share is of the bf16 ceiling, as
 bench_fp8's, and their ratios to _grouped_mm / loop are the float8 speedup over bf16.
 
-Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_moe.py`` (part of the benchmarks
+Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_moe.py`` (part of the benchmarks
 stage of bench/run_gpu.sh). ``python -m bench.bench_moe``: ours, torch._grouped_mm and the loop timed
 alternately in one process (median of rounds), what to quote from a shared machine.
 """

@@ -13,7 +13,7 @@ writes dx (3 M N); rotary reads q, k and writes both (2 (n_heads + n_kv_heads) h
 the same again for the backward. FLOPs are negligible: the ceiling is the copy bandwidth.
 
 Default run: a small CPU shape as a smoke test. The target shapes (about 2 minutes here):
-  BENCH_OUT=bench/results/$(date -u +%F)-cpu pytest -m slow bench/bench_native.py
+  BENCH_OUT=bench/results/local/$(date -u +%F)-cpu pytest -m slow bench/bench_native.py
 On a GPU (bench/run_gpu.sh): ``pytest bench/bench_native.py`` runs the 16k x 4096 bf16 shapes.
 """
 from __future__ import annotations

@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                              bw_share=_adamw_bytes(impl, n) / t[impl] / common.copy_bandwidth())
             rows.append(row)
             print(f"adamw_step {shape} {impl}: {t[impl] * 1e3:.2f} ms = {t[impl] / n * 1e9:.3f} s per billion params, "
-                  f"{row.gbps:.1f} GB/s ({100 * row.bw_share:.0f}% of copy); torch-fused / this "
+                  f"{row.gbps:.1f} GB/s ({common.share_cell(row.bw_share, '%')} of copy); torch-fused / this "
                   f"{t['torch-fused'] / t[impl]:.2f}x, torch-foreach / this {t['torch-foreach'] / t[impl]:.2f}x",
                   flush=True)
         del cases
@@ -227,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(common.Row("newton_schulz", f"{shape[0]}x{shape[1]}", str(_ns_dtype(impl)).replace("torch.", ""),
                                    impl, t[impl], flops=f, tflops=f / t[impl] / 1e12, flop_share=f / t[impl] / peak))
             print(f"newton_schulz {shape} {impl} ({_ns_dtype(impl)}): {t[impl] * 1e3:.1f} ms, {f / t[impl] / 1e12:.3f} "
-                  f"TFLOP/s = {100 * f / t[impl] / peak:.0f}% of the X X^T matmul measured alongside "
+                  f"TFLOP/s = {common.share_cell(f / t[impl] / peak, '%')} of the X X^T matmul measured alongside "
                   f"({peak / 1e12:.3f} TFLOP/s)", flush=True)
+    print(common.ceilings_line())
     print(common.table(rows))
     if ns.out:
         print("wrote", common.save(ns.out, rows))

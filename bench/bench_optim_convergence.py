@@ -1,7 +1,7 @@
 """Muon against AdamW, and bfloat16 against float32 AdamW states, on the debug models: 200 steps,
 same data and seed, each optimizer at its best of three learning rates.
 
-    python -m bench.bench_optim_convergence [--steps 200] [--out bench/results] [--models llama3,moe]
+    python -m bench.bench_optim_convergence [--steps 200] [--out bench/results/local] [--models llama3,moe]
 
 Runs ``python -m trainer`` once per (model, optimizer, lr), one process after the other (float32 on
 the CPU; seq_len 128, local batch 4, warmup 20 steps then linear decay to 0.1 of the peak), reads
@@ -84,7 +84,7 @@ def bf16_check(tmp: pathlib.Path, model: str, lr: str, steps: int, torch_fp32: d
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--out", default=str(REPO / "bench" / "results"))
+    ap.add_argument("--out", default=str(REPO / "bench" / "results" / "local"))  # untracked; give bench/results to commit
     ap.add_argument("--models", default="llama3,moe")
     ap.add_argument("--resume", default=None, help="a results .json of an earlier run: add only what it lacks")
     ap.add_argument("--extra", default="", help="more runs, e.g. adamw@3e-4,muon@0.1 (the sweep's edges)")

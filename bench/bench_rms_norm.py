@@ -6,7 +6,7 @@ dx (backward: 3·M·N·bytes); weight and rstd are negligible at Llama sizes. FL
 the ceiling is the measured copy bandwidth.
 
 CPU: small shapes as a smoke test (default test run). CUDA: Llama shapes, 4k-64k tokens x 4096/8192.
-Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_rms_norm.py``.
+Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_rms_norm.py``.
 """
 from __future__ import annotations
 

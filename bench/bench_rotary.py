@@ -12,7 +12,7 @@ Implementations: ``titan`` (automatic backend, Hugging Face layout, like the bas
 Triton backend (not the Triton interpreter), ``eager``, ``compile`` and ``liger``.
 
 CPU: one small shape as a smoke test (default test run). CUDA: bf16, head_dim 128, 4k-64k tokens
-with 32/8 and 64/8 heads. Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_rotary.py``.
+with 32/8 and 64/8 heads. Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_rotary.py``.
 """
 from __future__ import annotations
 

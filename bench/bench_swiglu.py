@@ -12,7 +12,7 @@ so the ceiling is the measured copy bandwidth.
 CPU: the debugmodel's FFN (8·256 tokens x 768; default test run) and a quarter of Llama 3 8B's
 (4096 x 14336/4; ``-m slow``), float32 and bfloat16. CUDA: Llama 3 8B's FFN hidden 14336 at 8k and 16k tokens;
 the clamped variant at GPT-OSS's expert width 2880 for 16384 tokens x top-4 (65536 rows).
-Run on a GPU: ``BENCH_OUT=bench/results/<name> pytest bench/bench_swiglu.py``.
+Run on a GPU: ``BENCH_OUT=bench/results/local/<name> pytest bench/bench_swiglu.py``.
 
 ``python -m bench.bench_swiglu`` times ours and eager alternately in one process (median of
 rounds), which is what to quote from a shared machine, the clamped variant against its eager

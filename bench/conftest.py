@@ -8,6 +8,7 @@ def pytest_terminal_summary(terminalreporter):
     if not common.ROWS:
         return
     terminalreporter.write_sep("=", "titan benchmark table")
+    terminalreporter.write_line(common.ceilings_line())
     terminalreporter.write_line(common.table(common.ROWS))
     out = os.environ.get("BENCH_OUT")
     if out:

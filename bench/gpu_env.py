@@ -7,7 +7,8 @@ memory, compute capability, driver, torch / CUDA / Triton / Python / numpy versi
 ceilings every later share is taken of, measured here: device copy bandwidth (read + write bytes of a
 1 GiB ``copy_``) and the dense bf16 matmul rate (8192^3), both from bench/common.py; plus the float8
 ``torch._scaled_mm`` rate at 8192^3 (tensorwise, bf16 out) when the device has it. ``--dry-run``: the
-CPU, with bench/common.py's small CPU sizes.
+CPU, with bench/common.py's small CPU sizes. The load average each ceiling was measured under is
+printed beside it (``ceilings``).
 """
 from __future__ import annotations
 
@@ -74,6 +75,7 @@ def environment(dry_run: bool) -> dict:
         info["nvcc"] = (r.stdout.strip().splitlines() or ["?"])[-1]
     info["copy_bandwidth_GBps"] = common.copy_bandwidth() / 1e9
     info["matmul_TFLOPs"] = common.matmul_rate() / 1e12
+    info["ceilings"] = common.ceilings_line()  # with the load average each was measured under
     fp8 = _scaled_mm_rate(common)
     if fp8 is not None:
         info["fp8_scaled_mm_TFLOPs"] = fp8 / 1e12

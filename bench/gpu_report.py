@@ -138,6 +138,8 @@ def _render_headline(head: dict) -> list[str]:
     if ceil:
         lines += [f"Ceilings measured in the same process: copy {ceil['copy_bandwidth_GBps']:.0f} GB/s, "
                   f"bf16 matmul {ceil['matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+        if ceil.get("line"):  # each with the load average it was measured under
+            lines += [ceil["line"][0].upper() + ceil["line"][1:] + ".", ""]
     if head.get("table"):
         lines += [head["table"], ""]
     for note in head.get("notes", []):

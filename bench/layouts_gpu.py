@@ -103,4 +103,4 @@ def main(prefix: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/layouts"))
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bench/results/local/layouts"))
