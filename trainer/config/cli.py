@@ -26,7 +26,7 @@ from trainer.config.fields import check_value, field_choices, parse_str, suggest
 from trainer.config.flavors import families, family_flavors, flavor_config_path
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError
-from trainer.config.torchtitan_keys import CONFIG_FILE_KEY, REFUSED, alias_names, apply_model_keys, lookup
+from trainer.config.torchtitan_keys import CONFIG_FILE_KEY, NEAR, REFUSED, alias_names, apply_model_keys, lookup
 from trainer.config.validate import validate_config
 
 # The key table: section name -> section class, and section -> key -> resolved type.
@@ -42,7 +42,7 @@ def all_keys() -> list[str]:
 def _unknown_key_message(key: str, where: str = "") -> str:
     # torchtitan's names (accepted as aliases) are candidates beside ours; refused ones are not.
     names = all_keys() + [n for n in alias_names() if n not in REFUSED] + ["config", "flavor", "help"]
-    hint = suggest(key, names)
+    hint = NEAR.get(key) or suggest(key, names)
     msg = f"{where}unknown option --{key}"
     return msg + (f"; did you mean --{hint}?" if hint else "; see --help for the list of options")
 

@@ -50,6 +50,20 @@ ALIASES: dict[str, str] = {
 # torchtitan boolean key -> our boolean key of the opposite meaning.
 NEGATED: dict[str, str] = {"metrics.disable_color_printing": "metrics.enable_color"}
 
+# Names of earlier torchtitan versions (or near them) that are not options here, and the option of
+# the same meaning that "did you mean" names instead of the nearest spelling.
+NEAR: dict[str, str] = {
+    "metrics.enable_color_printing": "metrics.enable_color",
+    "training.compile": "compile.enable",
+    "training.enable_float8_linear": "float8.enable",
+    "float8.enable_float8_linear": "float8.enable",
+    "model.quantize": "model.converters",
+    "comm.timeout": "comm.train_timeout_seconds",
+    "training.dataset_name": "training.dataset",
+    "training.batch_size": "training.local_batch_size",
+    "training.warmup_steps": "lr_scheduler.warmup_steps",
+}
+
 _SPLIT = "pipeline stages are set by --parallelism.pipeline_parallel_split_points"
 _PROFILER = "the profiler's schedule here is profile_freq, profiler_warmup and profiler_active"
 _AC = "activation checkpointing here is --activation_checkpoint.mode and selective_ac_option"
