@@ -189,3 +189,30 @@ def test_did_you_mean_suggests_only_close_meanings():
     # A key that means nothing close is not matched on a similar-looking one.
     for argv in (["--model.norm_type", "rms"], ["--memory_estimation.enabled"], ["--training.gc_debugging"]):
         assert _error(argv).endswith("see --help for the list of options"), argv
+
+
+def test_estimates_follow_fsdp_reshard_after_forward():
+    from trainer.estimate import Layout, estimate_memory, model_costs
+    from trainer.estimate_comm import communication_per_step
+    from trainer.models.llama3.args import Llama3Args
+
+    costs = model_costs(Llama3Args(dim=96, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=130, multiple_of=16,
+                                   max_seq_len=64))
+    layout = Layout(dp_shard=4)
+
+    def gathered(**kw) -> float:
+        colls = communication_per_step(costs, layout, 2, 64, **kw)
+        return next(c.bytes_per_call for c in colls if c.op == "all-gather")
+
+    blocks = costs.n_layers * costs.block_params
+    root = costs.total_params - blocks
+    ring, cb = 3 / 4, 2
+    # Resharded blocks are gathered in the forward and again in the backward; kept ones once.
+    assert gathered() == pytest.approx(ring * cb * (2 * blocks + root), rel=1e-12)
+    assert gathered(reshard_after_forward=True) == gathered()
+    assert gathered(reshard_after_forward=False) == pytest.approx(ring * cb * (blocks + root), rel=1e-12)
+    # Kept gathered, every block's parameters are held from forward to backward: more working memory.
+    default = estimate_memory(costs, layout, 2, 64)
+    kept = estimate_memory(costs, layout, 2, 64, reshard_after_forward=False)
+    blk = costs.gathered_block_params()
+    assert kept.working - default.working == pytest.approx((costs.n_layers - 2) * blk * 2, rel=1e-9)
