@@ -216,3 +216,13 @@ def test_estimates_follow_fsdp_reshard_after_forward():
     kept = estimate_memory(costs, layout, 2, 64, reshard_after_forward=False)
     blk = costs.gathered_block_params()
     assert kept.working - default.working == pytest.approx((costs.n_layers - 2) * blk * 2, rel=1e-9)
+
+
+def test_hf_assets_path_describes_a_custom_flavor(tmp_path):
+    # torchtitan's way to start from a Hugging Face folder: the one folder gives the tokenizer, the
+    # config.json the custom flavor is built from, and the weights.
+    (tmp_path / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
+    c = parse_args(["--flavor", "custom", "--model.hf_assets_path", str(tmp_path), "--checkpoint.initial_load_in_hf"])
+    assert c.checkpoint.initial_load_path == str(tmp_path) and c.model.tokenizer_path == str(tmp_path)
+    assert "custom builds the model a Hugging Face folder describes" in _error(
+        ["--flavor", "custom", "--model.hf_assets_path", str(tmp_path)])
