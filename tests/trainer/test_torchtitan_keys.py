@@ -189,6 +189,9 @@ def test_did_you_mean_suggests_only_close_meanings():
     # A key that means nothing close is not matched on a similar-looking one.
     for argv in (["--model.norm_type", "rms"], ["--memory_estimation.enabled"], ["--training.gc_debugging"]):
         assert _error(argv).endswith("see --help for the list of options"), argv
+    # Values are matched whole: '70B' is not '1.7B' (a dot in a value is no section).
+    assert "did you mean" not in _error(["--model.name", "qwen3", "--flavor", "70B"])
+    assert _error(["--model.name", "qwen3", "--flavor", "1.7b"]).endswith("(did you mean '1.7B'?)")
 
 
 def test_estimates_follow_fsdp_reshard_after_forward():

@@ -94,6 +94,17 @@ def suggest(name: str, candidates: typing.Iterable[str]) -> str | None:
     return best
 
 
+def suggest_value(value: str, choices: typing.Iterable[str]) -> str | None:
+    """The allowed value closest in spelling to ``value`` (ratio >= 0.6, case ignored), or None. Values
+    are matched whole: a dot in one (``1.7B``) is part of it, not a section."""
+    best, best_score = None, 0.6
+    for choice in choices:
+        score = difflib.SequenceMatcher(None, value.lower(), choice.lower()).ratio()
+        if score >= best_score and (best is None or score > best_score):
+            best, best_score = choice, score
+    return best
+
+
 def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
     """The allowed values of a string field (its ``choices`` metadata, called when a function)."""
     choices = f.metadata.get("choices")
@@ -104,7 +115,7 @@ def choice_message(key: str, value: Any, choices: typing.Iterable[str]) -> str:
     """The one-line error for ``value`` of ``key`` not being one of ``choices``, with a suggestion."""
     choices = list(choices)
     msg = f"--{key}: expected one of {', '.join(choices)}, got {value!r}"
-    hint = suggest(str(value), choices)
+    hint = suggest_value(str(value), choices)
     return msg + (f" (did you mean {hint!r}?)" if hint else "")
 
 
