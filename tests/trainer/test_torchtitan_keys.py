@@ -18,7 +18,8 @@ TOKENIZER = DATA / "tokenizer"
 TORCHTITAN_030 = json.loads((DATA / "torchtitan_0.3.0_keys.json").read_text())["keys"]
 # Keys of torchtitan's earlier JobConfig that a torchtitan user's command line or TOML file may hold.
 EARLIER = ("job.config_file", "model.converters", "model.hf_assets_path", "model.tokenizer_path", "model.name",
-           "model.flavor", "job.dump_folder", "job.print_config", "float8.recipe", "float8.filter_fqns")
+           "model.flavor", "job.dump_folder", "job.print_config", "float8.recipe_name", "float8.filter_fqns",
+           "float8.enable_fsdp_float8_all_gather")
 
 
 def _error(argv: list[str]) -> str:
@@ -80,6 +81,7 @@ def test_aliases_set_our_key_on_the_command_line():
     assert (c.validation.enable, c.validation.steps) == (True, 5)
     assert c.checkpoint.model_weights_only is True
     assert c.parallelism.enable_async_tensor_parallel is False
+    assert parse_args(["--float8.recipe_name", "rowwise"]).float8.recipe == "rowwise"
     assert parse_args(["--metrics.disable_color_printing", "false"]).metrics.enable_color is True
     # A bad value names the option as given.
     assert "--debug.seed: expected an integer" in _error(["--debug.seed", "x"])

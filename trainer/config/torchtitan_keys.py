@@ -37,6 +37,7 @@ ALIASES: dict[str, str] = {
     "validator.dataloader.dataset": "validation.dataset",
     "validator.dataloader.dataset_path": "validation.dataset_path",
     "checkpoint.last_save_model_only": "checkpoint.model_weights_only",
+    "float8.recipe_name": "float8.recipe",
     "compile.enable_async_tensor_parallel": "parallelism.enable_async_tensor_parallel",
     "profiler.enable_profiling": "profiling.enable_profiling",
     "profiler.profile_freq": "profiling.profile_freq",
