@@ -1,7 +1,10 @@
 """Write the command-line keys of a torchtitan source tree as JSON, read from its source with ``ast``
 (nothing of it is imported, so neither torchtitan nor its dependencies need be installed).
 
-    python scripts/torchtitan_keys.py /path/to/site-packages/torchtitan > tests/data/torchtitan_0.3.0_keys.json
+    python scripts/torchtitan_keys.py torchtitan-0.3.0-py3-none-any.whl > tests/data/torchtitan_0.3.0_keys.json
+
+(the argument: a wheel, read in place, which also gives the version and the wheel's sha256; or an
+unpacked ``torchtitan`` package folder).
 
 The root is ``Trainer.Config`` (torchtitan/trainer.py). Each of its fields whose default is a config
 dataclass (``field(default_factory=X.Config)``) is a section; its keys are the fields of that class and
@@ -13,9 +16,11 @@ and are left out. tests/trainer/test_torchtitan_keys.py reads the output.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import pathlib
 import sys
+import zipfile
 
 
 class _Class:
@@ -38,9 +43,20 @@ class _Class:
             self.fields.append((name, ann, factory))
 
 
+def _sources(root: pathlib.Path) -> dict[str, str]:
+    """``{path under torchtitan/: source}`` of the package folder or wheel ``root``, without the
+    experiments and tests."""
+    if root.suffix == ".whl":
+        with zipfile.ZipFile(root) as whl:
+            files = {n: whl.read(n).decode() for n in whl.namelist() if n.startswith("torchtitan/") and n.endswith(".py")}
+    else:
+        files = {str(p.relative_to(root.parent)): p.read_text() for p in sorted(root.rglob("*.py"))}
+    return {n: t for n, t in files.items() if "/experiments/" not in n and "/tests/" not in n}
+
+
 def _index(root: pathlib.Path) -> dict[str, list[_Class]]:
-    """Every class of the tree by dotted qualname within its file ('Trainer.Config'), also by its last
-    two parts, so that 'CheckpointManager.Config' finds the class nested in CheckpointManager."""
+    """Every class of the tree by dotted qualname within its file ('Trainer.Config'), so that
+    'CheckpointManager.Config' finds the class nested in CheckpointManager."""
     table: dict[str, list[_Class]] = {}
 
     def visit(node: ast.AST, prefix: str, path: str) -> None:
@@ -50,11 +66,8 @@ def _index(root: pathlib.Path) -> dict[str, list[_Class]]:
                 table.setdefault(qual, []).append(_Class(child, path))
                 visit(child, qual + ".", path)
 
-    for path in sorted(root.rglob("*.py")):
-        rel = str(path.relative_to(root.parent))
-        if "/experiments/" in rel or "/tests/" in rel:
-            continue
-        visit(ast.parse(path.read_text()), "", rel)
+    for rel, text in sorted(_sources(root).items()):
+        visit(ast.parse(text), "", rel)
     return table
 
 
@@ -105,10 +118,13 @@ def keys(root: pathlib.Path) -> dict[str, object]:
                 out[f"{prefix}{name}"] = {"type": ann}
 
     walk("", trainer, 0)
-    return {"root": "Trainer.Config (torchtitan/trainer.py)", "keys": out}
+    head: dict[str, object] = {}
+    if root.suffix == ".whl":
+        head = {"torchtitan": root.name.split("-")[1], "wheel_sha256": hashlib.sha256(root.read_bytes()).hexdigest()}
+    return {**head, "root": "Trainer.Config (torchtitan/trainer.py)", "keys": out}
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(__doc__.split("\n\n")[1])
-    print(json.dumps(keys(pathlib.Path(sys.argv[1])), indent=1, sort_keys=True))
+    print(json.dumps(keys(pathlib.Path(sys.argv[1])), indent=1))
