@@ -295,6 +295,7 @@ def estimate_memory(
     loss_chunk_bytes: int = FUSED_LOSS_CHUNK_BYTES,
     optimizer: str = "adamw",
     state_bytes: int | None = None,
+    reshard_after_forward: bool | None = None,
 ) -> MemoryEstimate:
     """Estimated peak memory per device of training ``args`` on ``layout`` (see the module docstring).
 
@@ -304,6 +305,8 @@ def estimate_memory(
     ``master_bytes``: of the sharded master weights, gradients and AdamW state (4 = fp32);
     ``fused_loss``: the output projection and cross-entropy run as ``linear_cross_entropy``.
     ``optimizer`` "adamw" or "muon", ``state_bytes`` per state value (None: ``master_bytes``).
+    ``reshard_after_forward``: FSDP2's, for the blocks (None: the default, True except under PP; False
+    keeps the stage's blocks gathered from forward to backward).
     Returns the worst stage's estimate. Raises ValueError for sizes < 1, an unknown schedule or optimizer.
     """
     for name, v in (("local_batch_size", local_batch_size), ("seq_len", seq_len),
@@ -321,6 +324,7 @@ def estimate_memory(
     m = local_batch_size // microbatch_size * grad_accum if pp > 1 else 1
     tokens = micro * seq_len / cp  # per micro-batch on this rank, before sequence parallel
     coexist = grad_accum > 1 or pp > 1
+    reshard = pp == 1 if reshard_after_forward is None else reshard_after_forward
 
     def stage(layers: int, root: float, in_flight: float, has_loss: bool) -> MemoryEstimate:
         p_stage = layers * c.block_params + root
@@ -330,7 +334,7 @@ def estimate_memory(
         working = 0.0
         if n_shard > 1 or compute_bytes != master_bytes or layout.dp_replicate > 1:
             blk = c.gathered_block_params(layout.ep)  # expert parallel: E/ep experts per block
-            gathered = layers * blk + root if pp > 1 else root + 2 * blk
+            gathered = root + 2 * blk if reshard else layers * blk + root
             working = (gathered * compute_bytes + blk * reduce_bytes) / tp
         if ac_mode == "full":
             vals = layers * in_flight * block_values_per_token(c, "full", tp) + block_values_per_token(c, "none", tp)

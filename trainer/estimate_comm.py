@@ -68,6 +68,7 @@ def communication_per_step(
     reduce_bytes: int = 4,
     loss_parallel: bool = True,
     ac_mode: str = "none",
+    reshard_after_forward: bool | None = None,
 ) -> list[Collective]:
     """Bytes each rank sends (= receives) per optimizer step, by dimension and collective (the mean
     over the ranks where they differ: context parallel under a sliding window).
@@ -76,7 +77,8 @@ def communication_per_step(
     ``grad_accum`` micro-batches per step; ``microbatch_size``/``stages_per_rank`` for pipeline
     parallel; ``compute_bytes`` for parameters/activations on the wire (bf16: 2), ``reduce_bytes``
     for gradients (fp32: 4). ``ac_mode`` "full" re-runs each block's forward in the backward, with its
-    TP and CP communication. Size-1 dims contribute nothing. See trainer/parallel/README.md.
+    TP and CP communication. ``reshard_after_forward``: FSDP2's, for the blocks (None: True except
+    under PP); False gathers each block once per micro-batch. Size-1 dims contribute nothing. See trainer/parallel/README.md.
     """
     c = args if isinstance(args, ModelCosts) else model_costs(args)
     L = c.n_layers / layout.pp  # layers on this rank
@@ -98,7 +100,7 @@ def communication_per_step(
         # With expert parallel the experts are their own FSDP unit over dp_shard / ep ranks (below).
         blocks = (c.n_layers * c.block_params - (c.expert_params if ep > 1 else 0)) / (tp * pp)
         root = (c.total_params - c.n_layers * c.block_params) / (tp * pp)
-        gathers = 1 if pp > 1 else 2
+        gathers = 2 if (pp == 1 if reshard_after_forward is None else reshard_after_forward) else 1
         if n > 1:
             out.append(Collective("dp_shard_cp", "all-gather", "parameters (all units)", grad_accum,
                                   _ring(n) * cb * (gathers * blocks + root)))
@@ -112,7 +114,7 @@ def communication_per_step(
             m_ep = layout.dp_shard // ep
             experts = c.expert_params / (ep * tp * pp)  # this rank's E/ep experts
             out.append(Collective("dp_shard_mod_ep", "all-gather", "expert parameters", grad_accum,
-                                  _ring(m_ep) * cb * (1 if pp > 1 else 2) * experts))
+                                  _ring(m_ep) * cb * gathers * experts))
             out.append(Collective("dp_shard_mod_ep", "reduce-scatter", "expert gradients", grad_accum,
                                   _ring(m_ep) * rb * experts))
     # Expert parallel: per MoE layer and micro-batch the (token, expert) rows go to their experts'

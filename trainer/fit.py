@@ -76,6 +76,7 @@ def fit_report(
     fused_loss: bool = True,
     optimizer: str = "adamw",
     state_bytes: int = 4,
+    reshard_after_forward: bool | None = None,
 ) -> str | None:
     """None if the run fits ``devices``; otherwise the message explaining why not and what would fit.
 
@@ -87,7 +88,7 @@ def fit_report(
     est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
                           ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=pp_schedule,
                           microbatch_size=microbatch_size, grad_accum=grad_accum, fused_loss=fused_loss,
-                          optimizer=optimizer, state_bytes=state_bytes)
+                          optimizer=optimizer, state_bytes=state_bytes, reshard_after_forward=reshard_after_forward)
     if est.total <= devices.memory_per_device:
         return None
     dtype = {2: "bf16", 4: "fp32"}.get(compute_bytes, f"{compute_bytes}-byte")
@@ -119,6 +120,8 @@ def fit_message(config, args, dims, compute_dtype) -> str | None:
     """The memory report when the run of ``config`` (a JobConfig) with model ``args`` on ``dims`` (its
     ParallelDims) in ``compute_dtype`` (a torch dtype) does not fit this machine (:func:`fit_report`),
     else None."""
+    from trainer.parallel.fsdp import reshard_after_forward  # the caller has torch loaded already
+
     p = config.parallelism
     return fit_report(
         args, config.model.flavor, Layout(dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp, dims.cp, ep=dims.ep),
@@ -129,4 +132,5 @@ def fit_message(config, args, dims, compute_dtype) -> str | None:
         microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
         fused_loss=not (dims.tp_enabled and p.disable_loss_parallel), optimizer=config.optimizer.name.lower(),
         state_bytes=2 if config.optimizer.state_dtype == "bfloat16" else 4,
+        reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, dims.pp_enabled),
     )

@@ -8,9 +8,10 @@ A run's configuration is built in layers, each overriding the one before:
 3. command-line overrides ``--section.key value`` (also ``--section.key=value``).
 
 Keys follow torchtitan's names where the meaning is the same (``--training.steps``,
-``--lr_scheduler.warmup_steps``, ``--parallelism.data_parallel_shard_degree``...). ``--flavor`` is
-short for ``--model.flavor``. A boolean key works as a bare flag (``--checkpoint.enable``) or with a
-value (``--checkpoint.enable false``). ``--help`` lists every key with its default and meaning.
+``--lr_scheduler.warmup_steps``, ``--parallelism.data_parallel_shard_degree``...); torchtitan's other
+names are aliases (``--debug.seed``) or refused with the reason (``trainer/config/torchtitan_keys.py``).
+``--flavor`` is short for ``--model.flavor``. A boolean key works as a bare flag
+(``--checkpoint.enable``) or with a value (``--checkpoint.enable false``). ``--help`` lists every key with its default and meaning.
 
 Every error (unknown key, wrong type, bad value) is a :class:`ConfigError` whose message is one line
 naming the key; for a misspelled key it suggests the closest existing one.
@@ -19,6 +20,8 @@ The package, imports flowing one way (each module imports only those above it):
 
 - ``sections.py``: :class:`ConfigError` and one dataclass per ``[section]`` (defaults, help, choices);
 - ``flavors.py``: which flavors have a TOML file in ``trainer/configs/`` and where it is;
+- ``torchtitan_keys.py``: torchtitan's names: aliases of ours, refused ones with the reason, and
+  ``model.converters``/``model.hf_assets_path``, which set other keys;
 - ``fields.py``: a field's type: converting strings and TOML values to it, writing it as TOML;
 - ``job.py``: :class:`JobConfig`, the sections together;
 - ``validate.py``: checking a configuration: every value and the relations between them

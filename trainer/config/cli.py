@@ -26,6 +26,7 @@ from trainer.config.fields import check_value, field_choices, parse_str, suggest
 from trainer.config.flavors import families, family_flavors, flavor_config_path
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError
+from trainer.config.torchtitan_keys import CONFIG_FILE_KEY, NEAR, REFUSED, alias_names, apply_model_keys, lookup
 from trainer.config.validate import validate_config
 
 # The key table: section name -> section class, and section -> key -> resolved type.
@@ -39,9 +40,33 @@ def all_keys() -> list[str]:
 
 
 def _unknown_key_message(key: str, where: str = "") -> str:
-    hint = suggest(key, all_keys() + ["config", "flavor", "help"])
+    # torchtitan's names (accepted as aliases) are candidates beside ours; refused ones are not.
+    names = all_keys() + [n for n in alias_names() if n not in REFUSED] + ["config", "flavor", "help"]
+    hint = NEAR.get(key) or suggest(key, names)
     msg = f"{where}unknown option --{key}"
     return msg + (f"; did you mean --{hint}?" if hint else "; see --help for the list of options")
+
+
+def resolve_key(name: str, where: str = "") -> tuple[str, str, bool]:
+    """``(section, key, negated)`` of our key for the option ``name`` (``section.key``, ours or a
+    torchtitan alias; ``negated``: a boolean alias of the opposite meaning).
+
+    Raises:
+        ConfigError: an unknown option (with a did-you-mean suggestion) or a torchtitan option refused
+            here (with the reason); the message starts with ``where``.
+    """
+    section, dot, key = name.partition(".")
+    if dot and section in _HINTS and key in _HINTS[section]:
+        return section, key, False
+    try:
+        found = lookup(name)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}{exc}") from None
+    if found is None:
+        raise ConfigError(_unknown_key_message(name, where))
+    target, negated = found
+    section, _, key = target.partition(".")
+    return section, key, negated
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,32 +90,50 @@ def apply_toml(config: JobConfig, path: str | pathlib.Path) -> JobConfig:
         raise ConfigError(f"--config: file not found: {str(path)!r}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}not valid TOML: {str(exc).splitlines()[0]}") from None
-    for section, values in data.items():
-        if section not in _SECTIONS:
-            hint = suggest(section, _SECTIONS)
-            raise ConfigError(
-                f"{where}unknown section [{section}]" + (f"; did you mean [{hint}]?" if hint else "")
-            )
-        if not isinstance(values, dict):
-            raise ConfigError(f"{where}{section}: expected a [{section}] table, got {values!r}")
-        obj = getattr(config, section)
-        for key, value in values.items():
-            full = f"{section}.{key}"
-            if key not in _HINTS[section]:
-                raise ConfigError(_unknown_key_message(full, where))
-            setattr(obj, key, check_value(full, value, _HINTS[section][key], where))
+    for name, value in _flatten(data, where):
+        if name == CONFIG_FILE_KEY:
+            raise ConfigError(f"{where}{name}: the TOML file is given on the command line (--config or --{name})")
+        section, key, negated = resolve_key(name, where)
+        value = check_value(name, value, _HINTS[section][key], where)
+        setattr(getattr(config, section), key, (not value) if negated else value)
     return config
+
+
+def _flatten(data: dict[str, Any], where: str, prefix: str = "") -> list[tuple[str, Any]]:
+    """``(section.key, value)`` of a TOML document. A table of one of our sections is one level
+    (a table value there is the key's own, e.g. ``[optimizer.groups]``); a table of torchtitan's
+    (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names."""
+    out: list[tuple[str, Any]] = []
+    torchtitan_tables = {n.rsplit(".", 1)[0] for n in alias_names() + list(REFUSED) if "." in n}
+    for name, value in data.items():
+        full = prefix + name
+        if not prefix and full in _SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where}{full}: expected a [{full}] table, got {value!r}")
+            out += [(f"{full}.{key}", v) for key, v in value.items()]
+        elif isinstance(value, dict) and full in torchtitan_tables:
+            out += _flatten(value, where, full + ".")
+        elif isinstance(value, dict) and not prefix:
+            hint = suggest(full, _SECTIONS)
+            raise ConfigError(f"{where}unknown section [{full}]" + (f"; did you mean [{hint}]?" if hint else ""))
+        else:
+            out.append((full, value))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Command line
 
 
-def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str, str | None]]]:
-    """Split argv into (config file, flavor, [(section.key, raw value or None for a bare flag)])."""
+# An option as given: (our section.key, the name given, raw value or None for a bare flag, negated).
+_Item = tuple[str, str, "str | None", bool]
+
+
+def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[_Item]]:
+    """Split argv into (config file, flavor, the options as :data:`_Item`)."""
     config_file: str | None = None
     flavor: str | None = None
-    items: list[tuple[str, str | None]] = []
+    items: list[_Item] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
@@ -100,20 +143,18 @@ def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str
         name, eq, inline = arg[2:].partition("=")
         name = name.replace("-", "_")  # --training.local-batch-size works too
         value: str | None = inline if eq else None
-        if name in ("config", "flavor", "model.flavor"):
+        if name in ("config", CONFIG_FILE_KEY, "flavor", "model.flavor"):
             if value is None:
                 if i >= len(argv):
                     raise ConfigError(f"--{name}: missing value (expected a string)")
                 value = argv[i]
                 i += 1
-            if name == "config":
+            if name in ("config", CONFIG_FILE_KEY):
                 config_file = value
             else:
                 flavor = value
             continue
-        section, dot, key = name.partition(".")
-        if not dot or section not in _HINTS or key not in _HINTS[section]:
-            raise ConfigError(_unknown_key_message(name))
+        section, key, negated = resolve_key(name)
         hint = _HINTS[section][key]
         if value is None:
             nxt = argv[i] if i < len(argv) else None
@@ -127,7 +168,7 @@ def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[tuple[str
             else:
                 value = nxt
                 i += 1
-        items.append((name, value))
+        items.append((f"{section}.{key}", name, value, negated))
     return config_file, flavor, items
 
 
@@ -159,16 +200,16 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         argv = [a for a in argv if a not in ("--help", "-h")]
     config_file, flavor, items = _split_argv(argv)
     # The family picks the flavor's file (configs/<family>/<flavor>.toml), so it is read before the TOML layer.
-    name = next((raw for key, raw in items if key == "model.name" and raw is not None), None)
+    name = next((raw for key, _, raw, _ in items if key == "model.name" and raw is not None), None)
     config = _base_config(config_file, flavor, name)
     if wants_help:
         print(help_text(config))
         raise SystemExit(0)
-    for name, raw in items:
-        section, _, key = name.partition(".")
-        hint = _HINTS[section][key]
-        value = True if raw is None else parse_str(name, raw, hint)
-        setattr(getattr(config, section), key, value)
+    for target, given, raw, negated in items:
+        section, _, key = target.partition(".")
+        value = True if raw is None else parse_str(given, raw, _HINTS[section][key])
+        setattr(getattr(config, section), key, (not value) if negated else value)
+    apply_model_keys(config)
     validate_config(config)
     return config
 
@@ -205,11 +246,13 @@ def help_text(defaults: JobConfig | None = None) -> str:
         "trainer/configs/<family>/<flavor>.toml), then the command line. Boolean keys also work as bare flags.",
         f"Defaults shown are those of --model.name {defaults.model.name} --flavor {defaults.model.flavor}.",
         "",
-        "  --config FILE.toml   read this TOML file instead of the flavor's",
+        "  --config FILE.toml   read this TOML file instead of the flavor's (also --job.config_file)",
         "  --flavor NAME        short for --model.flavor; the flavors of each family (--model.name):",
     ]
     lines += [f"      {name}: {', '.join(family_flavors(name))}" for name in families()]
     lines.append("  --help               show this list and exit")
+    lines.append("torchtitan's names of these keys are accepted too (--debug.seed, --profiler.*, --validator.*, "
+                 "--dump_folder, --hf_assets_path...); one that means nothing here is refused with the reason.")
     for section, cls in _SECTIONS.items():
         lines += ["", f"[{section}] {(cls.__doc__ or '').strip()}"]
         for f in dataclasses.fields(cls):

@@ -57,20 +57,52 @@ def toml_value(value: Any) -> str:
 
 
 def suggest(name: str, candidates: typing.Iterable[str]) -> str | None:
-    """The closest candidate to ``name`` (also matching on the part after the dot), or None."""
+    """The closest candidate to ``name`` whose meaning is plausibly the same, or None.
+
+    Plain names (values, section names) match on the whole text. For ``section.key`` candidates the
+    key part must be close (a key named like another of a different meaning is not suggested): within
+    the same section (spelled alike) a key ratio >= 0.6 will do; from another section, or for a name
+    without a section (``--steps``), the key must match closely (>= 0.75) and be specific, i.e. not a
+    word that more than three sections use (``enable``, ``folder``, ``freq``...).
+    """
     def ratio(a: str, b: str) -> float:
         return difflib.SequenceMatcher(None, a.lower(), b.lower()).ratio()
 
-    leaf = name.split(".", 1)[-1]
+    candidates = list(candidates)
+    sections: dict[str, set[str]] = {}
+    for cand in candidates:
+        sec, dot, key = cand.partition(".")
+        if dot:
+            sections.setdefault(key, set()).add(sec)
+    section, dot, leaf = name.rpartition(".") if "." in name else ("", "", name)
     best, best_score = None, 0.0
     for cand in candidates:
-        score = ratio(name, cand)
-        if "." in cand:
-            # '--steps' -> 'training.steps'; '--training.lr' -> 'optimizer.lr' (a little less sure)
-            score = max(score, ratio(leaf, cand.split(".", 1)[1]) - (0.05 if "." in name else 0.0))
+        if "." not in cand:
+            score = ratio(name, cand) if "." not in name else 0.0
+            score = score if score >= 0.6 else 0.0
+        else:
+            cand_section, cand_leaf = cand.rsplit(".", 1)
+            key_score = ratio(leaf, cand_leaf)
+            same_section = bool(section) and ratio(section, cand_section) >= 0.8
+            if same_section:
+                score = key_score + 0.05 if key_score >= 0.6 else 0.0
+            else:
+                specific = len(sections.get(cand.partition(".")[2], ())) <= 3
+                score = key_score if key_score >= 0.75 and specific else 0.0
         if score > best_score:
             best, best_score = cand, score
-    return best if best_score >= 0.6 else None
+    return best
+
+
+def suggest_value(value: str, choices: typing.Iterable[str]) -> str | None:
+    """The allowed value closest in spelling to ``value`` (ratio >= 0.6, case ignored), or None. Values
+    are matched whole: a dot in one (``1.7B``) is part of it, not a section."""
+    best, best_score = None, 0.6
+    for choice in choices:
+        score = difflib.SequenceMatcher(None, value.lower(), choice.lower()).ratio()
+        if score >= best_score and (best is None or score > best_score):
+            best, best_score = choice, score
+    return best
 
 
 def field_choices(f: dataclasses.Field) -> tuple[str, ...] | None:
@@ -83,7 +115,7 @@ def choice_message(key: str, value: Any, choices: typing.Iterable[str]) -> str:
     """The one-line error for ``value`` of ``key`` not being one of ``choices``, with a suggestion."""
     choices = list(choices)
     msg = f"--{key}: expected one of {', '.join(choices)}, got {value!r}"
-    hint = suggest(str(value), choices)
+    hint = suggest_value(str(value), choices)
     return msg + (f" (did you mean {hint!r}?)" if hint else "")
 
 

@@ -61,7 +61,16 @@ class Model:
     tokenizer_path: str = _opt(
         "",
         "Tokenizer file: a Hugging Face tokenizer.json, a tiktoken BPE file (Llama 3's tokenizer.model) "
-        "or a SentencePiece .model, detected from the file. Empty = the built-in byte-level tokenizer.",
+        "or a SentencePiece .model, detected from the file (or a folder holding one). Empty = model.hf_assets_path's, "
+        "else the built-in byte-level tokenizer.",
+    )
+    hf_assets_path: str = _opt(
+        "",
+        "A Hugging Face model folder (torchtitan's key): its tokenizer when model.tokenizer_path is empty, and its "
+        "weights and config.json with --checkpoint.initial_load_in_hf when checkpoint.initial_load_path is empty.",
+    )
+    converters: list[str] = _opt(
+        [], "Model converters applied before training (torchtitan's key): float8 = --float8.enable (comma-separated).",
     )
     moe_load_balance: str = _opt(
         "bias",
@@ -190,6 +199,13 @@ class Parallelism:
 
     data_parallel_replicate_degree: int = _opt(1, "Replicas (HSDP outer dimension; 1 = plain FSDP).")
     data_parallel_shard_degree: int = _opt(-1, "FSDP shard degree; -1 = the rest of the world size.")
+    fsdp_reshard_after_forward: str = _opt(
+        "default",
+        "Free each block's gathered parameters after its forward (FSDP2's reshard_after_forward; the backward "
+        "gathers them again): default = yes except under pipeline parallel, always, never (more memory, less "
+        "communication). The root module (embedding, output) always stays gathered for the loss.",
+        choices=("default", "always", "never"),
+    )
     tensor_parallel_degree: int = _opt(1, "Tensor + sequence parallel degree (heads, FFN and vocab split).")
     enable_async_tensor_parallel: bool = _opt(
         False, "Overlap TP communication with the matmuls (CUDA symmetric memory; needs compile.enable)."

@@ -20,6 +20,7 @@ from trainer.config.fields import check_value, choice_message, field_choices, it
 from trainer.config.flavors import available_flavors
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
+from trainer.config.torchtitan_keys import CONVERTERS
 
 COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
@@ -75,6 +76,12 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(t.mtp_loss_weight) and t.mtp_loss_weight >= 0, "training.mtp_loss_weight", t.mtp_loss_weight,
          "a finite value >= 0")
     need(config.model.mtp_layers >= -1, "model.mtp_layers", config.model.mtp_layers, "-1 (the flavor's) or an integer >= 0")
+    for name in config.model.converters:
+        if name not in CONVERTERS:
+            raise ConfigError(f"--model.converters: unknown converter {name!r}; known: {', '.join(CONVERTERS)}")
+    hf = config.model.hf_assets_path
+    if hf and not pathlib.Path(hf).expanduser().is_dir():
+        raise ConfigError(f"--model.hf_assets_path: no such folder: {hf!r}")
     need(bool(t.dataset or t.dataset_path), "training.dataset", t.dataset, "a dataset name or a dataset_path")
     for key, path in (("training.dataset_path", t.dataset_path), ("model.tokenizer_path", config.model.tokenizer_path)):
         if path and not pathlib.Path(path).expanduser().exists():

@@ -18,6 +18,27 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 
+RESHARD_POLICIES = ("default", "always", "never")
+
+
+def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """FSDP2's ``reshard_after_forward`` for the blocks under ``--parallelism.fsdp_reshard_after_forward``.
+
+    ``default``: free the gathered parameters after each block's forward (the backward gathers them
+    again), except under pipeline parallel, where the micro-batches' forwards would gather them again
+    and again; ``always``: True; ``never``: False (more memory, one all-gather per step fewer).
+
+    Raises:
+        ValueError: ``policy`` not one of ``default``, ``always``, ``never``.
+    """
+    if policy not in RESHARD_POLICIES:
+        raise ValueError(f"parallelism.fsdp_reshard_after_forward: expected one of {', '.join(RESHARD_POLICIES)}, "
+                         f"got {policy!r}")
+    if policy == "default":
+        return not pp_enabled
+    return policy == "always"
+
+
 def apply_fsdp(
     model: nn.Module,
     dp_mesh: DeviceMesh,

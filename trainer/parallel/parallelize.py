@@ -21,7 +21,7 @@ from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp
 from trainer.parallel.expert_parallel import check_ep_divisibility, shard_experts
-from trainer.parallel.fsdp import apply_fsdp
+from trainer.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE, PipelineRunner, plan_stages, split_model
 from trainer.parallel.tensor_parallel import apply_tp, check_tp_divisibility, loss_parallel_context
@@ -146,7 +146,7 @@ def parallelize_decoder(
             apply_compile(stage, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
         if use_fsdp:
             apply_fsdp(stage, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                       reshard_after_forward=not dims.pp_enabled,
+                       reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, dims.pp_enabled),
                        expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep_enabled else None, expert_params=expert_params)
     for stage in stages:
         stage.to_empty(device=device)
