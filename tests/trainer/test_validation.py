@@ -148,4 +148,4 @@ def test_bad_validation_data_is_a_one_line_error_before_the_model_is_built(tmp_p
     empty.write_text("\n")
     rc, _, _ = _run(tmp_path / "run2", "--validation.enable", "--validation.dataset_path", str(empty))
     err = capsys.readouterr().err
-    assert rc == 1 and "has no text to train on" in err and len(err.strip().splitlines()) == 1
+    assert rc == 1 and "has no text to evaluate" in err and len(err.strip().splitlines()) == 1

@@ -146,8 +146,9 @@ class DataLoader:
                 self._doc = self._tokens_of(self._doc_index)
                 if self._doc is None:  # end of the source: next epoch
                     if self._doc_index == 0 or self._tokens_seen_this_epoch == 0:
+                        use = "evaluate" if self.one_epoch else "train on"  # one_epoch: the validation loader
                         raise ValueError(
-                            f"dataset {self.source.name!r} has no text to train on (no document, or only empty ones)"
+                            f"dataset {self.source.name!r} has no text to {use} (no document, or only empty ones)"
                         )
                     if self.one_epoch:
                         return None
