@@ -69,7 +69,7 @@ def test_validation_loss_is_the_token_mean_over_the_held_out_split(tmp_path, ext
     docs = _corpus(text)
     rc, recs, val = _run(tmp_path / "run", "--training.dataset_path", str(text), "--validation.enable",
                          "--validation.freq", "2", "--validation.split_every", "4", "--validation.local_batch_size", "3",
-                         "--checkpoint.enable", "--checkpoint.interval", "4", "--metrics.enable_tensorboard", *extra)
+                         "--validation.steps", "-1", "--checkpoint.enable", "--checkpoint.interval", "4", "--metrics.enable_tensorboard", *extra)
     assert rc == 0
     assert [r["step"] for r in val] == [2, 4] and [r["step"] for r in recs] == [1, 2, 3, 4]
     held_out = docs[3::4]
@@ -106,6 +106,21 @@ def test_validation_steps_limit_and_a_dataset_of_its_own(tmp_path):
     rc2, recs2, _ = _run(tmp_path / "plain", "--training.dataset_path", str(train_text))
     assert [r["loss"] for r in recs2] == [r["loss"] for r in recs]
     assert sum(len(d) for d in val_docs) > 4 * 8  # (the limit was what stopped it)
+
+
+def test_default_validation_is_bounded_and_minus_one_reads_the_whole_split(tmp_path):
+    """The default evaluates a fixed number of batches (not the whole split); -1 still means all of it."""
+    assert parse_args([]).validation.steps == 20
+    train_text, val_text = tmp_path / "train.txt", tmp_path / "val.txt"
+    _corpus(train_text, n_docs=10, seed=1)
+    _corpus(val_text, n_docs=60, seed=3)  # about 4,000 tokens: 250 windows of 8 + 1
+    common = ["--training.dataset_path", str(train_text), "--training.steps", "1", "--validation.enable",
+              "--validation.dataset_path", str(val_text), "--validation.seq_len", "8",
+              "--validation.local_batch_size", "2"]
+    _, _, bounded = _run(tmp_path / "default", *common)
+    _, _, whole = _run(tmp_path / "whole", *common, "--validation.steps", "-1")
+    assert (bounded[0]["val_batches"], bounded[0]["val_tokens"]) == (20, 20 * 2 * 8)
+    assert whole[0]["val_batches"] > 200 and whole[0]["val_tokens"] > 10 * bounded[0]["val_tokens"]
 
 
 def test_validation_does_not_change_training_without_a_split(tmp_path):
