@@ -136,7 +136,8 @@ class Checkpointer:
         model_weights_only / export_dtype: the final save is a weights-only export in this dtype.
     model_args / flavor: what the model was built with, recorded in every checkpoint.
     last_save_in_hf: the final save is a Hugging Face folder ``hf-step-<N>`` (in export_dtype),
-        written at the last step even when ``enable`` is off.
+        written at the last step even when ``enable`` is off, with the tokenizer files of
+        ``tokenizer_path`` ("" = the byte-level tokenizer; None = none) and generation_config.json.
     strict_verify: a checkpoint that fails verification is an error instead of a fall back.
     on_save_error: "stop" (a failed save raises CheckpointError) or "continue" (it is logged and
         the run goes on without it; a save with ``last=True`` always raises).
@@ -161,6 +162,7 @@ class Checkpointer:
         model_args: Any = None,
         flavor: str = "",
         last_save_in_hf: bool = False,
+        tokenizer_path: str | None = None,
         strict_verify: bool = False,
         on_save_error: str = "stop",
     ) -> None:
@@ -182,6 +184,7 @@ class Checkpointer:
         self.model_weights_only, self.export_dtype = model_weights_only, _EXPORT_DTYPES[export_dtype]
         self.model_args, self.flavor, self.last_save_in_hf = model_args, flavor, last_save_in_hf
         self.strict_verify, self.on_save_error = strict_verify, on_save_error
+        self.tokenizer_path = tokenizer_path
         self.rank = _rank()
         self.failed_saves = 0
         self.loaded_from: str | None = None  # what load() / initial_load() read, for the non-finite message
@@ -274,7 +277,7 @@ class Checkpointer:
             partial = self.folder / f".hf-step-{step}.partial"
             if partial.exists():
                 shutil.rmtree(partial)
-            dcp_to_hf(tmp, partial)
+            dcp_to_hf(tmp, partial, tokenizer_path=self.tokenizer_path)
             if final.exists():
                 shutil.rmtree(final)
             os.rename(partial, final)

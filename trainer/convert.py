@@ -2,6 +2,7 @@
 (Llama 3, Qwen3 / Qwen3-MoE, DeepSeek-V3, ...; ``trainer.models.registry``).
 
     python -m trainer.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
+                                     [--tokenizer_path PATH]
     python -m trainer.convert hf-to-dcp HF_DIR OUT_DIR [--dtype bfloat16]
 
 CHECKPOINT_DIR is a DCP step folder (``step-<N>``, ``weights-step-<N>``; anything holding
@@ -9,7 +10,10 @@ CHECKPOINT_DIR is a DCP step folder (``step-<N>``, ``weights-step-<N>``; anythin
 converted; the model arguments come from the checkpoint itself (``model_args``, recorded by every
 save), so no flavor is needed (``--flavor`` names one for checkpoints older than that record).
 The output of dcp-to-hf loads with ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)``
-(the family's class, e.g. ``LlamaForCausalLM``); the output of hf-to-dcp is a DCP folder for
+(the family's class, e.g. ``LlamaForCausalLM``) and, given ``--tokenizer_path`` (the run's
+``--model.tokenizer_path``; '' = the byte-level tokenizer), with ``AutoTokenizer`` too: the
+tokenizer files and generation_config.json go beside the weights (``trainer.hf.tokenizer_files``);
+the output of hf-to-dcp is a DCP folder for
 ``--checkpoint.initial_load_path`` (or, placed as ``<dump_folder>/checkpoint/step-0``, a seed
 checkpoint), its MoE layers' ``expert_bias`` as the folder stores it (zero where it does not). A
 MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with a warning when the
@@ -35,7 +39,7 @@ import warnings
 import torch
 
 from trainer.checkpoint_folder import CheckpointError, read_model_args
-from trainer.hf import HFCheckpointError, parse_size
+from trainer.hf import parse_size
 from trainer.hf.convert import dcp_to_hf, hf_to_dcp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -51,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("out_dir")
     a.add_argument("--dtype", choices=tuple(_DTYPES), default=None, help="tensor dtype (default: as stored)")
     a.add_argument("--max_shard_size", default="5GB", help="largest shard file, e.g. 5GB, 500MB (default 5GB)")
+    a.add_argument("--tokenizer_path", default=None,
+                   help="the run's --model.tokenizer_path, shipped beside the weights ('' = the byte-level "
+                        "tokenizer; default: none, the folder then has no tokenizer files)")
     a.add_argument("--flavor", default=None,
                    help="only for a (Llama 3) checkpoint that does not record its model arguments")
     b = sub.add_parser("hf-to-dcp", help="Hugging Face Llama / Qwen3 folder -> DCP checkpoint folder")
@@ -66,14 +73,24 @@ def main(argv: list[str] | None = None) -> int:
                 size = parse_size(ns.max_shard_size)
             except ValueError as exc:
                 parser.error(str(exc))
-            out = dcp_to_hf(ns.checkpoint_dir, ns.out_dir, dtype, size, ns.flavor)
+            if ns.tokenizer_path is not None:  # a bad tokenizer fails before any weights are written
+                from trainer.data import build_tokenizer
+
+                try:
+                    build_tokenizer(ns.tokenizer_path or None)
+                except ValueError as exc:
+                    raise ValueError(str(exc).replace("model.tokenizer_path", "--tokenizer_path", 1)) from None
+            out = dcp_to_hf(ns.checkpoint_dir, ns.out_dir, dtype, size, ns.flavor, ns.tokenizer_path)
             files = sorted(p.name for p in out.iterdir())
             print(f"wrote {out}: {', '.join(files)}")
+            if ns.tokenizer_path is None:
+                print(f"note: no --tokenizer_path, so {out} holds no tokenizer files and AutoTokenizer cannot load "
+                      f"it; pass the run's --model.tokenizer_path ('' for the built-in byte-level tokenizer)")
         else:
             out = hf_to_dcp(ns.hf_dir, ns.out_dir, dtype)
             _, flavor = read_model_args(out)
             print(f"wrote DCP checkpoint {out} (flavor {flavor})")
-    except (CheckpointError, HFCheckpointError) as exc:
+    except (CheckpointError, ValueError) as exc:  # HFCheckpointError, a bad --tokenizer_path
         print(f"python -m trainer.convert: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -326,7 +326,7 @@ class Trainer:
             enable=c.enable, interval=c.interval, keep_latest_k=c.keep_latest_k, async_mode=c.async_mode,
             load_step=c.load_step, model_weights_only=c.model_weights_only, export_dtype=c.export_dtype,
             model_args=self.args, flavor=config.model.flavor, last_save_in_hf=c.last_save_in_hf,
-            strict_verify=c.strict_verify, on_save_error=c.on_save_error,
+            tokenizer_path=config.model.tokenizer_path, strict_verify=c.strict_verify, on_save_error=c.on_save_error,
         )
         try:
             # A run to resume wins; the initial checkpoint only starts a fresh one.

@@ -140,6 +140,8 @@ class TiktokenTokenizer(Tokenizer):
             name=f"titan-{len(ranks)}", pat_str=pattern, mergeable_ranks=ranks, special_tokens=special_tokens
         )
         self.vocab_size = max(max(ranks.values()), max(special_tokens.values(), default=-1)) + 1
+        # kept for the Hugging Face export (trainer.hf.tokenizer_files), which writes them as a tokenizer.json
+        self.ranks, self.special_tokens, self.pattern = ranks, special_tokens, pattern
         self.bos_id = special_tokens[bos]
         self.eos_id = special_tokens[eos]
         self.name = name

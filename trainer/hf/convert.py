@@ -22,6 +22,7 @@ from trainer.checkpoint_manifest import write_manifest
 from trainer.hf.common import DEFAULT_MAX_SHARD_SIZE
 from trainer.hf.folder import HFCheckpoint, HFWriter
 from trainer.hf.mapping import expected_keys, expected_shapes
+from trainer.hf.tokenizer_files import write_tokenizer_files
 from trainer.models.registry import get as _family
 from trainer.models.registry import spec_of
 
@@ -55,9 +56,12 @@ def _args_for(path: Path, tensors: dict[str, object], flavor: str | None):
 
 
 def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None,
-              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, flavor: str | None = None) -> Path:
+              max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, flavor: str | None = None,
+              tokenizer_path: str | None = None) -> Path:
     """Write the model of DCP checkpoint ``src`` as a Hugging Face folder ``out`` (of the family the
-    recorded model arguments name).
+    recorded model arguments name), with the tokenizer files of ``tokenizer_path`` and
+    generation_config.json (``trainer.hf.tokenizer_files``; "" = the byte-level tokenizer; None = no
+    tokenizer files).
 
     ``dtype``: of the written tensors (default: as stored). Reads one output shard's tensors at a
     time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size`` (at least
@@ -105,7 +109,10 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
             writer.add_all((g, state["model"][g]) for g in group)
             group, group_bytes = [], 0
-    return writer.close()
+    writer.close()
+    if tokenizer_path is not None:
+        write_tokenizer_files(out, tokenizer_path)
+    return Path(out)
 
 
 def hf_to_dcp(src: str | Path, out: str | Path, dtype: torch.dtype | None = None) -> Path:
