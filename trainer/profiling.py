@@ -13,9 +13,15 @@ writes ``<dump_folder>/<save_memory_snapshot_folder>/iteration_<step>/rank<r>_me
 (drag it onto pytorch.org/memory_viz); when the run ends in a CUDA out-of-memory error, the snapshot
 of that moment goes to ``iteration_<step>_exit/``. On a CPU the trainer says once that snapshots are
 CUDA-only and writes none.
+
+Validation (``Profiler.validation``, around each evaluation): marked ``validation`` in the trace and,
+unless ``--profiling.include_validation``, left out of it (the profiler's collection is paused while
+it runs), so a trace of a step that ends with an evaluation shows the training step, not mostly the
+forward passes of the validation batches.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import pickle
 import warnings
@@ -74,6 +80,7 @@ class Profiler:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._activities = activities
             self._prof = torch.profiler.profile(
                 activities=activities,
                 schedule=torch.profiler.schedule(wait=self.freq - warmup - active, warmup=warmup, active=active),
@@ -101,6 +108,22 @@ class Profiler:
                 self._prof.step()
         if self._snapshots and step % self.freq == 0:
             self._dump_snapshot(f"iteration_{step}")
+
+    @contextlib.contextmanager
+    def validation(self):
+        """Around a validation pass: a ``validation`` range in the trace; unless
+        ``cfg.include_validation``, collection pauses for it while the profiler records."""
+        prof = self._prof
+        paused = (prof is not None and not self.cfg.include_validation
+                  and prof.current_action != torch.profiler.ProfilerAction.NONE)
+        if paused:
+            prof.toggle_collection_dynamic(False, self._activities)
+        try:
+            with torch.profiler.record_function("validation"):
+                yield
+        finally:
+            if paused:
+                prof.toggle_collection_dynamic(True, self._activities)
 
     def _dump_snapshot(self, name: str) -> None:
         folder = self.snapshot_folder / name

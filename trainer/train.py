@@ -467,7 +467,8 @@ class Trainer:
                 self._guard.step_done()
                 if self.validator is not None and (step % v.freq == 0 or step == cfg_t.steps):
                     self._guard.long_phase()
-                    result = self.validator.evaluate()
+                    with self._profiler.validation():
+                        result = self.validator.evaluate()
                     self.metrics.exclude(result["val_time_s"])
                     self.metrics.log_validation(step, result)
                 self.checkpointer.poll()

@@ -1,5 +1,6 @@
 """Profiler traces land at <dump>/<save_traces_folder>/iteration_<step>/rank<r>_trace.json and hold the
-steps of their cycle; memory snapshots are refused once on a CPU; the cycle stays aligned after a resume."""
+steps of their cycle; memory snapshots are refused once on a CPU; the cycle stays aligned after a resume;
+the validation pass is left out of the traces unless include_validation."""
 import json
 import logging
 from pathlib import Path
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 def _cfg(**kw):
     base = dict(enable_profiling=True, profile_freq=4, profiler_warmup=1, profiler_active=2,
-                save_traces_folder="profile_trace", enable_memory_snapshot=False,
+                save_traces_folder="profile_trace", enable_memory_snapshot=False, include_validation=False,
                 save_memory_snapshot_folder="memory_snapshot")
     return SimpleNamespace(**{**base, **kw})
 
@@ -92,6 +93,43 @@ def test_trainer_writes_traces_at_the_documented_path(tmp_path, capsys):
         assert _profiled_steps(path) == [s]
     out = capsys.readouterr().out
     assert f"profiler traces {tmp_path / 'traces'}" in out and out.count("CUDA-only") == 1
+
+
+def _names(path: Path) -> set[str]:
+    return {e.get("name", "") for e in json.loads(path.read_text())["traceEvents"]}
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_validation_is_left_out_of_traces_unless_asked(tmp_path, include):
+    with Profiler(_cfg(include_validation=include), str(tmp_path), 0, torch.device("cpu")) as prof:
+        for step in range(1, 5):
+            _work(step)
+            with prof.validation():
+                with torch.profiler.record_function("val_forward"):
+                    _work(100 + step)
+            prof.step(step)
+    names = _names(tmp_path / "profile_trace" / "iteration_4" / "rank0_trace.json")
+    assert {"work_3", "work_4"} <= names  # the training steps are traced either way
+    assert ({"validation", "val_forward", "work_104"} <= names) == include
+    assert not include or "work_102" not in names  # (the wait/warmup steps are not recorded)
+    if not include:
+        assert not names & {"validation", "val_forward", "work_103", "work_104"}
+
+
+def test_trainer_marks_the_validation_pass_and_traces_it_when_asked(tmp_path):
+    """The trainer wraps each evaluation in Profiler.validation (traced here, with include_validation);
+    that it is left out by default is the test above (one short run: a profiled run is slow on the CPU)."""
+    rc = train.main(parse_args([
+        "--training.seq_len", "16", "--training.local_batch_size", "2", "--training.steps", "3",
+        "--metrics.save_plot", "false", "--metrics.enable_color", "false", "--job.dump_folder", str(tmp_path),
+        "--validation.enable", "--validation.freq", "3", "--validation.steps", "2",
+        "--profiling.enable_profiling", "--profiling.profile_freq", "3", "--profiling.profiler_warmup", "1",
+        "--profiling.profiler_active", "1", "--profiling.include_validation",
+    ]))
+    assert rc == 0
+    names = _names(tmp_path / "profile_trace" / "iteration_3" / "rank0_trace.json")
+    assert {"ProfilerStep#2", "validation"} <= names
+    assert parse_args([]).profiling.include_validation is False
 
 
 def test_profiling_config_errors():

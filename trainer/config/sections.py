@@ -338,6 +338,9 @@ class Profiling:
         "profile_trace", "Trace folder, relative to job.dump_folder: iteration_<step>/rank<r>_trace.json (Chrome "
         "trace: chrome://tracing or Perfetto)."
     )
+    include_validation: bool = _opt(
+        False, "Trace the validation passes too; by default the profiler pauses while the validation runs."
+    )
     enable_memory_snapshot: bool = _opt(
         False, "Record CUDA allocations and write a memory snapshot every profile_freq steps (and on out-of-memory)."
     )
