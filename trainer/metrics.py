@@ -7,7 +7,9 @@ At step 1, every ``log_freq`` steps and at the last step, one record is written 
   memory_gib (peak: GPU reserved memory, or the process's peak RSS on CPU), data_wait (share of the
   interval spent waiting for the data loader), elapsed_s (wall seconds since this process started
   training, cumulative: validation and checkpoint time included; it restarts at 0 after a resume),
-  eta_s (estimated seconds to the last step, from the time per step since step 1).
+  eta_s (estimated seconds to the end of the run: the steps left at the mean time per training step
+  since step 1, plus each scheduled phase still to come, validations and checkpoint saves, at the
+  mean time that phase took so far in this process; a phase not yet measured counts 0).
 The console line shows the same, with the elapsed time and the ETA as h:mm:ss.
 
 Each validation (``log_validation``) appends its own record: step, val_loss (mean token loss over
@@ -156,6 +158,8 @@ class MetricsLogger:
         enable_tensorboard / tb_folder: also write TensorBoard scalars under dump_folder/tb_folder.
         enable_color: ANSI colors on the console (only when stdout is a terminal; NO_COLOR disables).
         wandb: a ``trainer.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
+        phases: ``{name: every}`` the phases between steps the ETA counts (``phase`` measures them):
+            every ``every`` steps and at the last step; None = at the last step only; 0 = never.
     """
 
     def __init__(
@@ -170,6 +174,7 @@ class MetricsLogger:
         tb_folder: str = "tb",
         enable_color: bool = True,
         wandb=None,
+        phases: dict[str, int | None] | None = None,
     ) -> None:
         if not isinstance(log_freq, int) or log_freq < 1:
             raise ValueError(f"metrics.log_freq: expected an integer >= 1, got {log_freq!r}")
@@ -189,6 +194,8 @@ class MetricsLogger:
         self._interval_start = time.perf_counter()
         self._run_start = self._interval_start
         self._rate_start: tuple[int, float] | None = None  # (step, time) after the first step, for the ETA
+        self._phases = {name: every for name, every in (phases or {}).items() if every != 0}
+        self._phase_time: dict[str, tuple[int, float]] = {}  # name -> (times measured, seconds in all)
         self._jsonl = None
         self._tb = None
         self._wandb = wandb if enabled else None
@@ -220,16 +227,34 @@ class MetricsLogger:
     def exclude(self, seconds: float) -> None:
         """Leave ``seconds`` (e.g. a validation) out of the current interval's time, so tps is the training rate."""
         self._interval_start += seconds
+
+    def phase(self, name: str, seconds: float) -> None:
+        """A phase between steps (a validation, a checkpoint save) took ``seconds``: the ETA counts it
+        per occurrence left (``phases``) at its mean time, and leaves it out of the time per step."""
+        n, total = self._phase_time.get(name, (0, 0.0))
+        self._phase_time[name] = (n + 1, total + seconds)
         if self._rate_start is not None:
             self._rate_start = (self._rate_start[0], self._rate_start[1] + seconds)
 
+    def occurrences(self, name: str, step: int) -> int:
+        """How many times phase ``name`` still runs at steps ``step``..``total_steps`` (both included)."""
+        every, last = self._phases.get(name, 0), self.total_steps
+        if every == 0 or step > last:
+            return 0
+        if every is None:
+            return 1
+        return last // every - (step - 1) // every + (last % every != 0)
+
     def eta_s(self, step: int, now: float | None = None) -> float:
-        """Seconds to the last step at the mean time per step since the first step (NaN before that)."""
+        """Seconds to the end of the run after step ``step``'s training (NaN before a time per step is
+        known): the steps left at the mean training time per step since the first step, plus the
+        scheduled phases still to come at step ``step`` or later, each at its mean measured time."""
         now = time.perf_counter() if now is None else now
         if self._rate_start is None or step <= self._rate_start[0]:
             return math.nan
         per_step = (now - self._rate_start[1]) / (step - self._rate_start[0])
-        return per_step * (self.total_steps - step)
+        phases = sum(total / n * self.occurrences(name, step) for name, (n, total) in self._phase_time.items())
+        return per_step * (self.total_steps - step) + phases
 
     def should_log(self, step: int) -> bool:
         return step == 1 or step % self.log_freq == 0 or step == self.total_steps
@@ -334,6 +359,7 @@ class MetricsLogger:
         """Write (rank 0) one validation record: ``result`` holds val_loss, val_perplexity, val_tokens,
         val_batches and val_time_s (``trainer.evaluate.Validator.evaluate``). Returns the record."""
         record = {"step": step, **result, "elapsed_s": time.perf_counter() - self._run_start}
+        self.phase("validation", result["val_time_s"])
         self.summary.last_val_loss = record["val_loss"]
         if not self.enabled:
             return record

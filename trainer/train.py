@@ -342,7 +342,7 @@ class Trainer:
 
     def _setup_metrics(self) -> None:
         """The metrics logger (console, metrics.jsonl, TensorBoard, Weights & Biases) on rank 0."""
-        config, m, cfg_t = self.config, self.config.metrics, self.config.training
+        config, m, cfg_t, c = self.config, self.config.metrics, self.config.training, self.config.checkpoint
         wandb_logger = None
         if m.enable_wandb and self.rank == 0:
             from trainer.wandb_log import WandbLogger
@@ -355,8 +355,9 @@ class Trainer:
         self.metrics = MetricsLogger(
             config.job.dump_folder, m.log_freq, self.device, self.args.flops_per_token(cfg_t.seq_len),
             cfg_t.steps, enabled=self.rank == 0, enable_tensorboard=m.enable_tensorboard,
-            tb_folder=m.save_tb_folder, enable_color=m.enable_color, wandb=wandb_logger,
-        )
+            tb_folder=m.save_tb_folder, enable_color=m.enable_color, wandb=wandb_logger, phases={
+                "validation": config.validation.freq if config.validation.enable else 0,
+                "checkpoint": c.interval if c.enable else (None if c.last_save_in_hf else 0)})
         logger.info(
             "data: %s, tokenizer %s (vocab %d); training steps %d..%d; setup took %.1fs",
             self.loader.source.name, self.tokenizer.name, self.tokenizer.vocab_size, self.step + 1, cfg_t.steps,
@@ -475,7 +476,9 @@ class Trainer:
                 stop = self._guard.should_stop()  # a preemption signal: every rank stops after this step
                 if self.checkpointer.should_save(step, cfg_t.steps) or (stop and self.config.checkpoint.enable):
                     self._guard.long_phase()
+                    t_save = time.perf_counter()
                     self.checkpointer.save(step, self.tokens_seen, last=step == cfg_t.steps)
+                    self.metrics.phase("checkpoint", time.perf_counter() - t_save)
                 self._profiler.step(step)
                 if stop and step < cfg_t.steps:
                     self.checkpointer.wait()  # an async write is published before the exit

@@ -315,7 +315,8 @@ def test_progress_elapsed_eta_outputs_and_the_summary_after_a_resume(tmp_path, c
     assert rc == 0
     elapsed = [r["elapsed_s"] for r in recs]
     assert elapsed == sorted(elapsed) and elapsed[0] > 0  # cumulative since training started
-    assert recs[0]["eta_s"] is None and recs[-1]["eta_s"] == 0.0 and all(r["eta_s"] >= 0 for r in recs[1:])
+    # (at the last step the final save is still to come: the ETA is its measured time, test_metrics_eta.py)
+    assert recs[0]["eta_s"] is None and all(r["eta_s"] >= 0 for r in recs[1:])
     assert all(" elapsed " in line and " eta " in line for line in out.splitlines() if line.startswith("step"))
     assert f"metrics {tmp_path / 'metrics.jsonl'}" in out and f"checkpoints {tmp_path / 'checkpoint'}" in out
     assert "TensorBoard off (--metrics.enable_tensorboard)" in out
