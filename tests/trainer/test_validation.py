@@ -110,7 +110,7 @@ def test_validation_steps_limit_and_a_dataset_of_its_own(tmp_path):
 
 def test_default_validation_is_bounded_and_minus_one_reads_the_whole_split(tmp_path):
     """The default evaluates a fixed number of batches (not the whole split); -1 still means all of it."""
-    assert parse_args([]).validation.steps == 20
+    assert parse_args([]).validation.steps == 10
     train_text, val_text = tmp_path / "train.txt", tmp_path / "val.txt"
     _corpus(train_text, n_docs=10, seed=1)
     _corpus(val_text, n_docs=60, seed=3)  # about 4,000 tokens: 250 windows of 8 + 1
@@ -119,7 +119,7 @@ def test_default_validation_is_bounded_and_minus_one_reads_the_whole_split(tmp_p
               "--validation.local_batch_size", "2"]
     _, _, bounded = _run(tmp_path / "default", *common)
     _, _, whole = _run(tmp_path / "whole", *common, "--validation.steps", "-1")
-    assert (bounded[0]["val_batches"], bounded[0]["val_tokens"]) == (20, 20 * 2 * 8)
+    assert (bounded[0]["val_batches"], bounded[0]["val_tokens"]) == (10, 10 * 2 * 8)
     assert whole[0]["val_batches"] > 200 and whole[0]["val_tokens"] > 10 * bounded[0]["val_tokens"]
 
 

@@ -309,10 +309,10 @@ class Validation:
 
     enable: bool = _opt(False, "Evaluate the validation loss and perplexity during training.")
     freq: int = _opt(100, "Evaluate every this many steps (and at the last step).")
-    # Bounded by default: a whole held-out split took 36-66 s per evaluation against seconds per step.
-    # torchtitan's default is -1 (its configs set a bound, e.g. llama3_8b's 1200); 20 batches cost
-    # about as much as 7 training steps (a forward is ~1/3 of a step), under 10% at freq 100.
-    steps: int = _opt(20, "Batches per evaluation; -1 = the whole validation split (one pass).")
+    # Bounded by default: the whole held-out split took 36-66 s per evaluation against seconds per step.
+    # torchtitan's dataclass default is -1, but its configs bound it: 10 in its debug model's config
+    # (freq 5), 1200 in llama3_8b's; 10 batches cost about as much as 3-4 training steps.
+    steps: int = _opt(10, "Batches per evaluation; -1 = the whole validation split (one pass).")
     dataset: str = _opt(
         "", "Validation dataset name, as training.dataset; empty (and no dataset_path) = a held-out part of the "
         "training source (see split_every)."
