@@ -14,6 +14,7 @@ from trainer.config import parse_args
 from trainer.convert import main as convert_main
 from trainer.data import build_tokenizer
 from trainer.hf import HFCheckpoint, load_into_model
+from trainer.hf.convert import dcp_to_hf
 from trainer.hf.tokenizer_files import byte_tokenizer_json
 from trainer.models.registry import build_model
 from tests.trainer.helpers import rel
@@ -116,3 +117,6 @@ def test_convert_copies_a_tokenizers_json_and_says_when_there_is_none(tmp_path, 
     assert convert_main(["dcp-to-hf", str(step), str(tmp_path / "bad"), "--tokenizer_path", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert "--tokenizer_path: no such file" in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "bad").exists()
+    # the trainer's export when the run's tokenizer is gone by the end: the weights, and a warning
+    moved = dcp_to_hf(step, tmp_path / "moved", tokenizer_path=str(tmp_path / "gone.json"))
+    assert (moved / "model.safetensors").is_file() and not (moved / "tokenizer.json").exists()

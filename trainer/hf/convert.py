@@ -19,7 +19,7 @@ import torch
 from trainer.checkpoint_folder import CheckpointError, model_args_record, read_model_args, resolve_step_folder
 from trainer.checkpoint_manifest import ManifestError, UnverifiedCheckpoint, data_files, digest_files, verify_folder
 from trainer.checkpoint_manifest import write_manifest
-from trainer.hf.common import DEFAULT_MAX_SHARD_SIZE
+from trainer.hf.common import DEFAULT_MAX_SHARD_SIZE, logger
 from trainer.hf.folder import HFCheckpoint, HFWriter
 from trainer.hf.mapping import expected_keys, expected_shapes
 from trainer.hf.tokenizer_files import write_tokenizer_files
@@ -61,7 +61,7 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
     """Write the model of DCP checkpoint ``src`` as a Hugging Face folder ``out`` (of the family the
     recorded model arguments name), with the tokenizer files of ``tokenizer_path`` and
     generation_config.json (``trainer.hf.tokenizer_files``; "" = the byte-level tokenizer; None = no
-    tokenizer files).
+    tokenizer files; a tokenizer that cannot be read any more is a warning: the weights are written).
 
     ``dtype``: of the written tensors (default: as stored). Reads one output shard's tensors at a
     time (``dcp.load`` of a subset of keys), so host memory stays near ``max_shard_size`` (at least
@@ -111,7 +111,10 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
             group, group_bytes = [], 0
     writer.close()
     if tokenizer_path is not None:
-        write_tokenizer_files(out, tokenizer_path)
+        try:
+            write_tokenizer_files(out, tokenizer_path)
+        except (ValueError, OSError) as exc:  # e.g. the run's tokenizer moved: the weights still count
+            logger.warning("%s: the weights are written, the tokenizer files are not: %s", out, exc)
     return Path(out)
 
 
