@@ -9,8 +9,15 @@
 * the built-in byte-level tokenizer (an empty path): a ``tokenizer.json`` for the ``tokenizers``
   library that gives the same ids (GPT-2's byte-level alphabet, one token per UTF-8 byte with id =
   the byte's value, no merges; BOS 256 and EOS 257 as special tokens) and its tokenizer_config.json;
-* a tiktoken BPE file or a SentencePiece ``.model``: the file is copied under its name, and the log
-  says that ``AutoTokenizer`` needs a tokenizer.json, which the export does not invent.
+* a tiktoken rank list (Llama 3's ``tokenizer.model``, or a tokenizer.json of ranked bytes without
+  merges, which training applies with tiktoken): a ``tokenizer.json`` with the merges the ranks
+  define, by transformers' ``TikTokenConverter`` (the source files are copied too, but for its
+  tokenizer.json, which the ``tokenizers`` library would apply differently);
+* a SentencePiece ``.model``: copied as it is; the log says there is no tokenizer.json, so
+  ``AutoTokenizer`` may not load it.
+
+Without a tokenizer_config.json beside it, one is written (PreTrainedTokenizerFast, the BOS/EOS
+token strings, no BOS/EOS added by the tokenizer: the trainer joins documents with them itself).
 
 Every case also sets ``bos_token_id`` / ``eos_token_id`` in config.json (transformers' family
 defaults, e.g. Llama's 1 and 2, are another tokenizer's) and writes ``generation_config.json``
