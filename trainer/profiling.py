@@ -15,8 +15,10 @@ of that moment goes to ``iteration_<step>_exit/``. On a CPU the trainer says onc
 CUDA-only and writes none.
 
 Validation (``Profiler.validation``, around each evaluation): marked ``validation`` in the trace and,
-unless ``--profiling.include_validation``, left out of it (the profiler's collection is paused while
-it runs), so a trace of a step that ends with an evaluation shows the training step, not mostly the
+unless ``--profiling.include_validation``, left out of it: the step's profiler range ends before the
+evaluation (so a cycle whose last step validates writes its trace first) and collection is paused
+while it runs (an evaluation after an earlier step of the cycle is an empty gap at the start of the
+next step's range). A trace of a step that validates then shows the training step, not mostly the
 forward passes of the validation batches.
 """
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Profiler:
         self.snapshot_folder = Path(dump_folder) / cfg.save_memory_snapshot_folder
         self._start_step = start_step
         self._step = start_step
+        self._stepped = start_step  # the last training step the profiler was told of (prof.step())
         self._prof: torch.profiler.profile | None = None
         self._snapshots = cfg.enable_memory_snapshot and device.type == "cuda"
         if cfg.enable_memory_snapshot and device.type != "cuda":
@@ -101,18 +104,26 @@ class Profiler:
     def step(self, step: int) -> None:
         """Training step ``step`` is done."""
         self._step = step
-        if self._prof is not None:
+        self._advance(step)
+        if self._snapshots and step % self.freq == 0:
+            self._dump_snapshot(f"iteration_{step}")
+
+    def _advance(self, step: int) -> None:
+        """``prof.step()`` once per training step: the profiler's step ``step`` ends now."""
+        if self._prof is not None and self._stepped < step:
+            self._stepped = step
             with warnings.catch_warnings():
                 # torch warns at each cycle that events of past cycles are dropped: that is the intent.
                 warnings.filterwarnings("ignore", message=".*Profiler clears events")
                 self._prof.step()
-        if self._snapshots and step % self.freq == 0:
-            self._dump_snapshot(f"iteration_{step}")
 
     @contextlib.contextmanager
     def validation(self):
-        """Around a validation pass: a ``validation`` range in the trace; unless
-        ``cfg.include_validation``, collection pauses for it while the profiler records."""
+        """Around the validation pass after a training step: a ``validation`` range in the trace.
+        Unless ``cfg.include_validation``, the step's profiler range ends before it (its trace is
+        written then, at the end of a cycle) and collection pauses while it runs."""
+        if not self.cfg.include_validation:
+            self._advance(self._step + 1)
         prof = self._prof
         paused = (prof is not None and not self.cfg.include_validation
                   and prof.current_action != torch.profiler.ProfilerAction.NONE)

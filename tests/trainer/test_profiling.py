@@ -3,6 +3,7 @@ steps of their cycle; memory snapshots are refused once on a CPU; the cycle stay
 the validation pass is left out of the traces unless include_validation."""
 import json
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -107,8 +108,15 @@ def test_validation_is_left_out_of_traces_unless_asked(tmp_path, include):
             with prof.validation():
                 with torch.profiler.record_function("val_forward"):
                     _work(100 + step)
+                    time.sleep(0.3 if step == 4 else 0)  # the validation at the end of the cycle
             prof.step(step)
-    names = _names(tmp_path / "profile_trace" / "iteration_4" / "rank0_trace.json")
+    path = tmp_path / "profile_trace" / "iteration_4" / "rank0_trace.json"
+    names = _names(path)
+    assert _profiled_steps(path) == [3, 4]
+    # the cycle's last step's range ends before its validation unless it is included (so the trace
+    # is written before it; a validation after an earlier step of the cycle is a gap in the next step's range)
+    step_4 = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "ProfilerStep#3"]
+    assert (step_4[0]["dur"] > 0.3e6) == include
     assert {"work_3", "work_4"} <= names  # the training steps are traced either way
     assert ({"validation", "val_forward", "work_104"} <= names) == include
     assert not include or "work_102" not in names  # (the wait/warmup steps are not recorded)
