@@ -442,6 +442,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"; the smallest power-of-two count that fits: {found.n_gpus} ({found.summary()})" if found
               else f"; none up to 16384 GPUs: reduce --seq_len")
         return 1
+    # Layouts differ in tokens per step (their local batch): say what the order compares.
+    print("ranked by estimated tokens/s per GPU; each layout's tokens per step (global batch) is on its "
+          "step-time line, and a larger batch changes the optimization, not only the speed")
     over = plans[0].tokens_per_step > ns.max_global_tokens
     if over:
         print(f"note: even the smallest layouts' global batch exceeds --max_global_tokens {ns.max_global_tokens:,}")
