@@ -47,3 +47,16 @@ def train_records(dump_folder, *argv: str) -> list[dict]:
                          "--job.dump_folder", str(dump_folder)])
     assert train.main(config) == 0
     return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]
+
+
+def config_error(argv: list[str]) -> str:
+    """The ConfigError message ``parse_args(argv)`` raises, checked to be one line."""
+    import pytest
+
+    from trainer.config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError) as info:
+        parse_args(argv)
+    msg = str(info.value)
+    assert "\n" not in msg, f"error message is not one line: {msg!r}"
+    return msg

@@ -18,17 +18,10 @@ from trainer.config import (
     parse_args,
     validate_config,
 )
+from tests.trainer.helpers import config_error
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 FLAVORS = ("debugmodel", "1B", "3B", "8B", "70B", "405B")
-
-
-def _error(argv: list[str]) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse_args(argv)
-    msg = str(info.value)
-    assert "\n" not in msg, f"error message is not one line: {msg!r}"
-    return msg
 
 
 # ---- defaults and flavors ------------------------------------------------------------------------
@@ -190,25 +183,25 @@ def test_bare_flag_turns_off_a_true_default():
 
 
 def test_misspelled_key_suggests_the_closest():
-    assert "did you mean --training.steps?" in _error(["--training.stpes", "3"])
-    assert "--training.stpes" in _error(["--training.stpes", "3"])
-    assert "did you mean --optimizer.lr?" in _error(["--optimiser.lr", "3"])
-    assert "did you mean --checkpoint.keep_latest_k?" in _error(["--checkpoint.keep_last_k", "2"])
+    assert "did you mean --training.steps?" in config_error(["--training.stpes", "3"])
+    assert "--training.stpes" in config_error(["--training.stpes", "3"])
+    assert "did you mean --optimizer.lr?" in config_error(["--optimiser.lr", "3"])
+    assert "did you mean --checkpoint.keep_latest_k?" in config_error(["--checkpoint.keep_last_k", "2"])
 
 
 def test_key_without_section_suggests_the_sectioned_key():
-    assert "did you mean --training.seq_len?" in _error(["--seq_len", "128"])
-    assert "did you mean --model.tokenizer_path?" in _error(["--tokenizer_path", "x"])
+    assert "did you mean --training.seq_len?" in config_error(["--seq_len", "128"])
+    assert "did you mean --model.tokenizer_path?" in config_error(["--tokenizer_path", "x"])
 
 
 def test_key_in_the_wrong_section_suggests_the_right_section():
-    assert "did you mean --optimizer.lr?" in _error(["--training.lr", "1"])
-    assert "did you mean --lr_scheduler.warmup_steps?" in _error(["--optimizer.warmup_steps", "3"])
-    assert "did you mean --training.seq_len?" in _error(["--model.seq_len", "3"])
+    assert "did you mean --optimizer.lr?" in config_error(["--training.lr", "1"])
+    assert "did you mean --lr_scheduler.warmup_steps?" in config_error(["--optimizer.warmup_steps", "3"])
+    assert "did you mean --training.seq_len?" in config_error(["--model.seq_len", "3"])
 
 
 def test_unrelated_key_points_to_help():
-    msg = _error(["--zzzzqqq", "1"])
+    msg = config_error(["--zzzzqqq", "1"])
     assert "--zzzzqqq" in msg and "--help" in msg
 
 
@@ -227,17 +220,17 @@ def test_unrelated_key_points_to_help():
     ],
 )
 def test_wrong_type_or_missing_value_names_the_key(argv, needle):
-    assert needle in _error(argv)
+    assert needle in config_error(argv)
 
 
 def test_bad_choice_lists_the_choices_and_suggests():
-    msg = _error(["--lr_scheduler.decay_type", "cosin"])
+    msg = config_error(["--lr_scheduler.decay_type", "cosin"])
     assert "--lr_scheduler.decay_type" in msg and "linear, cosine, wsd" in msg and "did you mean 'cosine'?" in msg
-    msg = _error(["--flavor", "8b"])
+    msg = config_error(["--flavor", "8b"])
     assert "--model.flavor" in msg and "did you mean '8B'?" in msg
-    assert "--checkpoint.async_mode" in _error(["--checkpoint.async_mode", "sometimes"])
-    assert "--kernels.backend" in _error(["--kernels.backend", "tpu"])
-    assert "--compile.components" in _error(["--compile.components", "model,optimizer"])
+    assert "--checkpoint.async_mode" in config_error(["--checkpoint.async_mode", "sometimes"])
+    assert "--kernels.backend" in config_error(["--kernels.backend", "tpu"])
+    assert "--compile.components" in config_error(["--compile.components", "model,optimizer"])
 
 
 @pytest.mark.parametrize(
@@ -269,7 +262,7 @@ def test_bad_choice_lists_the_choices_and_suggests():
     ],
 )
 def test_invalid_values_name_the_key(argv, key):
-    msg = _error(argv)
+    msg = config_error(argv)
     assert msg.startswith(key + ":"), msg
     assert "expected" in msg or "no such" in msg
 
@@ -302,10 +295,10 @@ def test_toml_errors(tmp_path):
     for i, (text, needle) in enumerate(cases.items()):
         path = tmp_path / f"bad{i}.toml"
         path.write_text(text)
-        msg = _error(["--config", str(path)])
+        msg = config_error(["--config", str(path)])
         assert needle in msg, (text, msg)
         assert msg.startswith(path.name), msg
-    assert "file not found" in _error(["--config", str(tmp_path / "missing.toml")])
+    assert "file not found" in config_error(["--config", str(tmp_path / "missing.toml")])
 
 
 def test_grad_accum_steps():
@@ -337,7 +330,7 @@ def test_help_lists_every_key_with_default_and_meaning(capsys):
     assert "--training.seq_len (default: 8192)" in capsys.readouterr().out
 
 
-def test_cli_main_returns_2_with_one_line_error(capsys):
+def test_cli_main_returns_2_with_one_lineconfig_error(capsys):
     assert cli.main(["--training.stpes", "3"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "did you mean --training.steps?" in err

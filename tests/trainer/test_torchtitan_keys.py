@@ -12,6 +12,7 @@ import pytest
 from trainer.config import ConfigError, all_keys, parse_args
 from trainer.config import torchtitan_keys as tk
 from trainer.config.cli import resolve_key
+from tests.trainer.helpers import config_error
 
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 TOKENIZER = DATA / "tokenizer"
@@ -20,14 +21,6 @@ TORCHTITAN_030 = json.loads((DATA / "torchtitan_0.3.0_keys.json").read_text())["
 EARLIER = ("job.config_file", "model.converters", "model.hf_assets_path", "model.tokenizer_path", "model.name",
            "model.flavor", "job.dump_folder", "job.print_config", "float8.recipe_name", "float8.filter_fqns",
            "float8.enable_fsdp_float8_all_gather")
-
-
-def _error(argv: list[str]) -> str:
-    with pytest.raises(ConfigError) as info:
-        parse_args(argv)
-    msg = str(info.value)
-    assert "\n" not in msg, f"error message is not one line: {msg!r}"
-    return msg
 
 
 def test_the_key_list_is_torchtitan_0_3_0s():
@@ -84,13 +77,13 @@ def test_aliases_set_our_key_on_the_command_line():
     assert parse_args(["--float8.recipe_name", "rowwise"]).float8.recipe == "rowwise"
     assert parse_args(["--metrics.disable_color_printing", "false"]).metrics.enable_color is True
     # A bad value names the option as given.
-    assert "--debug.seed: expected an integer" in _error(["--debug.seed", "x"])
+    assert "--debug.seed: expected an integer" in config_error(["--debug.seed", "x"])
 
 
 def test_refused_keys_say_why_in_one_line():
-    msg = _error(["--comm.trace_buf_size", "0"])
+    msg = config_error(["--comm.trace_buf_size", "0"])
     assert msg.startswith("--comm.trace_buf_size: not applicable here: ")
-    msg = _error(["--training.enable_cpu_offload"])
+    msg = config_error(["--training.enable_cpu_offload"])
     assert msg.startswith("--training.enable_cpu_offload: not applicable here: ")
 
 
@@ -110,26 +103,26 @@ def test_job_config_file_reads_the_toml_file(tmp_path):
         assert c.validation.enable and c.validation.dataset == "pydoc"
         assert c.metrics.enable_color is False
         assert c.float8.enable and c.model.tokenizer_path == str(TOKENIZER)
-    assert "--config: file not found" in _error(["--job.config_file", str(tmp_path / "none.toml")])
+    assert "--config: file not found" in config_error(["--job.config_file", str(tmp_path / "none.toml")])
 
 
 def test_toml_refusals_name_the_file_and_key(tmp_path):
     path = tmp_path / "tt.toml"
     path.write_text("[comm]\ntrace_buf_size = 0\n")
-    assert _error(["--config", str(path)]).startswith("tt.toml: --comm.trace_buf_size: not applicable here: ")
+    assert config_error(["--config", str(path)]).startswith("tt.toml: --comm.trace_buf_size: not applicable here: ")
     path.write_text(f'[job]\nconfig_file = "{path}"\n')
-    assert "tt.toml: job.config_file: the TOML file is given on the command line" in _error(["--config", str(path)])
+    assert "tt.toml: job.config_file: the TOML file is given on the command line" in config_error(["--config", str(path)])
     path.write_text("[debug]\nseeed = 1\n")
-    assert _error(["--config", str(path)]) == "tt.toml: unknown option --debug.seeed; did you mean --debug.seed?"
+    assert config_error(["--config", str(path)]) == "tt.toml: unknown option --debug.seeed; did you mean --debug.seed?"
     path.write_text("[nonsense]\nx = 1\n")
-    assert "tt.toml: unknown section [nonsense]" in _error(["--config", str(path)])
+    assert "tt.toml: unknown section [nonsense]" in config_error(["--config", str(path)])
 
 
 def test_model_converters_float8_turns_on_float8():
     assert parse_args([]).float8.enable is False
     c = parse_args(["--model.converters", "float8"])
     assert c.model.converters == ["float8"] and c.float8.enable is True
-    assert _error(["--model.converters", "float8,mx"]) == (
+    assert config_error(["--model.converters", "float8,mx"]) == (
         "--model.converters: unknown converter 'mx'; known: float8")
 
 
@@ -143,7 +136,7 @@ def test_hf_assets_path_gives_the_tokenizer_and_the_weights_folder(tmp_path):
     assert c.model.tokenizer_path == str(TOKENIZER / "tokenizer.json")
     c = parse_args(["--model.hf_assets_path", str(TOKENIZER), "--checkpoint.initial_load_in_hf"])
     assert c.checkpoint.initial_load_path == str(TOKENIZER)
-    assert _error(["--model.hf_assets_path", str(tmp_path / "none")]) == (
+    assert config_error(["--model.hf_assets_path", str(tmp_path / "none")]) == (
         f"--model.hf_assets_path: no such folder: {str(tmp_path / 'none')!r}")
 
 
@@ -155,7 +148,7 @@ def test_fsdp_reshard_after_forward_maps_to_fully_shard(monkeypatch):
     assert parse_args([]).parallelism.fsdp_reshard_after_forward == "default"
     assert parse_args(["--parallelism.fsdp_reshard_after_forward", "never"]).parallelism.fsdp_reshard_after_forward \
         == "never"
-    assert "expected one of default, always, never" in _error(["--parallelism.fsdp_reshard_after_forward", "x"])
+    assert "expected one of default, always, never" in config_error(["--parallelism.fsdp_reshard_after_forward", "x"])
     assert [fsdp.reshard_after_forward(p, pp) for p in ("default", "always", "never") for pp in (False, True)] == [
         True, False, True, True, False, False]
     with pytest.raises(ValueError, match="fsdp_reshard_after_forward"):
@@ -183,17 +176,17 @@ def test_fsdp_reshard_after_forward_maps_to_fully_shard(monkeypatch):
 
 def test_did_you_mean_suggests_only_close_meanings():
     # torchtitan's names of other versions: the key of the same meaning, not the nearest spelling.
-    assert _error(["--metrics.enable_color_printing"]).endswith("did you mean --metrics.enable_color?")
-    assert _error(["--training.compile"]).endswith("did you mean --compile.enable?")
+    assert config_error(["--metrics.enable_color_printing"]).endswith("did you mean --metrics.enable_color?")
+    assert config_error(["--training.compile"]).endswith("did you mean --compile.enable?")
     # Misspelled torchtitan keys suggest the torchtitan key, which works.
-    assert _error(["--debug.seeed", "1"]).endswith("did you mean --debug.seed?")
-    assert _error(["--model.converter", "float8"]).endswith("did you mean --model.converters?")
+    assert config_error(["--debug.seeed", "1"]).endswith("did you mean --debug.seed?")
+    assert config_error(["--model.converter", "float8"]).endswith("did you mean --model.converters?")
     # A key that means nothing close is not matched on a similar-looking one.
     for argv in (["--model.norm_type", "rms"], ["--memory_estimation.enabled"], ["--training.gc_debugging"]):
-        assert _error(argv).endswith("see --help for the list of options"), argv
+        assert config_error(argv).endswith("see --help for the list of options"), argv
     # Values are matched whole: '70B' is not '1.7B' (a dot in a value is no section).
-    assert "did you mean" not in _error(["--model.name", "qwen3", "--flavor", "70B"])
-    assert _error(["--model.name", "qwen3", "--flavor", "1.7b"]).endswith("(did you mean '1.7B'?)")
+    assert "did you mean" not in config_error(["--model.name", "qwen3", "--flavor", "70B"])
+    assert config_error(["--model.name", "qwen3", "--flavor", "1.7b"]).endswith("(did you mean '1.7B'?)")
 
 
 def test_estimates_follow_fsdp_reshard_after_forward():
@@ -229,5 +222,5 @@ def test_hf_assets_path_describes_a_custom_flavor(tmp_path):
     (tmp_path / "tokenizer.json").write_bytes((TOKENIZER / "tokenizer.json").read_bytes())
     c = parse_args(["--flavor", "custom", "--model.hf_assets_path", str(tmp_path), "--checkpoint.initial_load_in_hf"])
     assert c.checkpoint.initial_load_path == str(tmp_path) and c.model.tokenizer_path == str(tmp_path)
-    assert "custom builds the model a Hugging Face folder describes" in _error(
+    assert "custom builds the model a Hugging Face folder describes" in config_error(
         ["--flavor", "custom", "--model.hf_assets_path", str(tmp_path)])
