@@ -34,9 +34,14 @@ logger = logging.getLogger("trainer")
 
 
 class Preempted(Exception):
-    """The run stopped after a preemption signal, with a checkpoint; ``main`` exits with status 75."""
+    """The run stopped after a preemption signal (with a checkpoint when ``resumable``); ``main`` exits
+    with status 75."""
 
     exit_code = EXIT_PREEMPTED
+
+    def __init__(self, message: str, resumable: bool = True) -> None:
+        super().__init__(message)
+        self.resumable = resumable
 
 
 class RunGuard:
@@ -89,7 +94,7 @@ class RunGuard:
             # The agreement's all-reduce runs beside training: a gloo group of its own.
             self._group = dist.new_group(backend="gloo")
         self.preemption = PreemptionHandler(c.checkpoint.preempt_signals, c.checkpoint.preempt_grace_seconds,
-                                            self._group)
+                                            self._group, checkpoint=c.checkpoint.enable)
         self.watchdog = StepWatchdog(self.dump_folder, self.rank, c.comm.train_timeout_seconds,
                                      c.comm.init_timeout_seconds)
 
@@ -105,9 +110,14 @@ class RunGuard:
         return self.preemption is not None and self.preemption.should_stop()
 
     def stopped(self, step: int) -> Preempted:
-        """The checkpoint of ``step`` is saved after a preemption signal: the exception that ends the run."""
+        """The run stops after ``step`` on a preemption signal (its checkpoint saved when checkpoints are on):
+        the exception that ends the run."""
         self.preemption.saved(step)
-        return Preempted(f"stopped after step {step} by {self.preemption.received or 'a signal'}")
+        by = self.preemption.received or "a signal"
+        if not self.preemption.checkpoint:
+            return Preempted(f"stopped after step {step} by {by}, with no checkpoint (--checkpoint.enable is off: "
+                             "a rerun starts at step 1)", resumable=False)
+        return Preempted(f"stopped after step {step} by {by}")
 
     def failed(self, exc: BaseException) -> None:
         """An unexpected error ends the loop: write the stacks too (e.g. a collective that timed out)."""
@@ -136,7 +146,8 @@ def report_exit(exc: BaseException, rank: int, world_size: int, same_on_all_rank
     error is ``same_on_all_ranks``: then rank 0 only)."""
     if isinstance(exc, Preempted):
         if rank == 0:
-            print(f"python -m trainer: {exc}; run the same command to resume", file=sys.stderr, flush=True)
+            hint = "; run the same command to resume" if exc.resumable else ""
+            print(f"python -m trainer: {exc}{hint}", file=sys.stderr, flush=True)
         return exc.exit_code
     if same_on_all_ranks and rank != 0:
         return 1

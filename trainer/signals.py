@@ -81,8 +81,9 @@ class PreemptionHandler:
         group: a gloo process group for the agreement, or None for one process.
     """
 
-    def __init__(self, signal_names: list[str], grace_seconds: float, group=None) -> None:
+    def __init__(self, signal_names: list[str], grace_seconds: float, group=None, checkpoint: bool = True) -> None:
         self.grace_seconds = grace_seconds
+        self.checkpoint = checkpoint  # False: --checkpoint.enable is off, the stop saves nothing
         self.group = group
         self.received: str | None = None  # name of the first preemption signal
         self.received_at = 0.0
@@ -109,8 +110,9 @@ class PreemptionHandler:
         self.received = signal.Signals(signum).name
         self.received_at = time.monotonic()
         self._flag.fill_(1)
-        logger.warning("%s received: stopping at the next step the ranks agree on, with a checkpoint "
-                       "(within %.0fs)", self.received, self.grace_seconds)
+        logger.warning("%s received: stopping at the next step the ranks agree on, %s (within %.0fs)", self.received,
+                       "with a checkpoint" if self.checkpoint else "without a checkpoint (--checkpoint.enable is off)",
+                       self.grace_seconds)
         self._timer = threading.Timer(self.grace_seconds, self._grace_expired)
         self._timer.daemon = True
         self._timer.start()
@@ -147,9 +149,14 @@ class PreemptionHandler:
         return stop
 
     def saved(self, step: int) -> None:
-        """The checkpoint of the stop step is published: no more grace timer."""
+        """The stop step is done (its checkpoint published, when checkpoints are on): no more grace timer."""
         if self._timer is not None:
             self._timer.cancel()
+        if not self.checkpoint:
+            logger.warning("%s: stopped after step %d, %.1fs after the signal, with no checkpoint "
+                           "(--checkpoint.enable is off: a rerun starts at step 1); exiting with status %d",
+                           self.received or "stop", step, time.monotonic() - self.received_at, EXIT_PREEMPTED)
+            return
         logger.warning("%s: saved the checkpoint of step %d %.1fs after the signal; exiting with status %d "
                        "(run the same command to resume)", self.received or "stop", step,
                        time.monotonic() - self.received_at, EXIT_PREEMPTED)

@@ -92,6 +92,17 @@ def test_sigterm_at_a_random_moment_saves_exits_75_and_resumes_exactly(tmp_path)
         assert abs(got[s]["loss"] - ref[s]["loss"]) <= 1e-6, (s, got[s]["loss"], ref[s]["loss"])
 
 
+def test_sigterm_without_checkpoints_says_nothing_was_saved(tmp_path):
+    proc = start(tmp_path / "run", 200)  # --checkpoint.enable is off by default
+    wait_for(proc, "step  2")
+    proc.send_signal(signal.SIGTERM)
+    rc, out, err = finish(proc)
+    assert rc == 75, err
+    (line,) = err.splitlines()
+    assert "with no checkpoint (--checkpoint.enable is off: a rerun starts at step 1)" in line
+    assert "resume" not in line and "saved" not in out + err and not (tmp_path / "run" / "checkpoint").exists()
+
+
 def test_ctrl_c_during_a_save_is_one_line_and_130_with_the_last_checkpoint_intact(tmp_path):
     run = tmp_path / "run"
     rc, _, err = finish(start(run, 2, "--checkpoint.enable", "--checkpoint.interval", "2"))

@@ -12,6 +12,7 @@ nothing in the package imports it.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import sys
 import typing
@@ -203,7 +204,10 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     name = next((raw for key, _, raw, _ in items if key == "model.name" and raw is not None), None)
     config = _base_config(config_file, flavor, name)
     if wants_help:
-        print(help_text(config))
+        try:
+            print(help_text(config), flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left; no traceback, and none at exit either
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(0)
     for target, given, raw, negated in items:
         section, _, key = target.partition(".")
