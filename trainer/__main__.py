@@ -2,13 +2,22 @@
 
 Parses the command line (see ``trainer/config/`` and ``--help``), then runs
 :func:`trainer.train.main` and exits with its return code. A configuration error prints one line on
-stderr and exits with status 2; Ctrl-C exits with status 130 without a traceback.
+stderr and exits with status 2 (under torchrun, every rank finds the same error and rank 0 alone prints
+it); Ctrl-C exits with status 130 without a traceback.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from trainer.config import ConfigError, parse_args
+
+
+def _config_error(exc: ConfigError) -> int:
+    # The same configuration on every rank gives the same error: one line from rank 0, not one per rank.
+    if os.environ.get("RANK", "0") == "0":
+        print(f"python -m trainer: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = parse_args(argv)
     except ConfigError as exc:
-        print(f"python -m trainer: error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     if config.job.print_config:
         print(config.to_toml(), flush=True)
     # Imported here so that --help and configuration errors answer without loading torch.
@@ -26,8 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(train_main(config))
     except ConfigError as exc:  # a relation only known at run time, e.g. the batch vs. the world size
-        print(f"python -m trainer: error: {exc}", file=sys.stderr)
-        return 2
+        return _config_error(exc)
     except KeyboardInterrupt:
         print("python -m trainer: interrupted", file=sys.stderr)
         return 130

@@ -377,3 +377,11 @@ def test_python_m_trainer_help_and_errors_are_fast_and_torch_free():
 
 def test_config_dir_is_inside_the_package():
     assert CONFIG_DIR.name == "configs" and (CONFIG_DIR / "llama3" / "debugmodel.toml").is_file()
+
+
+def test_a_config_error_under_torchrun_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    for rank, printed in (("0", True), ("1", False)):
+        monkeypatch.setenv("RANK", rank)
+        assert cli.main(["--training.stpes", "3"]) == 2
+        err = capsys.readouterr().err
+        assert ("did you mean --training.steps?" in err) is printed and len(err.splitlines()) == int(printed)
