@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.convert import main as convert_main
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model

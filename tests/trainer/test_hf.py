@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folder import CheckpointError, load_weights, read_model_args
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.folder import CheckpointError, load_weights, read_model_args
 from trainer.config import ConfigError, parse_args
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, hf_config, load_into_model, parse_size

@@ -13,8 +13,8 @@ from trainer import step as numerics
 from trainer import train
 from trainer.environment import rank_zero_warnings
 from trainer.config import ConfigError, parse_args
-from trainer.metrics import MetricsLogger, peak_flops
-from trainer.models.losses import cross_entropy_loss
+from trainer.observe.metrics import MetricsLogger, peak_flops
+from trainer.models.common.losses import cross_entropy_loss
 from tests.trainer.helpers import cpu_model, tiny_llama
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.
@@ -380,7 +380,7 @@ def test_trainer_setup_says_when_there_is_nothing_to_train(tmp_path):
             trainer.train()
     finally:
         trainer.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == records and trainer.metrics is None
+    assert (tmp_path / "metrics.jsonl").read_text() == records and trainer.observe.metrics is None
 
 
 def test_python_warnings_print_on_rank_zero_only():

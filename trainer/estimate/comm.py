@@ -1,14 +1,14 @@
 """Communication per step of a training run for a parallel layout: the collectives and point-to-point
 sends of every parallel dimension, in bytes per rank (trainer/parallel/README.md derives the formulas;
-``trainer.plan`` turns them into time).
+``trainer.estimate.plan`` turns them into time).
 """
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
 
-from trainer.estimate import Layout, ModelCosts, model_costs
-from trainer.models.args import ModelArgs
+from trainer.estimate.memory import Layout, ModelCosts, model_costs
+from trainer.models.common.args import ModelArgs
 from trainer.parallel.cp_schedule import blocks_sent
 
 

@@ -18,7 +18,7 @@ TensorBoard tags validation/loss and validation/perplexity. Its time is left out
 interval, so tps stays the training rate.
 
 A resumed run appends to the same metrics.jsonl; the steps it logs again after the checkpoint are
-newer records of the same step (``trainer.plot`` keeps the last one of each step). Each record is
+newer records of the same step (``trainer.observe.plot`` keeps the last one of each step). Each record is
 appended by one ``write`` of the whole line; a last line torn by a kill in the middle of a write
 (no final newline) is cut off when the next run opens the file (:func:`repair_jsonl`), so the
 resumed run's first record starts on a line of its own.
@@ -157,7 +157,7 @@ class MetricsLogger:
         enabled: False on ranks other than 0 (they still time themselves, but write nothing).
         enable_tensorboard / tb_folder: also write TensorBoard scalars under dump_folder/tb_folder.
         enable_color: ANSI colors on the console (only when stdout is a terminal; NO_COLOR disables).
-        wandb: a ``trainer.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
+        wandb: a ``trainer.observe.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
         phases: ``{name: every}`` the phases between steps the ETA counts (``phase`` measures them):
             every ``every`` steps and at the last step; None = at the last step only; 0 = never.
     """
