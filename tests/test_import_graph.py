@@ -167,3 +167,49 @@ def test_imports_flow_down_the_layers():
     assert not upward, "imports against the layers:\n" + "\n".join(upward)
     # The layers as the trainer uses them: through the public surface and the ops, never bench.
     assert any(layer(b)[0] == 2 for a in graph if a.startswith("trainer.") for b in graph[a])
+
+
+# The trainer's floors, lowest first (DESIGN.md section 1): a unit (a top-level module, a package, or
+# one family's folder) may import its own floor or any below. The registry sits low: families import
+# ModelSpec from it and it loads them by name, so nothing climbs to find a family. A new unit gets a
+# floor here; the test fails on a unit without one.
+TRAINER_FLOORS = {
+    "errors": 0,
+    "registry": 1,
+    "config": 2, "data": 2, "environment": 2,
+    "models": 3, "models.common": 3, "run": 3, "observe": 3, "optim": 3,
+    "hf": 4, "parallel": 4,
+    "models.*": 5, "estimate": 5, "float8": 5, "checkpoint": 5,
+    "step": 6, "evaluate": 6,
+    "train": 7, "convert": 7, "plan": 7, "plot": 7, "__main__": 7, "generate": 7, "eval": 7,
+}
+
+
+def trainer_unit(module: str) -> str | None:
+    """The unit of a ``trainer`` module (``trainer.checkpoint.folder`` -> ``checkpoint``,
+    ``trainer.models.llama3.hf`` -> ``models.llama3``), None outside the trainer or for the package itself."""
+    parts = module.split(".")
+    if parts[0] != "trainer" or len(parts) == 1:
+        return None
+    if parts[1] == "models" and len(parts) > 2:
+        return f"models.{parts[2]}"
+    return parts[1]
+
+
+def trainer_floor(unit: str) -> int | None:
+    if unit in TRAINER_FLOORS:
+        return TRAINER_FLOORS[unit]
+    return TRAINER_FLOORS["models.*"] if unit.startswith("models.") and unit != "models.common" else None
+
+
+def test_trainer_imports_flow_down_its_floors():
+    graph = import_graph()
+    units = {u for m in graph if (u := trainer_unit(m))}
+    assert {"registry", "errors", "checkpoint", "models.common", "models.llama3"} <= units
+    unassigned = sorted(u for u in units if trainer_floor(u) is None)
+    assert not unassigned, f"trainer units without a floor in TRAINER_FLOORS: {unassigned}"
+    upward = sorted({f"{a} (floor {trainer_floor(trainer_unit(a))}) imports {b} (floor {trainer_floor(trainer_unit(b))})"
+                     for a in graph for b in graph[a]
+                     if trainer_unit(a) and trainer_unit(b) and trainer_unit(a) != trainer_unit(b)
+                     and trainer_floor(trainer_unit(b)) > trainer_floor(trainer_unit(a))})
+    assert not upward, "trainer imports against its floors:\n" + "\n".join(upward)

@@ -26,7 +26,7 @@ hf-to-dcp writes a manifest into its output.
 
 Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
-The conversions themselves are ``trainer.hf.convert``; this module is their command line.
+The conversions themselves are ``trainer.checkpoint.hf_convert``; this module is their command line.
 Exit codes: 0 done; 1 the input is not a usable checkpoint, or a model Hugging Face cannot express
 (e.g. a MoE with shared experts): a one-line message.
 """
@@ -40,7 +40,7 @@ import torch
 
 from trainer.checkpoint.folder import CheckpointError, read_model_args
 from trainer.hf import parse_size
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
+from trainer.checkpoint.hf_convert import dcp_to_hf, hf_to_dcp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

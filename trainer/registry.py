@@ -15,7 +15,7 @@ are named as ``"module:attribute"`` strings and imported when used (``ModelSpec.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 # The registry: one line per family, each a package whose ``SPEC`` is its ModelSpec.
@@ -43,7 +43,9 @@ class ModelSpec:
             or None when the family has no Hugging Face counterpart.
         hf_model_types: the ``model_type`` values of config.json this family reads.
         parallelize: ``"module:function"`` replacing the shared ``parallelize_decoder``, or None.
-        extra: anything else a family wants to hand its own hooks.
+        tensor_parallel: ``"module:function"`` ``fn(model, tp_mesh)`` that shards the family's modules
+            outside the transformer blocks under tensor parallel (DeepSeek-V3's MTP modules), run
+            after the shared plan; None when the blocks are all there is.
     """
 
     name: str
@@ -55,7 +57,7 @@ class ModelSpec:
     hf_adapter: str | None = None
     hf_model_types: tuple[str, ...] = ()
     parallelize: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    tensor_parallel: str | None = None
 
     def load(self, what: str) -> Any:
         """Import the attribute ``what`` names (``"package.module:attribute"``)."""

@@ -14,7 +14,7 @@ from trainer.config import parse_args
 from trainer.convert import main as convert_main
 from trainer.data import build_tokenizer
 from trainer.hf import HFCheckpoint, load_into_model
-from trainer.hf.convert import dcp_to_hf
+from trainer.checkpoint.hf_convert import dcp_to_hf
 from trainer.hf.tokenizer_files import byte_tokenizer_json
 from trainer.registry import build_model
 from tests.trainer.helpers import rel

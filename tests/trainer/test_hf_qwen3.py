@@ -18,7 +18,7 @@ from trainer.config import parse_args
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, args_from_hf_config, expected_shapes, hf_config
 from trainer.hf import load_into_model
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
+from trainer.checkpoint.hf_convert import dcp_to_hf, hf_to_dcp
 from trainer.models.common.moe_args import MoEArgs
 from trainer.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 from trainer.registry import build_model

@@ -263,13 +263,13 @@ class Checkpointer:
         """Write the model as a Hugging Face (Llama / Qwen3) folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
 
         Every rank writes its shards into a temporary DCP export (any layout, pipeline stages
-        included); rank 0 then streams it into safetensors shards (``trainer.hf.convert.dcp_to_hf``,
+        included); rank 0 then streams it into safetensors shards (``trainer.checkpoint.hf_convert.dcp_to_hf``,
         one shard of memory at a time), publishes the folder by a rename and removes the export.
         Needs ``model_args`` (the Hugging Face config is written from them).
         """
         if self.model_args is None:
             raise CheckpointError("checkpoint.last_save_in_hf: the model arguments are unknown; cannot write config.json")
-        from trainer.hf.convert import dcp_to_hf
+        from trainer.checkpoint.hf_convert import dcp_to_hf
 
         tmp = self.export_weights_to(f".hf-step-{step}.dcp")  # a dot name: never taken for a step
         final = self.folder / f"hf-step-{step}"

@@ -2,7 +2,7 @@
 names, the model arguments it records, its weights into a model; and :class:`CheckpointError`.
 
 The layer below the checkpointer (``trainer.checkpoint.checkpointer``) and the Hugging Face converter
-(``trainer.hf.convert``), which both read folders this way.
+(``trainer.checkpoint.hf_convert``), which both read folders this way.
 """
 from __future__ import annotations
 

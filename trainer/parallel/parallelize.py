@@ -25,6 +25,7 @@ from trainer.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.pipeline import ZERO_BUBBLE, PipelineRunner, plan_stages, split_model
 from trainer.parallel.tensor_parallel import apply_tp, check_tp_divisibility, loss_parallel_context
+from trainer.registry import spec_of
 
 logger = logging.getLogger("trainer")
 
@@ -119,6 +120,8 @@ def parallelize_decoder(
             f"(got tensor_parallel_degree {dims.tp}, compile.enable {config.compile.enable})"
         )
 
+    spec = spec_of(args)
+    tp_finish = spec.load(spec.tensor_parallel) if spec.tensor_parallel else None
     plan = None
     if dims.pp_enabled:
         pp_rank = mesh.get_local_rank("pp")
@@ -136,7 +139,8 @@ def parallelize_decoder(
     expert_params: list[nn.Parameter] = []
     for stage in stages:
         if dims.tp_enabled:
-            apply_tp(stage, mesh["tp"], loss_parallel=loss_parallel, async_tp=p.enable_async_tensor_parallel)
+            apply_tp(stage, mesh["tp"], loss_parallel=loss_parallel, async_tp=p.enable_async_tensor_parallel,
+                     finish=tp_finish)
         expert_params += shard_experts(stage, mesh, dims.ep, dims.tp)
         if dims.cp_enabled:
             cp = apply_cp(stage, mesh["cp"])

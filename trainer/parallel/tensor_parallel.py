@@ -92,7 +92,8 @@ def check_tp_divisibility(args, tp: int) -> None:
             )
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, async_tp: bool = False) -> nn.Module:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, async_tp: bool = False,
+             finish=None) -> nn.Module:
     """Apply the tensor + sequence parallel plan (module docstring) to ``model`` in place.
 
     ``model`` is a ``trainer.models.common.decoder.Transformer`` or a pipeline stage of one (any of
@@ -122,9 +123,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, 
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(block))
         finish_block(block, tp_mesh)
-    extra = getattr(model, "tp_finish", None)  # a family's modules outside the blocks (e.g. MTP)
-    if extra is not None:
-        extra(tp_mesh)
+    if finish is not None:  # the family's modules outside the blocks (ModelSpec.tensor_parallel)
+        finish(model, tp_mesh)
     if async_tp:
         enable_async_tp(tp_mesh)
     return model

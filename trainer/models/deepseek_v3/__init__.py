@@ -10,4 +10,5 @@ SPEC = ModelSpec(
     description="DeepSeek-V3 / Kimi K2 (MLA, DeepSeekMoE, multi-token prediction)",
     build="trainer.models.deepseek_v3.model:DeepSeekV3",
     hf_adapter="trainer.models.deepseek_v3.hf:ADAPTER", hf_model_types=("deepseek_v3", "kimi_k2"),
+    tensor_parallel="trainer.models.deepseek_v3.parallelize:tp_mtp",
 )

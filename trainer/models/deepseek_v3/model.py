@@ -147,19 +147,3 @@ class DeepSeekV3(Transformer):
         out = self.mtp_loss_sum.clone()
         self.mtp_loss_sum.zero_()
         return out
-
-    def tp_finish(self, tp_mesh) -> None:
-        """The MTP modules under tensor parallel: their blocks as the main ones, eh_proj colwise."""
-        if self.mtp is None:
-            return
-        from torch.distributed.tensor import Shard
-        from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
-
-        from trainer.parallel.tensor_parallel import block_plan, finish_block
-
-        for module in self.mtp.values():
-            plan = {"enorm": SequenceParallel(), "hnorm": SequenceParallel(), "post_norm": SequenceParallel(),
-                    "eh_proj": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(1))}
-            plan.update({f"block.{k}": v for k, v in block_plan(module.block).items()})
-            parallelize_module(module, tp_mesh, plan)
-            finish_block(module.block, tp_mesh)
