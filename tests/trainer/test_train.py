@@ -380,7 +380,7 @@ def test_trainer_setup_says_when_there_is_nothing_to_train(tmp_path):
             trainer.train()
     finally:
         trainer.close()
-    assert (tmp_path / "metrics.jsonl").read_text() == records and trainer.observe.metrics is None
+    assert (tmp_path / "metrics.jsonl").read_text() == records and trainer.metrics is None
 
 
 def test_python_warnings_print_on_rank_zero_only():
