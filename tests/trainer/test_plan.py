@@ -80,7 +80,7 @@ def test_cli_without_a_fitting_layout_names_the_smallest_count_and_one_node_uses
     assert main(["--flavor", "8B", "--ngpu", "8", "--gpu", "H200", "--top", "1"]) == 0
     assert "torchrun --standalone --nproc_per_node 8 --max-restarts 3 -m trainer --flavor 8B" in capsys.readouterr().out
     # python -m trainer.plan loads no torch (which is what makes it fast)
-    code = "import sys, trainer.estimate.plan; sys.exit('torch' in sys.modules)"
+    code = "import sys, trainer.plan; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO).returncode == 0
 
 

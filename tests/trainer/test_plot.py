@@ -1,4 +1,4 @@
-"""trainer.observe.plot: metrics.jsonl -> PNG (train + validation loss, LR, tokens/s, memory), runs overlaid, resumes."""
+"""trainer.plot: metrics.jsonl -> PNG (train + validation loss, LR, tokens/s, memory), runs overlaid, resumes."""
 import json
 import struct
 import subprocess
@@ -63,7 +63,7 @@ def test_figure_overlays_runs_with_validation(tmp_path):
 def test_command_line(tmp_path):
     _write_run(tmp_path / "a", range(1, 5), 5.0)
     _write_run(tmp_path / "b", range(1, 5), 5.5)
-    run = lambda *args: subprocess.run([sys.executable, "-m", "trainer.observe.plot", *map(str, args)], cwd=tmp_path,
+    run = lambda *args: subprocess.run([sys.executable, "-m", "trainer.plot", *map(str, args)], cwd=tmp_path,
                                        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
                                        capture_output=True, text=True, timeout=120)
     one = run(tmp_path / "a")

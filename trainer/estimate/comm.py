@@ -1,6 +1,6 @@
 """Communication per step of a training run for a parallel layout: the collectives and point-to-point
 sends of every parallel dimension, in bytes per rank (trainer/parallel/README.md derives the formulas;
-``trainer.estimate.plan`` turns them into time).
+``trainer.plan`` turns them into time).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Memory per device of a training run for a parallel layout, without building the model.
 
 Beside it: the communication per step (``trainer.estimate.comm``), the optimizer's share
-(``trainer.estimate.optimizer``), the step time on a GPU (``trainer.estimate.step_time``); ``trainer.estimate.plan``
+(``trainer.estimate.optimizer``), the step time on a GPU (``trainer.estimate.step_time``); ``trainer.plan``
 searches the layouts with them and ``trainer.estimate.fit`` checks a run against this machine.
 
 Memory per device (bytes), for the worst rank (the first pipeline stage, or the last when its loss

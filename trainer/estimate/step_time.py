@@ -1,4 +1,4 @@
-"""The step time of a layout on a GPU, and the GPU table (``GPUS``); ``trainer.estimate.plan`` ranks the
+"""The step time of a layout on a GPU, and the GPU table (``GPUS``); ``trainer.plan`` ranks the
 layouts by it.
 
 Step-time model (per GPU, one optimizer step), stated so it can be checked:

@@ -18,7 +18,7 @@ TensorBoard tags validation/loss and validation/perplexity. Its time is left out
 interval, so tps stays the training rate.
 
 A resumed run appends to the same metrics.jsonl; the steps it logs again after the checkpoint are
-newer records of the same step (``trainer.observe.plot`` keeps the last one of each step). Each record is
+newer records of the same step (``trainer.plot`` keeps the last one of each step). Each record is
 appended by one ``write`` of the whole line; a last line torn by a kill in the middle of a write
 (no final newline) is cut off when the next run opens the file (:func:`repair_jsonl`), so the
 resumed run's first record starts on a line of its own.
