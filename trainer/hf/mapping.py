@@ -11,7 +11,9 @@ from __future__ import annotations
 import torch
 
 from trainer.hf.common import CONFIG, HFCheckpointError, model_types
-from trainer import registry  # ------------------------------------------------------------------------------------------------
+from trainer import registry
+
+# ------------------------------------------------------------------------------------------------
 # config.json <-> args
 
 
