@@ -16,6 +16,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 def families() -> tuple[str, ...]:
     """The registered model families (``--model.name`` values)."""
     from trainer import registry
+
     return registry.names()
 
 
@@ -23,6 +24,7 @@ def family_flavors(model_name: str) -> tuple[str, ...]:
     """The flavors family ``model_name`` registers (its published shapes), sorted as
     ``available_flavors``; empty for an unknown family."""
     from trainer import registry
+
     try:
         return tuple(sorted(registry.get(model_name).flavors, key=_flavor_sort_key))
     except ValueError:

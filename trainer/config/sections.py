@@ -30,6 +30,7 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[
 def _families() -> tuple[str, ...]:
     """The registered model families (read when needed: the registry is torch-free but not tiny)."""
     from trainer import registry
+
     return registry.names()
 
 

@@ -40,6 +40,7 @@ def config_errors(where: str):
 def model_types() -> dict[str, str]:
     """config.json model_type -> our family, for every registered family."""
     from trainer import registry
+
     return registry.hf_model_types()
 
 
