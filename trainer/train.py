@@ -465,7 +465,7 @@ class Trainer:
             while self.step < cfg_t.steps:
                 self.train_step()
                 step = self.step
-                self._guard.step_done()
+                self._guard.step_done(step)
                 if self.validator is not None and (step % v.freq == 0 or step == cfg_t.steps):
                     self._guard.long_phase()
                     with self._profiler.validation():
