@@ -57,7 +57,7 @@ def check_window(window_size, causal: bool) -> tuple[int, int]:
     """(left, right) from the public ``window_size`` and ``causal``; ValueError/TypeError naming the
     argument for anything else. causal means right = 0; a right bound > 0 contradicts it."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in window_size)):
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     left, right = (int(x) for x in window_size)
     if left < -1 or right < -1:
@@ -74,7 +74,7 @@ def check_chunk(chunk_size) -> int:
     """0 (off) for None or 0, else the chunk length (an int >= 1)."""
     if chunk_size is None:
         return 0
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 0:
         raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
     return int(chunk_size)
 

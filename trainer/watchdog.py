@@ -74,6 +74,9 @@ class StepWatchdog:
     """
 
     def __init__(self, dump_folder: str | os.PathLike, rank: int, train_timeout: int, init_timeout: int) -> None:
+        if train_timeout < 0 or (train_timeout > 0 and init_timeout < 1):
+            raise ValueError(f"StepWatchdog: expected train_timeout >= 0 (0 = off) and init_timeout >= 1, got "
+                             f"{train_timeout} and {init_timeout}")
         self.enabled = train_timeout > 0
         self.rank = rank
         self.train_timeout, self.init_timeout = train_timeout, init_timeout

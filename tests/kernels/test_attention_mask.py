@@ -122,4 +122,6 @@ def test_unmasked_score_count_argument_errors():
         tk.unmasked_score_count(4, 4, chunk_size=2.5)
     import numpy as np  # numpy's ints are ints
     assert tk.unmasked_score_count(np.int64(10), np.int32(10)) == 55
+    assert tk.unmasked_score_count(10, 10, window_size=(np.int64(2), 0), chunk_size=np.int64(4)) == \
+        tk.unmasked_score_count(10, 10, window_size=(2, 0), chunk_size=4)
     assert tk.unmasked_score_count(0, 0) == 0 and tk.unmasked_score_count(3, 0) == 0

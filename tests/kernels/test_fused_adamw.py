@@ -402,3 +402,15 @@ def test_param_keys_of_the_wrong_type(keys, exc, msg):
         tk.fused_adamw_(*_lists(), lr=1e-3, step=1, param_keys=keys)
     with pytest.raises(TypeError, match=r"^seed: expected an int, got 1.5"):
         tk.fused_adamw_(*_lists(), lr=1e-3, step=1, seed=1.5)
+
+
+def test_numpy_scalars_are_numbers():
+    import numpy as np
+
+    a, b = _lists(), _lists()
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            t.copy_(s)
+    tk.fused_adamw_(*a, lr=np.float32(1e-3), beta1=np.float64(0.9), step=np.int64(3), param_keys=[np.int64(1), 2])
+    tk.fused_adamw_(*b, lr=float(np.float32(1e-3)), beta1=0.9, step=3, param_keys=[1, 2])
+    assert all(torch.equal(s, t) for x, y in zip(a, b) for s, t in zip(x, y))

@@ -536,11 +536,12 @@ def test_a_bad_byte_in_the_first_megabyte_stops_the_run_before_the_model(tmp_pat
     assert "model llama3" not in err.out + err.err  # before the model is built
 
 
-def test_utf16_text_is_named(tmp_path):
+@pytest.mark.parametrize("enc,name", [("utf-16", "UTF-16"), ("utf-32", "UTF-32")])
+def test_utf16_and_utf32_text_is_named(tmp_path, enc, name):
     f = tmp_path / "notes.txt"
-    f.write_bytes("hello\n\nworld\n".encode("utf-16"))
-    with pytest.raises(ValueError, match=r"notes.txt is UTF-16 \(little-endian\) text \(a byte order mark at byte "
-                                         r"offset 0\); expected UTF-8"):
+    f.write_bytes("hello\n\nworld\n".encode(enc))
+    with pytest.raises(ValueError, match=rf"notes.txt is {name} \(little-endian\) text \(a byte order mark at byte "
+                                         rf"offset 0\); expected UTF-8: convert it \(e.g. iconv -f {enc} -t utf-8\)"):
         LocalFiles(f)
 
 

@@ -87,8 +87,8 @@ def _check_lists(params, grads, exp_avgs, exp_avg_sqs) -> int:
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay, step) -> None:
-    def real(name, v, ok, expected):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+    def real(name, v, ok, expected):  # numpy's scalars are numbers too
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
             raise ValueError(f"{name}: expected {expected}, got {v!r}")
 
     real("lr", lr, lambda v: v >= 0, "a finite value >= 0")
@@ -96,7 +96,7 @@ def _check_hyper(lr, beta1, beta2, eps, weight_decay, step) -> None:
     real("beta2", beta2, lambda v: 0 <= v < 1, "a value in [0, 1)")
     real("eps", eps, lambda v: v > 0, "a finite value > 0")
     real("weight_decay", weight_decay, lambda v: v >= 0, "a finite value >= 0")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    if not _is_int(step) or step < 1:
         raise ValueError(f"step: expected an integer >= 1 (the 1-based step being taken), got {step!r}")
 
 

@@ -218,7 +218,8 @@ class LocalFiles(DocumentSource):
 # binary file (a NUL byte) or one in another encoding shows itself within its first megabyte; the
 # rest is checked as it is read. Reading 1 MiB costs about a millisecond per file.
 SNIFF_BYTES = 1 << 20
-_BOMS = {b"\xff\xfe": "UTF-16 (little-endian)", b"\xfe\xff": "UTF-16 (big-endian)"}
+_BOMS = {b"\xff\xfe\x00\x00": "UTF-32 (little-endian)", b"\x00\x00\xfe\xff": "UTF-32 (big-endian)",
+         b"\xff\xfe": "UTF-16 (little-endian)", b"\xfe\xff": "UTF-16 (big-endian)"}  # longest first
 
 
 def decode_text(data: bytes, path: pathlib.Path, key: str = "training.dataset_path", offset: int = 0,
@@ -226,9 +227,11 @@ def decode_text(data: bytes, path: pathlib.Path, key: str = "training.dataset_pa
     """``data`` (bytes ``offset...`` of ``path``) as UTF-8 text; ValueError naming the file and byte offset
     for a NUL byte (a binary file) or bytes that are not UTF-8, instead of training on garbage.
     ``final=False``: ``data`` may end inside a multi-byte character (a file's first bytes only)."""
-    if offset == 0 and data[:2] in _BOMS:  # a byte order mark: text, in an encoding we do not read
-        raise ValueError(f"{key}: {path} is {_BOMS[data[:2]]} text (a byte order mark at byte offset 0); "
-                         f"expected UTF-8: convert it (e.g. iconv -f utf-16 -t utf-8)")
+    bom = next((b for b in _BOMS if data.startswith(b)), None) if offset == 0 else None
+    if bom is not None:  # a byte order mark: text, in an encoding we do not read
+        enc = _BOMS[bom]
+        raise ValueError(f"{key}: {path} is {enc} text (a byte order mark at byte offset 0); expected UTF-8: "
+                         f"convert it (e.g. iconv -f {enc.split()[0].lower()} -t utf-8)")
     nul = data.find(b"\x00")
     if nul != -1:
         raise ValueError(
