@@ -30,8 +30,7 @@ def _logits(model, tokens, monkeypatch):
         return real(q, k, v, **kw)
 
     monkeypatch.setattr(titan_kernels, "flash_attn", spy)
-    with torch.no_grad():
-        model(tokens)
+    model(tokens)  # grad mode on: a training forward records the bounds (a no_grad one does not)
     monkeypatch.setattr(titan_kernels, "flash_attn", real)
     out = []
     for q, k, scale in seen:
@@ -162,6 +161,18 @@ def test_a_run_shows_qk_clip_in_its_metrics_and_console(tmp_path, capsys):
         assert f"qk-clip {heads} head(s) clipped, max logit {r['qk_max_logit']:.1f}" in out
     assert "optimizer: AdamW + Muon (TitanOptimizer)" in out and "  muon[hidden]: " in out
     assert f"QK-clip (optimizer.qk_clip_threshold): threshold 0.5 on the max attention logit of {heads} heads" in out
+
+
+def test_a_forward_without_grad_records_nothing():
+    # A validation runs under no_grad: its logits must not clip the trained weights.
+    model = build_model(ARGS, device="cpu")
+    model.init_weights(0)
+    QKClip(model, tau=1.0)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (2, 16)))
+    assert all(torch.isinf(layer.attention.max_logit).all() for layer in model.layers.values())
+    model(torch.randint(0, 64, (2, 16)))
+    assert all(torch.isfinite(layer.attention.max_logit).all() for layer in model.layers.values())
 
 
 def test_console_shows_qk_clip_only_when_it_clipped(tmp_path, capsys):
