@@ -151,7 +151,10 @@ class StepWatchdog:
             line = (f"rank {self.rank}: hang watchdog: {what} made no progress for {limit} s "
                     f"(--comm.{self._option}); the Python stacks of every thread are in {self.path}; "
                     "exiting with status 1\n")
-            os.write(2, line.encode())
+            try:
+                os.write(2, line.encode())
+            except OSError:  # no console (stderr closed): the stacks file is written, exit anyway
+                pass
             os._exit(1)
 
     def dump(self, exc: BaseException) -> None:
