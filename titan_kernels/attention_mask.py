@@ -35,12 +35,23 @@ import numbers
 from dataclasses import dataclass, field
 
 
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool when it equals True or False (numpy's bools, 0 and 1 too); TypeError naming
+    ``name`` for anything else: a string such as "False" is truthy, read as a bool it would silently
+    mean True."""
+    if isinstance(value, bool):
+        return value
+    try:
+        ok = value in (True, False)
+    except (TypeError, ValueError, RuntimeError):  # e.g. an array of several values
+        ok = False
+    if not ok:
+        raise TypeError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
 def check_causal(causal) -> bool:
-    """``causal`` itself; TypeError for anything but True or False (a string such as "False" is
-    truthy: read as a bool it would silently mean causal)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: expected True or False, got {causal!r} ({type(causal).__name__})")
-    return causal
+    return check_flag(causal, "causal")
 
 
 def check_length(value, name: str) -> int:

@@ -9,7 +9,9 @@ import functools
 
 import torch
 
-from titan_kernels.attention_mask import AttentionArgs, check_causal, check_chunk, check_softcap, check_window
+from titan_kernels.attention_mask import (
+    AttentionArgs, check_causal, check_chunk, check_flag, check_softcap, check_window,
+)
 from titan_kernels.ops.attention import dispatch as _d
 from titan_kernels.ops.attention.op import call
 from titan_kernels.ops.attention.validate import (
@@ -40,9 +42,8 @@ def _args(q, k, cu_q, scale, causal, window_size, softcap, chunk_size, return_ls
             and type(causal) is bool and type(return_lse) is bool and not torch.compiler.is_compiling():
         return _plain_args(scale, causal, return_lse)
     left, right = check_window(window_size, check_causal(causal))
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse: expected True or False, got {return_lse!r}")
-    a = AttentionArgs(scale, left, right, check_softcap(softcap), check_chunk(chunk_size), max_q, max_k, return_lse)
+    a = AttentionArgs(scale, left, right, check_softcap(softcap), check_chunk(chunk_size), max_q, max_k,
+                      check_flag(return_lse, "return_lse"))
     if cu_q is None:
         return a.normalized(q.shape[1], k.shape[1])
     return a.normalized(max_q, max_k, dense=False) if a.left >= 0 or a.right > 0 else a
