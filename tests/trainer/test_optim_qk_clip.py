@@ -10,7 +10,7 @@ import torch
 
 import titan_kernels
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from trainer.optim import build_optimizer
 from trainer.optim.qk_clip import QKClip
 from tests.trainer.helpers import tiny_llama
@@ -43,7 +43,7 @@ def _logits(model, tokens, monkeypatch):
 
 
 def _mla():
-    from trainer.models.registry import model_args
+    from trainer.registry import model_args
 
     return model_args("deepseek_v3", "debugmodel", 64, 16)
 
@@ -92,7 +92,7 @@ def test_optimizer_runs_qk_clip_after_the_step():
 
 
 def test_errors():
-    from trainer.models.registry import build_model as build_any, model_args
+    from trainer.registry import build_model as build_any, model_args
 
     qwen = build_any(model_args("qwen3", "debugmodel", 64, 16), device="meta")
     with pytest.raises(ValueError, match="QK-norm"):
@@ -149,7 +149,7 @@ def test_a_run_shows_qk_clip_in_its_metrics_and_console(tmp_path, capsys):
     recs = train_records(tmp_path, "--training.steps", "2", "--training.seq_len", "16", "--training.local_batch_size", "2",
                          "--optimizer.name", "muon", "--optimizer.qk_clip_threshold", "0.5",
                          "--metrics.enable_color", "false")
-    from trainer.models.registry import model_args
+    from trainer.registry import model_args
 
     out = capsys.readouterr().out
     args = model_args("llama3", "debugmodel", 256, 16)
@@ -176,7 +176,7 @@ def test_a_forward_without_grad_records_nothing():
 
 
 def test_console_shows_qk_clip_only_when_it_clipped(tmp_path, capsys):
-    from trainer.metrics import MetricsLogger
+    from trainer.observe.metrics import MetricsLogger
 
     m = MetricsLogger(tmp_path, 1, torch.device("cpu"), 1, 2, enable_color=False)
     m.step(1, 10, 0.0, loss=1.0, extra=lambda: {"qk_max_logit": 0.4, "qk_clipped_heads": 0})

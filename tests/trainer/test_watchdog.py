@@ -1,4 +1,4 @@
-"""The hang watchdog (``trainer.watchdog.StepWatchdog``) in processes of its own: when a step, the
+"""The hang watchdog (``trainer.run.watchdog.StepWatchdog``) in processes of its own: when a step, the
 start-up or a checkpoint/validation phase makes no progress within its limit, the process writes
 every thread's Python stacks to ``stacks/rank<r>.txt``, prints one line on its console (stderr)
 naming the rank, the step, the limit's option and the stacks file, and exits with status 1. A step
@@ -20,8 +20,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import re, sys, time
-import trainer.watchdog as wd
-from trainer.watchdog import StepWatchdog
+import trainer.run.watchdog as wd
+from trainer.run.watchdog import StepWatchdog
 wd.set_group_timeout = lambda seconds: None  # no process group here (and no torch: a fast start)
 folder, rank, train, init, scenario = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 
