@@ -31,14 +31,44 @@ This module imports nothing (no torch): it sits below the ops and the kernels th
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
+
+
+def check_flag(value, name: str) -> bool:
+    """``value`` as a bool when it equals True or False (numpy's bools, 0 and 1 too); TypeError naming
+    ``name`` for anything else: a string such as "False" is truthy, read as a bool it would silently
+    mean True."""
+    if isinstance(value, bool):
+        return value
+    try:
+        ok = value in (True, False)
+    except (TypeError, ValueError, RuntimeError):  # e.g. an array of several values
+        ok = False
+    if not ok:
+        raise TypeError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def check_causal(causal) -> bool:
+    return check_flag(causal, "causal")
+
+
+def check_length(value, name: str) -> int:
+    """A sequence length: an int >= 0 (numpy's ints too); TypeError for anything else (floats such as
+    10.5, strings, None, bools), ValueError for a negative one."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: expected an int >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{name}: expected an int >= 0, got {value}")
+    return int(value)
 
 
 def check_window(window_size, causal: bool) -> tuple[int, int]:
     """(left, right) from the public ``window_size`` and ``causal``; ValueError/TypeError naming the
     argument for anything else. causal means right = 0; a right bound > 0 contradicts it."""
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(x, bool) or not isinstance(x, int) for x in window_size)):
+            or any(isinstance(x, bool) or not isinstance(x, numbers.Integral) for x in window_size)):
         raise TypeError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
     left, right = (int(x) for x in window_size)
     if left < -1 or right < -1:
@@ -55,7 +85,7 @@ def check_chunk(chunk_size) -> int:
     """0 (off) for None or 0, else the chunk length (an int >= 1)."""
     if chunk_size is None:
         return 0
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 0:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 0:
         raise ValueError(f"chunk_size: expected None or an int >= 1, got {chunk_size!r}")
     return int(chunk_size)
 
@@ -160,12 +190,14 @@ def unmasked_score_count(seq_q: int, seq_k: int, *, causal: bool = True, window_
     per head (Q K^T and P V), the backward 2.5x that, so a sliding window of W over a sequence s
     counts about ``s * W``, not ``s^2 / 2``. For varlen, sum the count over the documents.
 
-    Raises ValueError / TypeError as ``flash_attn`` does for bad window / chunk arguments.
+    Raises:
+        TypeError: seq_q / seq_k not an int (a float such as 10.5, a string, None, a bool), causal
+            not a bool; window_size / chunk_size as ``flash_attn``.
+        ValueError: a negative length; window_size / chunk_size out of range as ``flash_attn``.
     """
-    left, right = check_window(window_size, causal)
+    seq_q, seq_k = check_length(seq_q, "seq_q"), check_length(seq_k, "seq_k")
+    left, right = check_window(window_size, check_causal(causal))
     chunk = check_chunk(chunk_size)
-    if seq_q < 0 or seq_k < 0:
-        raise ValueError(f"seq_q, seq_k: expected >= 0, got {seq_q}, {seq_k}")
     p_lo, p_hi = seq_k - seq_q, seq_k - 1  # the rows' positions
     if chunk == 0:
         return _window_count(p_lo, p_hi, 0, seq_k, left, right)

@@ -174,6 +174,17 @@ def mtp_metrics(model: torch.nn.Module, dp_group=False) -> dict[str, float]:
     return {"mtp_loss": loss / tokens} if tokens else {}
 
 
+def step_metrics(model: torch.nn.Module, optimizer, dp_group=False) -> dict:
+    """The extra metrics of a logged step: ``mtp_metrics`` when the model has MTP modules, QK-clip's
+    activity (``trainer.optim.qk_clip.QKClip.metrics``) when the optimizer runs it. Every rank calls
+    it at the same steps (reductions inside)."""
+    out = mtp_metrics(model, dp_group) if getattr(model, "mtp_depth", 0) else {}
+    clip_metrics = getattr(getattr(optimizer, "after_step", None), "metrics", None)
+    if clip_metrics is not None:
+        out.update(clip_metrics())
+    return out
+
+
 class NonFiniteWatch:
     """The first step whose loss or gradient norm is not finite, kept on the device (no host sync per
     step); ``check`` reads it (``trainer.train``'s docstring: when the loop checks).

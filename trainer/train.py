@@ -420,9 +420,8 @@ class Trainer:
         self.tokens_seen += n_step_tokens * dims.dp_size * (self._ft.participants if self._ft else 1)
         self.step = step
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
-        extra = {}
-        if getattr(self.model, "mtp_depth", 0) and self.metrics.should_log(step):  # every rank (sum over dp)
-            extra = numerics.mtp_metrics(self.model, self._dp_group)
+        logged = self.metrics.should_log(step)  # then on every rank (reductions inside): MTP loss, QK-clip's activity
+        extra = numerics.step_metrics(self.model, self.optimizer, self._dp_group) if logged else {}
         self.metrics.step(step, n_step_tokens / (dims.tp * dims.cp * dims.pp), data_wait, loss=loss,
                           grad_norm=grad_norm, lr=lr,
                           extra=(lambda: {**load_metrics(self._moe_mods, moe_load), **extra})
@@ -462,7 +461,7 @@ class Trainer:
             while self.step < cfg_t.steps:
                 self.train_step()
                 step = self.step
-                self._guard.step_done()
+                self._guard.step_done(step)
                 if self.validator is not None and (step % v.freq == 0 or step == cfg_t.steps):
                     self._guard.long_phase()
                     with self._profiler.validation():

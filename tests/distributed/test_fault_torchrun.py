@@ -55,6 +55,11 @@ def test_a_hung_rank_makes_every_rank_exit_with_its_stacks(tmp_path):
         assert "(most recent call first):" in text and 'trainer/train.py", line' in text, (r, text[:2000])
     # The hung rank's watchdog shows where it hangs; the other rank's shows where it waited for it
     # (its own watchdog, or the failed collective's traceback when the hung rank's exit broke it).
-    assert "Timeout (0:00:04)!" in stacks[1] and "in mid_step" in stacks[1]
-    assert "Timeout (0:00:04)!" in stacks[0] or "the run failed:" in stacks[0]
+    assert "step 3 made no progress for 4 s" in stacks[1] and "in mid_step" in stacks[1]
+    assert "made no progress for 4 s" in stacks[0] or "the run failed:" in stacks[0]
+    # Each rank whose watchdog fired said so on its console, in one line (issue 30).
+    assert (f"rank 1: hang watchdog: step 3 made no progress for 4 s (--comm.train_timeout_seconds); the Python "
+            f"stacks of every thread are in {folder / 'stacks' / 'rank1.txt'}; exiting with status 1") in out.stderr
+    if "made no progress for 4 s" in stacks[0]:
+        assert "rank 0: hang watchdog: step 3 made no progress for 4 s" in out.stderr
     assert took < 60, took  # start-up (~10-20 s on 2 loaded cores) + 2 steps + the 4 s timeout

@@ -100,3 +100,28 @@ def test_blockwise_never_plans_the_whole_score_matrix():
         rows = blockwise._block_rows(1, 8, s, s, a)
         assert all(pc.r1 - pc.r0 <= rows for pc in plan(s, s, a, rows, causal_head=False))
         assert 1 * 8 * rows * s <= 2 * blockwise._BUDGET
+
+
+@pytest.mark.parametrize("bad", [10.5, 10.0, "10", None, True, [10]])
+def test_unmasked_score_count_refuses_a_length_that_is_not_an_int(bad):
+    # 10.5 used to count 55 scores; a string or None raised deep inside. One line naming the argument.
+    with pytest.raises(TypeError, match=r"^seq_q: expected an int >= 0, got "):
+        tk.unmasked_score_count(bad, 10)
+    with pytest.raises(TypeError, match=r"^seq_k: expected an int >= 0, got "):
+        tk.unmasked_score_count(10, bad)
+
+
+def test_unmasked_score_count_argument_errors():
+    with pytest.raises(ValueError, match=r"^seq_k: expected an int >= 0, got -1$"):
+        tk.unmasked_score_count(4, -1)
+    with pytest.raises(TypeError, match=r"^causal: expected True or False, got 'False'"):
+        tk.unmasked_score_count(4, 4, causal="False")  # a truthy string: it would count causal
+    with pytest.raises(TypeError, match=r"^causal: expected True or False"):
+        tk.flash_attn(*(torch.zeros(1, 4, 2, 8),) * 3, causal="False")
+    with pytest.raises(ValueError, match=r"^chunk_size: expected None or an int >= 1"):
+        tk.unmasked_score_count(4, 4, chunk_size=2.5)
+    import numpy as np  # numpy's ints are ints
+    assert tk.unmasked_score_count(np.int64(10), np.int32(10)) == 55
+    assert tk.unmasked_score_count(10, 10, window_size=(np.int64(2), 0), chunk_size=np.int64(4)) == \
+        tk.unmasked_score_count(10, 10, window_size=(2, 0), chunk_size=4)
+    assert tk.unmasked_score_count(0, 0) == 0 and tk.unmasked_score_count(3, 0) == 0

@@ -232,3 +232,107 @@ def test_sm90_forward_kernel_variants(varlen):
     T._launch_fwd_sm90(q, k, v, out, lse, cu_q, cu_k, T._dims(q, k, cu_q, mq, mk), a, tiles=(16, 16))
     assert rel(out, out64) < 1e-5
     assert_lse(lse, lse64, 1e-4)
+
+
+# --------------------------------------------------------------------------- infinite sinks (issue 30)
+# Sinks of -inf (no sink for that head) and +inf (the sink takes every row) are limits of the
+# definition: rows that see no key (seq_q > seq_k with a chunk or a window) output 0 with lse = the
+# sink, nothing is NaN, and every finite head equals float64.
+INF_SINKS = (float("-inf"), 0.7, float("inf"), -0.3)
+
+
+def _sinks64(attend, s):
+    """float64 attention with per-head sinks that may be infinite: ``attend(sinks)`` -> (out, lse)
+    with out (.., heads, dv) and lse (.., heads, rows); finite heads as ``attend``; -inf heads
+    without a sink; +inf heads out 0, lse +inf."""
+    fin = torch.isfinite(s)
+    out_a, lse_a = attend(torch.where(fin, s, torch.zeros_like(s)))
+    out_b, lse_b = attend(None)
+    neg = torch.isneginf(s)
+    oh = lambda m: m.view(*([1] * (out_a.dim() - 2)), -1, 1)  # noqa: E731 - heads on dim -2 of out
+    lh = lambda m: m.view(*([1] * (lse_a.dim() - 2)), -1, 1)  # noqa: E731 - heads on dim -2 of lse
+    out = torch.where(oh(fin), out_a, torch.where(oh(neg), out_b, torch.zeros_like(out_a)))
+    lse = torch.where(lh(fin), lse_a, torch.where(lh(neg), lse_b, torch.full_like(lse_a, float("inf"))))
+    return out, lse
+
+
+def _check_inf_sinks(fn, fn64, inputs, douts):
+    (out, lse), g = grads(fn, inputs, douts)
+    out64, lse64 = fn64(*[t.double() for t in inputs])
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert rel(out, out64) < 1e-5
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse64)) and torch.equal(lse[torch.isinf(lse)],
+                                                                             lse64[torch.isinf(lse64)].float())
+    fin = torch.isfinite(lse64)
+    assert (lse.double()[fin] - lse64[fin]).abs().max().item() < 1e-4
+    dlse = None if douts[1] is None else douts[1].masked_fill(~torch.isfinite(lse64), 0.0)  # inf: a constant
+    (_, _), g = grads(fn, inputs, (douts[0], dlse))
+    _, g64 = grads(lambda *t: fn64(*t), [t.double() for t in inputs],
+                   (douts[0].double(), None if dlse is None else dlse.double()))
+    for i, (a, e) in enumerate(zip(g, g64)):
+        assert torch.isfinite(a).all(), i
+        assert rel(a, e) < 1e-5, (i, rel(a, e))
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+@pytest.mark.parametrize("kw", [dict(chunk_size=4), dict(window_size=(2, 0))], ids=["chunk4", "window3"])
+def test_infinite_sinks_and_rows_with_no_key(backend, kw):
+    # 13 queries over 9 keys: the first 4 rows sit at negative positions and see no key.
+    q, k, v = rand(2, 13, 4, 16), rand(2, 9, 2, 16), rand(2, 9, 2, 8)
+    sinks = torch.tensor(INF_SINKS, device=q.device)
+
+    def fn(q, k, v, s):
+        return tk.flash_attn(q, k, v, sinks=s, softmax_scale=0.5, return_lse=True, backend=backend, **kw)
+
+    def fn64(q, k, v, s):
+        return _sinks64(lambda s2: dense64(q, k, v, True, 0.5, window=kw.get("window_size", (-1, -1)),
+                                           chunk=kw.get("chunk_size"), sinks=s2), s)
+
+    out, lse = fn(q, k, v, sinks)
+    assert torch.count_nonzero(out[:, :4]) == 0  # the rows with no key: the sinks' softmax alone
+    assert torch.equal(lse[:, :, :4], sinks[None, :, None].expand(2, 4, 4))
+    _check_inf_sinks(fn, fn64, (q, k, v, sinks), (rand(2, 13, 4, 8), rand(2, 4, 13)))
+
+
+@pytest.mark.parametrize("backend", VARIANT_BACKENDS)
+def test_infinite_sinks_varlen(backend):
+    docs = [(6, 2), (0, 3), (9, 9), (4, 0)]  # rows with no key in documents 1 and 4
+    q, k, _, cu_q, cu_k, mq, mk, lq, lk = _packed(docs, 4, 2, 16)
+    v = rand(k.shape[0], 2, 8)
+    mask = doc_mask(lq, lk, True, (3, 0), 4)
+
+    def fn(q, k, v, s):
+        return tk.flash_attn_varlen(q, k, v, cu_q, cu_k, mq, mk, window_size=(3, 0), chunk_size=4, sinks=s,
+                                    return_lse=True, backend=backend)
+
+    def fn64(q, k, v, s):
+        return _sinks64(lambda s2: attention64(q, k, v, mask, 16 ** -0.5, s2), s)
+
+    _check_inf_sinks(fn, fn64, (q, k, v, torch.tensor(INF_SINKS, device=q.device)),
+                     (rand(q.shape[0], 4, 8), rand(4, q.shape[0])))
+
+
+def test_infinite_sinks_in_the_ring_epilogue():
+    # Ring attention applies the sinks once to its merged (out, lse) (trainer.parallel.context_parallel):
+    # the same epilogue, here on one rank of a ring of one, against float64.
+    from trainer.parallel.context_parallel import _RingAttention
+    from titan_kernels.attention_mask import AttentionArgs
+
+    class _Ring:  # what _RingAttention reads of a ContextParallel: one rank, nothing to send
+        size, rank = 1, 0
+
+        def _p2p(self, sends, recvs):
+            return []
+
+    q, k, v = rand(2, 16, 4, 16), rand(2, 16, 2, 16), rand(2, 16, 2, 8)
+    a = AttentionArgs(0.5, 2, 0, 0.0, 4)
+
+    def fn(q, k, v, s):
+        out = _RingAttention.apply(q, k, v, s, a, _Ring())
+        return out, torch.zeros(2, 4, 16, device=q.device)  # the ring returns no LSE
+
+    def fn64(q, k, v, s):
+        out, _ = _sinks64(lambda s2: dense64(q, k, v, True, 0.5, window=(2, 0), chunk=4, sinks=s2), s)
+        return out, torch.zeros(2, 4, 16, dtype=torch.float64, device=q.device)
+
+    _check_inf_sinks(fn, fn64, (q, k, v, torch.tensor(INF_SINKS, device=q.device)), (rand(2, 16, 4, 8), None))

@@ -337,3 +337,80 @@ def test_dtensor_shards_update_locally():
     from tests.distributed.launcher import run_distributed
 
     run_distributed(_dtensor_case, 2)
+
+
+def _lists(n=2):
+    return ([torch.randn(4, 3) for _ in range(n)], [torch.randn(4, 3) for _ in range(n)],
+            [torch.zeros(4, 3) for _ in range(n)], [torch.zeros(4, 3) for _ in range(n)])
+
+
+def _aliasing_cases():
+    """(name, lists, the error's start): each computed wrong before (a silent answer), refused now."""
+    ps, gs, ms, vs = _lists()
+    x = torch.zeros(4, 6)
+    flat = torch.zeros(24)
+    return [
+        ("states are one tensor", (ps, gs, ms, [vs[0], ms[1]]), r"exp_avgs\[1\] and exp_avg_sqs\[1\]: the same tensor"),
+        ("grad is its param", (ps, [gs[0], ps[1]], ms, vs), r"params\[1\] and grads\[1\]: the same tensor"),
+        ("a param twice", ([ps[0], ps[0]], gs, ms, vs), r"params\[0\] and params\[1\]: the same tensor"),
+        ("state overlaps another param", ([flat[:12].view(4, 3), ps[1]], gs, [ms[0], flat[6:18].view(4, 3)], vs),
+         r"params\[0\] and exp_avgs\[1\]: overlapping memory"),
+        ("views overlap", ([flat[:12].view(4, 3), flat[9:21].view(4, 3)], gs, ms, vs),
+         r"params\[0\] and params\[1\]: overlapping memory"),
+        ("interleaved and overlapping", (ps, gs, [x[:, 0:3], ms[1]], [x[:, 2:5], vs[1]]),
+         r"exp_avgs\[0\] and exp_avg_sqs\[0\]: overlapping memory"),
+        ("an expanded state", (ps, gs, [torch.zeros(3).expand(4, 3), ms[1]], vs),
+         r"exp_avgs\[0\]: several of its elements share one memory location"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7), ids=[c[0] for c in _aliasing_cases()])
+def test_aliasing_is_refused(case):
+    name, lists, msg = _aliasing_cases()[case]
+    before = [[t.clone() for t in lst] for lst in lists]
+    with pytest.raises(ValueError, match=msg):
+        tk.fused_adamw_(*lists, lr=1e-3, step=1)
+    assert all(torch.equal(a, b) for la, lb in zip(lists, before) for a, b in zip(la, lb))  # nothing written
+
+
+def test_what_may_share_memory():
+    # Gradients are only read: views of one flat buffer, or one tensor twice, are fine; so are
+    # interleaved states that touch no common byte, and empty tensors.
+    ps, _, ms, vs = _lists(3)
+    flat = torch.randn(36)
+    gs = list(flat.view(3, 4, 3).unbind(0))
+    x = torch.zeros(4, 6)
+    ms[0], vs[0] = x[:, 0::2], x[:, 1::2]
+    e = torch.zeros(0)
+    ref = [[t.clone() for t in lst] for lst in (ps, gs, ms, vs)]
+    tk.fused_adamw_(ps + [e], gs + [e], ms + [e], vs + [e], lr=1e-2, step=1)
+    tk.fused_adamw_(*ref, lr=1e-2, step=1, param_keys=[0, 1, 2])
+    assert all(torch.equal(a, b) for a, b in zip(ps + ms + vs, ref[0] + ref[2] + ref[3]))
+    tk.fused_adamw_(ps[:2], [gs[0], gs[0]], ms[:2], vs[:2], lr=1e-2, step=2)
+
+
+@pytest.mark.parametrize("keys,exc,msg", [
+    (5, TypeError, r"^param_keys: expected None or a list of 2 ints \(one per parameter\), got int$"),
+    ("ab", TypeError, r"^param_keys: expected None or a list of 2 ints"),
+    ([1, 2.5], TypeError, r"^param_keys\[1\]: expected an int, got 2.5 \(float\)$"),
+    ([1, "a"], TypeError, r"^param_keys\[1\]: expected an int, got 'a' \(str\)$"),
+    ([True, 1], TypeError, r"^param_keys\[0\]: expected an int, got True \(bool\)$"),
+    ([1], ValueError, r"^param_keys: expected 2 integers"),
+])
+def test_param_keys_of_the_wrong_type(keys, exc, msg):
+    with pytest.raises(exc, match=msg):
+        tk.fused_adamw_(*_lists(), lr=1e-3, step=1, param_keys=keys)
+    with pytest.raises(TypeError, match=r"^seed: expected an int, got 1.5"):
+        tk.fused_adamw_(*_lists(), lr=1e-3, step=1, seed=1.5)
+
+
+def test_numpy_scalars_are_numbers():
+    import numpy as np
+
+    a, b = _lists(), _lists()
+    for x, y in zip(a, b):
+        for s, t in zip(x, y):
+            t.copy_(s)
+    tk.fused_adamw_(*a, lr=np.float32(1e-3), beta1=np.float64(0.9), step=np.int64(3), param_keys=[np.int64(1), 2])
+    tk.fused_adamw_(*b, lr=float(np.float32(1e-3)), beta1=0.9, step=3, param_keys=[1, 2])
+    assert all(torch.equal(s, t) for x, y in zip(a, b) for s, t in zip(x, y))

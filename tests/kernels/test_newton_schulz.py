@@ -159,3 +159,31 @@ def test_dtensor_batch_dims_run_locally():
     from tests.distributed.launcher import run_distributed
 
     run_distributed(_dtensor_case, 2)
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+@pytest.mark.parametrize("scale", [1e19, 3e36, 2.0 ** 100], ids=["1e19", "3e36", "2^100"])
+def test_scale_invariant_for_huge_finite_norms(be, scale):
+    # float32 entries of 1e19 have ||G||^2 past float32's range: the norm was inf and the result
+    # zeros. The normalisation divides by a power of two first: X(c G) = X(G) for every finite G.
+    g = torch.randn(2, 9, 13, device=DEV)
+    got = tk.newton_schulz(g * scale, backend=be)
+    assert torch.isfinite(got).all()
+    assert rel_err(got, _ns64(g)) < 1e-5
+    if scale == 2.0 ** 100:  # a power of two: exactly the same bits as G's
+        assert torch.equal(got, tk.newton_schulz(g, backend=be))
+
+
+@pytest.mark.parametrize("be", BACKENDS)
+def test_tiny_and_zero_matrices(be):
+    # Below eps (the floor of the norm) a matrix is divided by eps, not normalised: a zero matrix gives
+    # zeros and a tiny one stays tiny (documented). With eps below its norm, a tiny G is scale-invariant
+    # too (entries near 1e-19: the squares of the norm would underflow to 0).
+    g = torch.randn(2, 9, 6, device=DEV)
+    assert torch.count_nonzero(tk.newton_schulz(torch.zeros(2, 9, 6, device=DEV), backend=be)) == 0
+    tiny = tk.newton_schulz(g * 1e-12, backend=be)  # ||G|| about 1e-11 < eps: the iteration on G / eps
+    assert rel_err(tiny, _ns64(g * 1e-12)) < 1e-5 and orthogonality(tiny)[1] < 0.1
+    assert rel_err(tk.newton_schulz(g * 1e-19, eps=1e-30, backend=be), _ns64(g)) < 1e-5
+    mixed = torch.stack([g[0] * 1e19, torch.zeros(9, 6, device=DEV)])  # per matrix: one huge, one zero
+    out = tk.newton_schulz(mixed, backend=be)
+    assert rel_err(out[0], _ns64(g[0])) < 1e-5 and torch.count_nonzero(out[1]) == 0

@@ -498,18 +498,19 @@ def test_binary_and_non_utf8_files_are_refused_naming_the_file_and_offset(tmp_pa
     with pytest.raises(ValueError, match=rf"validation.dataset_path: .*latin1{suffix} is not UTF-8 text: byte 0xe9 "
                                          rf"at byte offset {len(head) + 3}"):
         build_source("", str(latin1), section="validation")
-    # Past the first 64 KiB the file is checked when it is read, with the offset in the whole file.
+    # Past the first megabyte the file is checked when it is read, with the offset in the whole file.
     late = tmp_path / f"late{suffix}"
     filler = (b'{"text": "' + b"a" * 100 + b'"}\n') if suffix == ".jsonl" else b"a" * 100 + b"\n\n"
-    body = filler * 700
+    body = filler * 11_000
     late.write_bytes(body + b"\xff\n")
     source = LocalFiles(late)
     with pytest.raises(ValueError, match=rf"is not UTF-8 text: byte 0xff at byte offset {len(body)}"):
         list(source.iter_from(0))
-    # A multi-byte character cut by the 64 KiB window is not an error.
+    # A multi-byte character cut by the 1 MiB window is not an error.
     cut = tmp_path / "cut.txt"
-    cut.write_bytes(b"x" * ((1 << 16) - 1) + "\u00e9\n".encode())
-    assert list(LocalFiles(cut).iter_from(0)) == ["x" * ((1 << 16) - 1) + "\u00e9"]
+    cut.write_bytes(b"x" * ((1 << 20) - 1) + "\u00e9\n".encode())
+    assert list(LocalFiles(cut).iter_from(0)) == ["x" * ((1 << 20) - 1) + "\u00e9"]
+
 
 
 def test_check_reads_the_first_batch_and_rewinds(tmp_path):

@@ -23,11 +23,13 @@ times them against ``torch.optim.AdamW`` (foreach and fused).
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Optional, Sequence
 
 import torch
 
 from titan_kernels.ops._common import check_tensor, dtype_name
+from titan_kernels.ops._overlap import check_no_overlap
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import fused_adamw as _ref
 
@@ -85,8 +87,8 @@ def _check_lists(params, grads, exp_avgs, exp_avg_sqs) -> int:
 
 
 def _check_hyper(lr, beta1, beta2, eps, weight_decay, step) -> None:
-    def real(name, v, ok, expected):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not ok(v):
+    def real(name, v, ok, expected):  # numpy's scalars are numbers too
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not ok(v):
             raise ValueError(f"{name}: expected {expected}, got {v!r}")
 
     real("lr", lr, lambda v: v >= 0, "a finite value >= 0")
@@ -94,8 +96,28 @@ def _check_hyper(lr, beta1, beta2, eps, weight_decay, step) -> None:
     real("beta2", beta2, lambda v: 0 <= v < 1, "a value in [0, 1)")
     real("eps", eps, lambda v: v > 0, "a finite value > 0")
     real("weight_decay", weight_decay, lambda v: v >= 0, "a finite value >= 0")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    if not _is_int(step) or step < 1:
         raise ValueError(f"step: expected an integer >= 1 (the 1-based step being taken), got {step!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_keys(seed, param_keys, n: int) -> None:
+    """seed an int; param_keys None or a list/tuple of n ints (1.5 would be truncated, "a" fail deep inside)."""
+    if not _is_int(seed):
+        raise TypeError(f"seed: expected an int, got {seed!r} ({type(seed).__name__})")
+    if param_keys is None:
+        return
+    if not isinstance(param_keys, (list, tuple)):
+        raise TypeError(f"param_keys: expected None or a list of {n} ints (one per parameter), got "
+                        f"{type(param_keys).__name__}")
+    if len(param_keys) != n:
+        raise ValueError(f"param_keys: expected {n} integers (one per parameter), got {len(param_keys)}")
+    for i, k in enumerate(param_keys):
+        if not _is_int(k):
+            raise TypeError(f"param_keys[{i}]: expected an int, got {k!r} ({type(k).__name__})")
 
 
 # ----------------------------------------------------------------------------- DTensor shards
@@ -200,9 +222,14 @@ def fused_adamw_(
     value rounded stochastically (unbiased: E[stored] = the float32 value).
 
     Raises:
-        TypeError: a non-tensor, a dtype other than float32/bfloat16, exp_avg_sq's dtype != exp_avg's.
+        TypeError: a non-tensor, a dtype other than float32/bfloat16, exp_avg_sq's dtype != exp_avg's,
+            a seed that is not an int, param_keys not a list/tuple of ints.
         ValueError: lists of different lengths, mismatched shapes or devices, hyperparameters out of
-            range (lr < 0, beta outside [0, 1), eps <= 0, weight_decay < 0, step < 1).
+            range (lr < 0, beta outside [0, 1), eps <= 0, weight_decay < 0, step < 1), param_keys of
+            another length, or aliasing: a parameter or state that shares memory with any other
+            argument (the same tensor as exp_avg and exp_avg_sq, a gradient that is a view of its
+            parameter, overlapping views, an expanded tensor); gradients may share with each other.
+            The aliasing check runs in eager mode (under torch.compile storages are not traced).
         RuntimeError: the requested backend cannot run on these tensors.
 
     Source: Loshchilov & Hutter, "Decoupled Weight Decay Regularization" (ICLR 2019), Algorithm 2;
@@ -210,8 +237,7 @@ def fused_adamw_(
     """
     n = _check_lists(params, grads, exp_avgs, exp_avg_sqs)
     _check_hyper(lr, beta1, beta2, eps, weight_decay, step)
-    if param_keys is not None and len(param_keys) != n:
-        raise ValueError(f"param_keys: expected {n} integers (one per parameter), got {len(param_keys)}")
+    _check_keys(seed, param_keys, n)
     from torch.distributed.tensor import DTensor
 
     keys, offsets = [], []
@@ -228,5 +254,8 @@ def fused_adamw_(
     if any(t.requires_grad and torch.is_grad_enabled() for t in lists[0]):
         raise RuntimeError("fused_adamw_: params require grad and grad mode is on; call it under torch.no_grad() "
                            "(an optimizer step)")
+    if not torch.compiler.is_compiling():  # storage pointers do not trace: eager mode only
+        # On the local tensors: what the kernels read and write. Gradients are only read: they may share.
+        check_no_overlap(dict(zip(("params", "grads", "exp_avgs", "exp_avg_sqs"), lists)), read_only=("grads",))
     args = (float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(step), keys, offsets)
     fused_adamw_def.call(*lists, *args, backend)

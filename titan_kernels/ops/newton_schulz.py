@@ -169,7 +169,11 @@ def newton_schulz(g: torch.Tensor, *, steps: int = _ref.STEPS, coefficients: tup
             gathers the matrices first).
         steps: iterations (5 in Muon).
         coefficients: (a, b, c) of the quintic (default Jordan's 3.4445, -4.7750, 2.0315).
-        eps: the floor of the Frobenius norm G is divided by.
+        eps: the floor of the Frobenius norm G is divided by. The result is scale-invariant (the
+            same for G and c G, c > 0) for every finite G with ||G||_F >= eps, huge norms included
+            (the norm is taken after dividing by a power of two, so its square cannot overflow); a
+            matrix with ||G||_F < eps, e.g. zero, is divided by eps instead (zero gives zero, a tiny
+            G a tiny result, not an orthogonal one). Non-finite entries give NaN.
         dtype: the dtype the iteration runs in (default g's); bf16 on GPUs is Muon's practice.
             The reference backend always computes in float32.
         backend: "aten", "triton", "reference" (or a family: "cpu", "cuda") or None (automatic).

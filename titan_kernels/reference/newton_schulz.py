@@ -2,7 +2,8 @@
 
 Math (Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024; the quintic
 iteration of ``torch.optim.Muon``), for each matrix G (m x n) of a (..., m, n) batch:
-    X <- G / max(||G||_F, eps)                 (spectral norm <= 1)
+    X <- G / max(||G||_F, eps)                 (spectral norm <= 1; the norm taken scale-safely,
+                                               ``normalized_wide``: any finite G, huge or tiny)
     X <- X^T if m > n                          (work on the wide side: X is r x c, r <= c)
     repeat ``steps`` times:
         A <- X X^T                             (r x r, symmetric)
@@ -33,10 +34,23 @@ def flops(m: int, n: int, steps: int = STEPS, batch: int = 1) -> float:
 def normalized_wide(g: torch.Tensor, eps: float, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
     """(X, transposed): ``g`` (..., m, n) divided by its per-matrix Frobenius norm (at least eps),
     in ``dtype``, transposed to (..., n, m) when m > n. The norm is taken in float32 (float64 input:
-    float64)."""
+    float64), scale-safely: each matrix is first divided by the power of two just above its largest
+    |entry| (exact: only the exponents change), so the squares neither overflow (float32 entries from
+    about 1.8e19: ||G||^2 would be inf and X zero) nor underflow (entries below about 1e-19: ||G||^2
+    would be 0). Hence X is the same for G and c G, c > 0, as long as ||c G||_F >= eps; a matrix with
+    ||G||_F < eps (a zero matrix, a tiny update) gives G / eps: never blown up, zero stays zero.
+    A non-finite entry makes the matrix non-finite (NaN)."""
     acc = torch.promote_types(g.dtype, torch.float32)
-    norm = torch.linalg.vector_norm(g.to(acc), dim=(-2, -1), keepdim=True).clamp_min(eps)
-    x = (g.to(acc) / norm).to(dtype)
+    ga = g.to(acc)
+    big = ga.abs().amax(dim=(-2, -1), keepdim=True) if ga.numel() else ga.new_ones((*ga.shape[:-2], 1, 1))
+    mantissa, _ = torch.frexp(big)  # big = mantissa * 2^e, mantissa in [0.5, 1)
+    # 2^e exactly (a quotient that is representable is exact); dividing by it changes exponents only.
+    scale = torch.where(big > 0, big / mantissa, 1.0)
+    y = ga / scale  # entries in (-1, 1)
+    norm_y = torch.linalg.vector_norm(y, dim=(-2, -1), keepdim=True)
+    # ||G|| = scale ||y|| (inf when past the dtype's range: far above eps, where X = y / ||y||).
+    small = scale * norm_y < eps
+    x = torch.where(small, ga / eps, y / torch.where(small, 1.0, norm_y)).to(dtype)
     tall = g.shape[-2] > g.shape[-1]
     return (x.mT if tall else x), tall
 

@@ -10,7 +10,9 @@ At step 1, every ``log_freq`` steps and at the last step, one record is written 
   eta_s (estimated seconds to the end of the run: the steps left at the mean time per training step
   since step 1, plus each scheduled phase still to come, validations and checkpoint saves, at the
   mean time that phase took so far in this process; a phase not yet measured counts 0).
-The console line shows the same, with the elapsed time and the ETA as h:mm:ss.
+The console line shows the same, with the elapsed time and the ETA as h:mm:ss. With QK-clip the
+record also has qk_max_logit and qk_clipped_heads (``trainer.optim.qk_clip``: over the steps since
+the previous record), and the console line shows them when a head was clipped.
 
 Each validation (``log_validation``) appends its own record: step, val_loss (mean token loss over
 the validation tokens), val_perplexity (exp of it), val_tokens, val_batches, val_time_s, elapsed_s;
@@ -340,7 +342,9 @@ class MetricsLogger:
             f"{c.cyan}lr {r['lr']:.3e}  {c.blue}tps {r['tps']:,.0f}  {c.magenta}mfu {mfu}  "
             f"{c.grey}memory {r['memory_gib']:.2f}GiB  data {100 * r['data_wait']:.1f}%  "
             f"elapsed {format_duration(r['elapsed_s'])}  eta {eta}"
-            + (f"  moe max/mean load {r['moe_max_load']:.2f}" if "moe_max_load" in r else "") + f"{c.reset}",
+            + (f"  moe max/mean load {r['moe_max_load']:.2f}" if "moe_max_load" in r else "")
+            + (f"  qk-clip {r['qk_clipped_heads']} head(s) clipped, max logit {r['qk_max_logit']:.1f}"
+               if r.get("qk_clipped_heads") else "") + f"{c.reset}",
             flush=True,
         )
         self._jsonl.write((json.dumps(r) + "\n").encode())
@@ -349,7 +353,8 @@ class MetricsLogger:
                 if r[key] is not None:
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             for key in r:
-                if key.startswith("moe_") or key == "mtp_loss":  # expert load per layer; the MTP modules' loss
+                # expert load per layer; the MTP modules' loss; QK-clip's max logit and clipped heads
+                if (key.startswith(("moe_", "qk_")) or key == "mtp_loss") and r[key] is not None:
                     self._tb.add_scalar(f"train/{key}", r[key], r["step"])
             self._tb.flush()
         if self._wandb is not None:

@@ -5,7 +5,8 @@
   optimizer.py   TitanOptimizer: AdamW (titan_kernels.fused_adamw_) and Muon groups in one step
   groups.py      parameter kinds and the [optimizer.groups] rules -> param groups
   muon_dist.py   Newton-Schulz of sharded matrices: each gathered whole on one rank, overlapped
-  qk_clip.py     QK-clip (MuonClip) from the attention's per-head max logit bound
+  qk_clip.py     QK-clip (MuonClip) from the attention's per-head max logit bound; its metrics
+  describe.py    the start-up log lines of the optimizer, its groups and QK-clip
 """
 from trainer.optim.build import build_optimizer, uses_titan_optimizer  # noqa: F401
 from trainer.optim.optimizer import TitanOptimizer  # noqa: F401

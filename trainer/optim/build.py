@@ -4,7 +4,8 @@ Plain AdamW with float32 states and no group rules is ``torch.optim.AdamW`` (fus
 for-loop, ``optimizer.implementation``), in two groups: weight decay on parameters with >= 2 dims,
 none on 1-D ones. Anything else (``optimizer.name muon``, ``optimizer.groups`` rules, bfloat16
 states, QK-clip, or ``implementation titan``) is ``trainer.optim.optimizer.TitanOptimizer``, whose
-groups come from ``trainer.optim.groups``.
+groups come from ``trainer.optim.groups``. Either is named in the log, with its groups
+(``trainer.optim.describe``).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from trainer.optim.describe import log_optimizer
 from trainer.optim.groups import param_groups
 from trainer.optim.optimizer import TitanOptimizer
 from trainer.optim.qk_clip import QKClip
@@ -73,13 +75,17 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
         if no_decay:
             groups.append({"params": no_decay, "weight_decay": 0.0})
         flags = _implementation_flags(cfg.implementation, [p for _, p in named])
-        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+        opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **flags)
+        log_optimizer(opt)
+        return opt
     if cfg.implementation not in ("auto", "titan"):
         raise ValueError(f"optimizer.implementation: expected auto or titan for titan's optimizer (Muon, groups, "
                          f"bfloat16 states or QK-clip), got {cfg.implementation!r}")
     groups = param_groups(model, name, cfg.lr, cfg.weight_decay, list(cfg.groups))
     clip = QKClip(model, cfg.qk_clip_threshold, mesh) if cfg.qk_clip_threshold is not None else None
-    return TitanOptimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, state_dtype=cfg.state_dtype, seed=seed,
-                          momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                          rms_match=cfg.muon_rms_match, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype], mesh=mesh,
-                          after_step=clip)
+    opt = TitanOptimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, state_dtype=cfg.state_dtype, seed=seed,
+                         momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                         rms_match=cfg.muon_rms_match, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype], mesh=mesh,
+                         after_step=clip)
+    log_optimizer(opt)  # the start-up log names it, its groups and QK-clip (trainer.optim.describe)
+    return opt

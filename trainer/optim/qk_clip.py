@@ -26,6 +26,12 @@ Scales, per layer, with gamma_h = min(1, tau / max_logit_h) for query head h:
 
 Not available with QK-norm (the logits do not depend on the scale of W_q/W_k) or context parallel
 (ring attention does not report the LSE through this interface yet).
+
+What it did goes to the metrics (``QKClip.metrics``, read at the logged steps only: no host sync on
+the others): ``qk_max_logit``, the largest per-head bound over the steps since the previous record
+(with ``--metrics.log_freq 1``: the step's), and ``qk_clipped_heads``, the heads clipped in those
+steps (a head clipped at two steps counts twice); pipeline stages (each clips its own layers) are
+combined. ``describe`` is its start-up line: the threshold and the heads it watches.
 """
 from __future__ import annotations
 
@@ -74,7 +80,8 @@ class QKClip:
 
     def __init__(self, model: nn.Module, tau: float, mesh=None) -> None:
         self.tau = float(tau)
-        self.layers = [(m, k) for m in model.modules() if (k := _kind(m)) is not None]
+        self._model_modules = [(n, m) for n, m in model.named_modules() if _kind(m) is not None]
+        self.layers = [(m, k) for _, m in self._model_modules for k in (_kind(m),)]
         if not self.layers:
             raise ValueError("optimizer.qk_clip_threshold: the model has no attention module (wq/wk or wkv_b)")
         for m, kind in self.layers:
@@ -85,16 +92,51 @@ class QKClip:
                 raise ValueError("optimizer.qk_clip_threshold: not supported with context parallel yet (ring "
                                  "attention does not record the per-head max logit)")
         self.tp = _tp_size(self._q_proj(*self.layers[0]).weight)
-        self.dp_group = self.tp_group = None
+        self.dp_group = self.tp_group = self.pp_group = None
         if mesh is not None:
             dp = _submesh(mesh, "dp_cp")  # the ranks that see different tokens
             if dp is not None and dp.size() > 1:
                 self.dp_group = dp.get_group()
             if self.tp > 1:
                 self.tp_group = mesh["tp"].get_group()
+            pp = _submesh(mesh, "pp") if "pp" in (mesh.mesh_dim_names or ()) else None
+            if pp is not None and pp.size() > 1:  # each stage its own layers: the metrics combine them
+                self.pp_group = pp.get_group()
         dev = _local(self._q_proj(*self.layers[0]).weight).device
         for m, _ in self.layers:
             m.max_logit = torch.full((m.n_heads // self.tp,), float("-inf"), device=dev)
+        # Since the last metrics record, on the device: the largest bound, the heads clipped.
+        self._max = torch.full((), float("-inf"), device=dev)
+        self._clipped = torch.zeros((), dtype=torch.int64, device=dev)
+
+    def describe(self) -> str:
+        """The start-up line: the threshold and the heads it watches (per kind of attention layer)."""
+        kinds = {"gqa": "grouped-query", "mla": "latent (MLA)"}
+        names = {id(m): n for n, m in self._model_modules}
+        parts = []
+        for kind in ("gqa", "mla"):
+            layers = [m for m, k in self.layers if k == kind]
+            if not layers:
+                continue
+            heads = sorted({m.n_heads for m in layers})
+            span = names.get(id(layers[0]), "?") + (f" .. {names.get(id(layers[-1]), '?')}" if len(layers) > 1 else "")
+            parts.append(f"{len(layers)} {kinds[kind]} attention layer(s) of {'/'.join(map(str, heads))} heads ({span})")
+        total = sum(m.n_heads for m, _ in self.layers)
+        return (f"QK-clip (optimizer.qk_clip_threshold): threshold {self.tau:g} on the max attention logit of "
+                f"{total} heads: {'; '.join(parts)}; scaled after each step where above it, reported as "
+                "qk_max_logit / qk_clipped_heads in the metrics")
+
+    def metrics(self) -> dict[str, float | int | None]:
+        """``{"qk_max_logit", "qk_clipped_heads"}`` since the previous call (module docstring); a host
+        sync. With pipeline stages every rank must call it (a reduction over them)."""
+        top, clipped = self._max.clone(), self._clipped.clone()
+        if self.pp_group is not None:
+            dist.all_reduce(top, dist.ReduceOp.MAX, group=self.pp_group)
+            dist.all_reduce(clipped, group=self.pp_group)
+        self._max.fill_(float("-inf"))
+        self._clipped.zero_()
+        top_v = float(top)
+        return {"qk_max_logit": top_v if top_v != float("-inf") else None, "qk_clipped_heads": int(clipped)}
 
     @staticmethod
     def _q_proj(m: nn.Module, kind: str) -> nn.Module:
@@ -110,7 +152,10 @@ class QKClip:
             parts = torch.empty(self.tp, *m.shape, device=m.device, dtype=m.dtype)
             dist.all_gather_into_tensor(parts, m.contiguous(), group=self.tp_group)
             m = parts.permute(1, 0, 2).reshape(m.shape[0], -1)  # tp rank r holds heads r*H/tp ..
-        gamma = torch.where(m > self.tau, self.tau / m, torch.ones_like(m))
+        over = m > self.tau
+        gamma = torch.where(over, self.tau / m, torch.ones_like(m))
+        self._max = torch.maximum(self._max, m.max())
+        self._clipped += over.sum()
         for (layer, kind), g in zip(self.layers, gamma):
             if kind == "gqa":
                 n_kv = layer.n_kv_heads if getattr(layer, "n_kv_heads", None) else layer.n_heads

@@ -98,9 +98,9 @@ class RunGuard:
         self.watchdog = StepWatchdog(self.dump_folder, self.rank, c.comm.train_timeout_seconds,
                                      c.comm.init_timeout_seconds)
 
-    def step_done(self) -> None:
+    def step_done(self, step: int | None = None) -> None:
         if self.watchdog is not None:
-            self.watchdog.step_done()
+            self.watchdog.step_done(step)
 
     def long_phase(self) -> None:
         if self.watchdog is not None:

@@ -9,7 +9,9 @@ import functools
 
 import torch
 
-from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_softcap, check_window
+from titan_kernels.attention_mask import (
+    AttentionArgs, check_causal, check_chunk, check_flag, check_softcap, check_window,
+)
 from titan_kernels.ops.attention import dispatch as _d
 from titan_kernels.ops.attention.op import call
 from titan_kernels.ops.attention.validate import (
@@ -39,9 +41,9 @@ def _args(q, k, cu_q, scale, causal, window_size, softcap, chunk_size, return_ls
     if cu_q is None and softcap == 0.0 and chunk_size is None and (window_size is _FULL or window_size == _FULL) \
             and type(causal) is bool and type(return_lse) is bool and not torch.compiler.is_compiling():
         return _plain_args(scale, causal, return_lse)
-    left, right = check_window(window_size, bool(causal))
+    left, right = check_window(window_size, check_causal(causal))
     a = AttentionArgs(scale, left, right, check_softcap(softcap), check_chunk(chunk_size), max_q, max_k,
-                      bool(return_lse))
+                      check_flag(return_lse, "return_lse"))
     if cu_q is None:
         return a.normalized(q.shape[1], k.shape[1])
     return a.normalized(max_q, max_k, dense=False) if a.left >= 0 or a.right > 0 else a
@@ -54,7 +56,9 @@ _MASK_DOC = """causal: query i sees key j only when ``j <= p`` with p = i + seq_
             bound > 0 needs causal=False. A bound as long as the sequence runs as no bound.
         sinks: None or a (n_heads,) float tensor (float32 usually; math in float32), one learned
             logit per head that joins each row's softmax denominator and outputs nothing (GPT-OSS).
-            Differentiable. The returned LSE includes it: lse = logaddexp(lse_keys, sink).
+            Differentiable. The returned LSE includes it: lse = logaddexp(lse_keys, sink). A row
+            with no visible key has out 0 and lse = its sink; a sink of -inf is no sink for that
+            head, +inf takes every row (out 0, lse +inf): limits, never NaN.
         softcap: scores become ``softcap * tanh(scores / softcap)`` after the scale (Gemma 2);
             0 = off. Differentiable.
         chunk_size: None or c >= 1: query i sees key j only when ``j // c == p // c`` (Llama 4's
@@ -115,7 +119,7 @@ flash_attn.__doc__ = f"""Scaled dot-product attention on the fastest backend tha
 
     Raises:
         TypeError: a non-tensor, an unsupported dtype, k/v dtype != q dtype, a window_size that is
-            not a pair of ints, a non-float softcap.
+            not a pair of ints, a non-float softcap, causal or return_lse not a bool.
         ValueError: wrong rank, mismatched batch / shapes / devices, k's head_dim != q's, n_heads not
             a multiple of n_kv_heads, a head_dim over 256 (no backend takes it), a bad softmax_scale,
             window_size (< -1, or right > 0 with causal), softcap (< 0, not finite), chunk_size

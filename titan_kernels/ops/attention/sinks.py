@@ -3,7 +3,8 @@ outputs nothing, applied exactly to any backend's (out, lse) as an epilogue.
 
 With a row's log-sum-exp ``lse`` over its keys and the head's sink logit ``s``:
     lse' = logaddexp(lse, s),   out' = out * exp(lse - lse')
-(a row with no visible key: lse = -inf, so lse' = s and out' = 0). The backward needs no kernel of
+(a row with no visible key: lse = -inf, so lse' = s and out' = 0: the row's softmax is over the
+sink alone). The backward needs no kernel of
 its own: the probabilities with the sink are P'_ij = exp(S_ij - lse'_i), and every backend's
 backward recomputes P from the (out, lse) it is handed, so handing it (out', lse') gives the exact
 dq, dk, dv of the attention with the sink (dS = P' * (dP - delta'), delta' = dout . out'; an LSE
@@ -13,6 +14,11 @@ d out'_i / d s = -out'_i * p_i and d lse'_i / d s = p_i with p_i = exp(s - lse'_
 
 The LSE returned with sinks is lse' (the log of the denominator the output is normalized by, sink
 included), as FlashAttention-3 returns it; its gradient is taken with respect to lse'.
+
+Infinite sinks are limits, never NaN: a sink of -inf is no sink (its head's rows are plain
+attention; a row with no visible key keeps out' = 0 and lse' = -inf, where exp(lse - lse') would be
+exp(-inf + inf)); a sink of +inf takes the whole row (out' = 0, lse' = +inf). Where lse' equals the
+sink (a row with no visible key, or an infinite sink) the sink's probability p_i is 1, its limit.
 
 Where: every backend, as this epilogue (one elementwise pass over out in the forward, one reduction
 of dout . out' in the backward: O(seq * head_dim), against attention's O(seq^2 * head_dim)). No
@@ -38,14 +44,18 @@ def _row_weight(w: torch.Tensor, varlen: bool) -> torch.Tensor:
 def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool):
     """(out', lse') of the module docstring; out' in out.dtype, lse' float32, both contiguous."""
     lse2 = torch.logaddexp(lse, _lse_view(sinks, varlen))
-    w = torch.exp(lse - lse2)  # 0 for a row with no visible key
+    # 0 for a row with no visible key, also where lse2 is -inf too (a sink of -inf: exp(nan) otherwise).
+    w = torch.exp(lse - lse2).masked_fill_(lse == float("-inf"), 0.0)
     return (out.float() * _row_weight(w, varlen)).to(out.dtype), lse2.contiguous()
 
 
 def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                sinks: torch.Tensor, varlen: bool) -> torch.Tensor:
     """d loss / d sinks from the forward's out' and lse' (module docstring), in sinks' dtype."""
-    p = torch.exp(_lse_view(sinks, varlen) - lse)  # (.., heads, seq): the sink's probability per row
+    s = _lse_view(sinks, varlen)
+    # (.., heads, seq): the sink's probability per row; 1 where lse' is the sink itself (module
+    # docstring: also for an infinite sink, where s - lse' would be inf - inf).
+    p = torch.where(s == lse, 1.0, torch.exp(s - lse))
     delta = (dout.float() * out.float()).sum(-1)  # (batch, seq, heads) / (total, heads)
     delta = delta.t() if varlen else delta.transpose(1, 2)
     g = p * ((dlse.float() if dlse is not None else 0.0) - delta)

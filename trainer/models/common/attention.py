@@ -36,10 +36,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, position_ids: torc
     given). Returns (batch, seq, heads, v_head_dim).
 
     ``max_logit`` (QK-clip, ``trainer.optim.qk_clip``): a (heads,) float32 buffer updated in place with
-    the running max over the rows of each head's log-sum-exp, an upper bound of its max logit."""
+    the running max over the rows of each head's log-sum-exp, an upper bound of its max logit; by
+    training forwards only (grad mode on): a validation, under no_grad, must not clip the weights."""
     if sinks is not None:
         mask = {**mask, "sinks": sinks}
-    lse = max_logit is not None
+    lse = max_logit is not None and torch.is_grad_enabled()
     if position_ids is None:
         out = titan_kernels.flash_attn(q, k, v, causal=True, softmax_scale=softmax_scale, return_lse=lse, **mask)
     else:
