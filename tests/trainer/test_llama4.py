@@ -1,0 +1,165 @@
+"""Llama 4 (trainer/models/llama4/): published parameter counts, the analytic counts equal the built
+modules', logits, loss and gradients equal transformers' Llama4ForCausalLM (eager attention) on small
+random configs where every feature changes the result (a chunk shorter than the sequence, RoPE and NoPE
+layers, QK norm, temperature tuning from position 2 on, MoE and dense layers interleaved, the shared
+expert, Llama 3 rope scaling), the layer lists read from config.json, Hugging Face import, export and
+the converter round trip, one-line refusals, the FLOPs of chunked layers, and training the debug flavor."""
+import pytest
+import torch
+
+from trainer.hf import args_from_hf_config, hf_config
+from trainer.models.args import attention_entries
+from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
+from trainer.models.llama4.model import temperature_scale
+from trainer.models.moe_args import MoEArgs
+from trainer.models.registry import build_model
+from tests.trainer.helpers import assert_near_published, cpu_model, train_records
+from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
+from tests.trainer.hf_parity import assert_refused_in_one_line
+
+transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the [test] extra)")
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
+
+# Text-model counts of Hugging Face's configs (total, active); Meta's cards say 109B / 400B with vision.
+PUBLISHED = {"17bx16e": (107.8e9, 17.2e9), "17bx128e": (400.7e9, 17.2e9)}
+ROPE = dict(factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8)
+
+
+@pytest.mark.parametrize("flavor", list(PUBLISHED))
+def test_parameter_counts_match_the_published_figures(flavor):
+    args = LLAMA4_FLAVORS[flavor]
+    assert_near_published((args.num_params(), args.active_params()), PUBLISHED[flavor])
+
+
+def test_hf_config_builds_the_same_layers_and_counts():
+    # transformers' own config of each flavor: the same NoPE / MoE layers, and its model the same size.
+    for flavor in PUBLISHED:
+        args = LLAMA4_FLAVORS[flavor]
+        cfg = transformers.Llama4TextConfig(**{k: v for k, v in hf_config(args).items()
+                                               if k not in ("architectures", "model_type", "torch_dtype")})
+        assert [i for i, r in enumerate(cfg.no_rope_layers) if not r] == list(args.nope_layers)
+        assert cfg.moe_layers == list(args.moe_layers) and cfg.layer_types == list(args.layer_types)
+    assert LLAMA4_FLAVORS["17bx16e"].nope_layers[:2] == (3, 7)  # (i + 1) % 4 == 0, as the checkpoints
+    assert LLAMA4_FLAVORS["17bx128e"].moe_layers[:2] == (1, 3)
+
+
+def _tiny(**kw) -> Llama4Args:
+    moe = MoEArgs(num_experts=4, top_k=1, hidden_dim=40, num_shared_experts=1, score_func="sigmoid",
+                  route_norm=False, score_before_experts=True)
+    base = dict(dim=48, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=12, vocab_size=67, max_seq_len=64,
+                attention_chunk=5, hidden_dim=56, interleave_moe_layer_step=2, floor_scale=3, attn_scale=0.5,
+                rope_scaling=ROPE, moe=moe)
+    base.update(kw)
+    return Llama4Args(**base)
+
+
+TINY = {
+    "default": _tiny(),
+    # the lists of config.json, not the default rule: NoPE on 0 and 2, MoE on 0, 2 and 3
+    "lists": _tiny(nope_layers=(0, 2), moe_layers=(0, 2, 3)),
+    "top2_no_qk_norm": _tiny(use_qk_norm=False, moe=_tiny().moe.replace(top_k=2), rope_scaling=None),
+}
+
+
+@pytest.mark.parametrize("args", [*TINY.values(), LLAMA4_FLAVORS["debugmodel"].replace(vocab_size=258)],
+                         ids=[*TINY, "debug"])
+def test_analytic_counts_equal_the_built_modules(args):
+    model = build_model(args, "meta")
+    assert args.num_params() == sum(p.numel() for p in model.parameters())
+    for i, layer in model.layers.items():
+        i = int(i)
+        assert layer.attention.use_rope == (i not in args.nope_layers)
+        assert hasattr(layer.feed_forward, "router") == (i in args.moe_layers)
+
+
+def _randomize(hf) -> None:
+    for name, p in hf.named_parameters():
+        if name.endswith("norm.weight"):
+            p.uniform_(0.5, 1.5)
+        elif name.endswith("router.weight"):
+            p.normal_(0, 0.5)  # routing that differs per token
+        else:
+            p.normal_(0, 0.1)
+
+
+def _hf_pair(args: Llama4Args, seed: int, tmp_path):
+    return hf_pair(args, (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM), seed, tmp_path, _randomize)
+
+
+@pytest.mark.parametrize("name", list(TINY))
+def test_logits_loss_and_gradients_equal_transformers(name, tmp_path):
+    args = TINY[name]
+    hf, ours, ckpt = _hf_pair(args, 3, tmp_path)
+    assert ckpt.args == args and ckpt.flavor == "custom"
+    assert_logits_loss_and_gradients_equal(hf, ours, ckpt, args)
+
+
+def test_every_feature_changes_the_logits(tmp_path):
+    # Guards the parity test: each feature off gives other logits than transformers' model with it on.
+    args = TINY["default"]
+    hf, ours, ckpt = _hf_pair(args, 3, tmp_path)
+    tokens = torch.randint(0, args.vocab_size, (2, 19))
+    with torch.no_grad():
+        want = hf(tokens).logits
+    for change in (dict(attention_chunk=0), dict(use_qk_norm=False), dict(attn_temperature_tuning=False),
+                   dict(nope_layers=()), dict(moe=args.moe.replace(score_before_experts=False))):
+        other = build_model(args.replace(**change), "cpu")
+        other.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert (other(tokens) - want).abs().max() > 1e-4, change
+
+
+def test_temperature_scale_is_hugging_faces_formula():
+    pos = torch.arange(40)
+    want = 1 + 0.1 * torch.log(1 + torch.floor((pos.double() + 1) / 8))
+    torch.testing.assert_close(temperature_scale(pos, 8, 0.1), want.float())
+    assert temperature_scale(torch.tensor([8190]), 8192, 0.1).item() == 1.0
+
+
+def test_export_loads_in_transformers_and_the_converter_round_trips(tmp_path):
+    args = TINY["lists"]
+    model = cpu_model(args, seed=5)
+    cfg, _ = assert_converter_round_trip(model, args, transformers.Llama4ForCausalLM, tmp_path)
+    assert cfg["architectures"] == ["Llama4ForCausalLM"] and cfg["model_type"] == "llama4_text"
+    assert cfg["no_rope_layers"] == [0, 1, 0, 1] and cfg["moe_layers"] == [0, 2, 3]
+
+
+def test_debugmodel_trains(tmp_path):
+    losses = [r["loss"] for r in train_records(
+        tmp_path, "--model.name", "llama4", "--flavor", "debugmodel", "--training.steps", "8",
+        "--training.seq_len", "128", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
+        "--optimizer.lr", "2e-3")]
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_configs_we_cannot_reproduce_are_refused_in_one_line():
+    cfg = hf_config(_tiny())
+    assert_refused_in_one_line(cfg, [
+        ({"model_type": "llama4", "vision_config": {"hidden_size": 8}}, "vision_config: the multimodal Llama 4"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"attention_bias": True}, "attention_bias true is not supported"),
+        ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "quantization_config 'fbgemm_fp8' is not supported"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "rope scaling type 'yarn' is not supported"),
+        ({"layer_types": ["sliding_attention"] * 4}, "layer_types .* is not supported"),
+        ({"attention_chunk_size": None}, "chunked_attention layers but attention_chunk_size is None"),
+        ({"no_rope_layers": [1, 1]}, "no_rope_layers: expected 0/1 for each of 4 layers")])
+
+
+def test_configs_read_back_and_published_ones_as_their_flavors():
+    for flavor in PUBLISHED:
+        got, name = args_from_hf_config(hf_config(LLAMA4_FLAVORS[flavor]), "x")
+        assert name == flavor and got == LLAMA4_FLAVORS[flavor]
+    # transformers' defaults when the lists are absent: NoPE every 4th from layer 3, MoE by the step
+    cfg = {k: v for k, v in hf_config(_tiny()).items() if k not in ("no_rope_layers", "moe_layers", "layer_types")}
+    got, _ = args_from_hf_config(cfg, "x")
+    assert got.nope_layers == (3,) and got.moe_layers == (1, 3) and got == _tiny()
+
+
+def test_chunked_layers_count_only_their_chunks_in_the_flops():
+    args = LLAMA4_FLAVORS["17bx128e"]
+    s, c = 131072, 8192
+    per_layer = 6 * args.n_heads * 2 * args.head_dim
+    n_nope = len(args.nope_layers)
+    want = per_layer * ((args.n_layers - n_nope) * (s // c) * c * (c + 1) // 2 + n_nope * s * (s + 1) // 2) / s
+    assert args.attention_flops_per_token(s) == pytest.approx(want)
+    assert attention_entries(s, True, -1, c) / attention_entries(s, True) < 2 * c / s  # O(s c), not O(s^2)
