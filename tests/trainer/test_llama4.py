@@ -7,15 +7,17 @@ the converter round trip, one-line refusals, the FLOPs of chunked layers, and tr
 import pytest
 import torch
 
+from trainer import train
+from trainer.config import parse_args
 from trainer.hf import args_from_hf_config, hf_config
 from trainer.models.args import attention_entries
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
 from trainer.models.llama4.model import temperature_scale
 from trainer.models.moe_args import MoEArgs
 from trainer.models.registry import build_model
-from tests.trainer.helpers import assert_near_published, cpu_model, train_records
+from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
-from tests.trainer.hf_parity import assert_refused_in_one_line
+from tests.trainer.hf_parity import assert_refused_in_one_line, first_batch, hf_loss
 
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the [test] extra)")
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
@@ -130,6 +132,41 @@ def test_debugmodel_trains(tmp_path):
         "--training.seq_len", "128", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
         "--optimizer.lr", "2e-3")]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkeypatch):
+    """--flavor custom builds the model a transformers Llama4ForCausalLM folder describes; step 1's loss
+    is transformers' on the first batch (seq 32: two chunks of 16 and temperature tuning from position 3),
+    and the folder exported at the end loads in transformers with the trained model's logits."""
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    args = _tiny(vocab_size=258, attention_chunk=16, floor_scale=4)
+    hf, _, _ = _hf_pair(args, 7, tmp_path)
+    hf.save_pretrained(tmp_path / "hf-in")
+    argv = ["--model.name", "llama4", "--flavor", "custom", "--model.moe_load_balance", "none",
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
+            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--metrics.save_plot", "false", "--checkpoint.initial_load_path", str(tmp_path / "hf-in"),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "run")]
+    config = parse_args(argv)
+    batch = first_batch(config)
+    start, want = hf_loss(hf, batch)
+    trainer = train.Trainer(config)
+    try:
+        assert trainer.setup() is True
+        assert trainer.args == args.replace(max_seq_len=32, moe=args.moe.replace(load_balance="none"))
+        assert float(trainer.train_step()) == pytest.approx(want, rel=1e-5)
+        trainer.train()
+        model = trainer.model.eval()
+        model.return_hidden = False
+        with torch.no_grad():
+            ours = model(batch["input_ids"])
+    finally:
+        trainer.close()
+    trained = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "hf-step-3")
+    with torch.no_grad():
+        got = trained.float().eval()(batch["input_ids"]).logits
+    assert rel(got, ours) < 1e-4 and rel(got, start) > 1e-2
 
 
 def test_configs_we_cannot_reproduce_are_refused_in_one_line():
