@@ -200,3 +200,21 @@ def test_chunked_layers_count_only_their_chunks_in_the_flops():
     want = per_layer * ((args.n_layers - n_nope) * (s // c) * c * (c + 1) // 2 + n_nope * s * (s + 1) // 2) / s
     assert args.attention_flops_per_token(s) == pytest.approx(want)
     assert attention_entries(s, True, -1, c) / attention_entries(s, True) < 2 * c / s  # O(s c), not O(s^2)
+
+
+def test_cp_cost_model_counts_the_blocks_the_ring_sends():
+    # 17bx128e at seq 131072 on cp 8: zigzag chunks of 8192 = the attention chunk, so a chunked layer's
+    # ring needs no other rank's K/V block; only the 12 NoPE layers send theirs (cp - 1 each).
+    from trainer.estimate import model_costs
+    from trainer.estimate_comm import cp_blocks_per_layer
+
+    args = LLAMA4_FLAVORS["17bx128e"].replace(max_seq_len=131072)
+    assert cp_blocks_per_layer(model_costs(args), 131072, 8) == pytest.approx(len(args.nope_layers) * 7 / 48)
+
+
+def test_the_planner_plans_maverick(capsys):
+    from trainer.plan import main
+
+    assert main(["--model.name", "llama4", "--flavor", "17bx128e", "--ngpu", "256", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "400.71e9 parameters (17.18e9 active)" in out and "--model.name llama4 --flavor 17bx128e" in out
