@@ -218,3 +218,15 @@ def test_the_planner_plans_maverick(capsys):
     assert main(["--model.name", "llama4", "--flavor", "17bx128e", "--ngpu", "256", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert "400.71e9 parameters (17.18e9 active)" in out and "--model.name llama4 --flavor 17bx128e" in out
+
+
+def test_a_chunk_that_does_not_fit_the_cp_split_is_refused_before_the_first_step():
+    from trainer.parallel.context_parallel import check_cp_chunks
+
+    args = LLAMA4_FLAVORS["debugmodel"]  # chunk 16
+    for seq in (32, 64, 16):  # zigzag chunks 8, 16, 4: divisors of the chunk
+        check_cp_chunks(args, seq, 2)
+    check_cp_chunks(args, 256, 2)  # 64: a multiple
+    with pytest.raises(ValueError, match=r"^training.seq_len: with context_parallel_degree 2 each rank holds chunks "
+                                         r"of 48 / 4 = 12 tokens, which the attention chunk 16 of layer 0"):
+        check_cp_chunks(args, 48, 2)
