@@ -8,6 +8,10 @@ per-chunk calls. Shape: one sequence, Llama 4's head_dim 128 with grouped KV hea
 1 KV head instead of 40 on 8: both layers' time scales with the heads alike, and one causal pass
 stays within seconds on 2 idle cores).
 
+One thread (both layers alike): aten's CPU kernels run one parallel region per call, and on 2 cores
+shared with other processes each region's threads stall each other (a 2-thread run of this file did not
+finish in 15 minutes under a load of 14; single-threaded it takes about 2 minutes).
+
 The chunked call is first checked against the float64 reference at a small shape (out and gradients).
 
 Default run prints the table and the ratio; the bound is asserted only with ``BENCH_STRICT=1`` (idle
@@ -42,7 +46,15 @@ def test_chunked_vs_causal():
     for got, want in zip(_fwd_bwd(q, k, v, dout, causal=True, chunk_size=48)(), g64):
         assert _rel(got, want) < 1e-5
 
-    q, k, v, dout = _qkv(1, SEQ, HEADS, KV_HEADS, HEAD_DIM)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _time(*_qkv(1, SEQ, HEADS, KV_HEADS, HEAD_DIM))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time(q, k, v, dout):
     print("\nbackend: causal", tk.attention_backend(q, k, v).backend, "| chunked",
           tk.attention_backend(q, k, v, chunk_size=CHUNK).backend)
     fns = {"causal": _fwd_bwd(q, k, v, dout, causal=True),
