@@ -9,9 +9,10 @@ gradient norm within 1e-4 relative of the single-process run, 2 ranks each:
            the ring computes only the diagonal pairs of the chunked layers and skips the rest;
   slow     PP 2 (1F1B), and CP 2 at seq 32 with an attention chunk (24, a Hugging Face folder of the
            debug shapes read by ``--flavor custom``) longer than a rank's share (16). By default the
-           pipeline split is covered for the shared decoder by tests/distributed/test_pipeline*.py and
-           the ring's chunk pairs by tests/distributed/test_context_parallel*.py (chunk multiple of the
-           zigzag chunk) and by the CP 2 run above.
+           pipeline split of the shared decoder (which Llama 4's blocks are) is covered by
+           tests/distributed/test_parallel_layouts.py, and the ring's chunk pairs, a chunk a multiple
+           of the zigzag chunk included, by tests/distributed/test_context_parallel_attention.py and
+           the CP 2 run above.
 """
 import pytest
 

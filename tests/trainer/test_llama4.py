@@ -41,6 +41,9 @@ def test_hf_config_builds_the_same_layers_and_counts():
                                                if k not in ("architectures", "model_type", "torch_dtype")})
         assert [i for i, r in enumerate(cfg.no_rope_layers) if not r] == list(args.nope_layers)
         assert cfg.moe_layers == list(args.moe_layers) and cfg.layer_types == list(args.layer_types)
+        with torch.device("meta"):
+            hf = transformers.Llama4ForCausalLM(cfg)
+        assert sum(p.numel() for p in hf.parameters()) == args.num_params()
     assert LLAMA4_FLAVORS["17bx16e"].nope_layers[:2] == (3, 7)  # (i + 1) % 4 == 0, as the checkpoints
     assert LLAMA4_FLAVORS["17bx128e"].moe_layers[:2] == (1, 3)
 
