@@ -233,3 +233,42 @@ def test_a_chunk_that_does_not_fit_the_cp_split_is_refused_before_the_first_step
     with pytest.raises(ValueError, match=r"^training.seq_len: with context_parallel_degree 2 each rank holds chunks "
                                          r"of 48 / 4 = 12 tokens, which the attention chunk 16 of layer 0"):
         check_cp_chunks(args, 48, 2)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_score_before_experts_scales_each_experts_input(top_k):
+    # The MoE with score_before_experts against a per-token float64 loop: sum over the chosen experts e
+    # of expert_e(sigmoid(logit_e) * x), plus the shared expert; gradients through the weights too.
+    from trainer.models.moe import MoE
+
+    torch.manual_seed(0)
+    args = MoEArgs(num_experts=4, top_k=top_k, hidden_dim=24, num_shared_experts=1, score_func="sigmoid",
+                   route_norm=False, score_before_experts=True, load_balance="none")
+    moe = MoE(16, args)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.normal_(0, 0.3)
+    x = torch.randn(2, 5, 16, requires_grad=True)
+    out = moe(x)
+    x64 = x.detach().double().requires_grad_()
+    w = {n: p.detach().double().requires_grad_() for n, p in moe.named_parameters()}
+    tokens = x64.reshape(-1, 16)
+    logits = tokens @ w["router.gate.weight"].t()
+    top = logits.topk(top_k, dim=-1).indices
+    rows = []
+    for t in range(tokens.shape[0]):
+        y = torch.zeros(16, dtype=torch.float64)
+        for e in top[t].tolist():
+            h = torch.sigmoid(logits[t, e]) * tokens[t]
+            a, b = h @ w["experts.w1"][e], h @ w["experts.w3"][e]
+            y = y + (torch.nn.functional.silu(a) * b) @ w["experts.w2"][e]
+        rows.append(y)
+    shared = torch.nn.functional.silu(tokens @ w["shared_experts.w1.weight"].t()) * (tokens @ w["shared_experts.w3.weight"].t())
+    want = (torch.stack(rows) + shared @ w["shared_experts.w2.weight"].t()).view(2, 5, 16)
+    assert rel(out, want) < 1e-5
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want.backward(dout.double())
+    assert rel(x.grad, x64.grad) < 1e-5
+    for name, p in moe.named_parameters():
+        assert rel(p.grad, w[name].grad) < 1e-5, name
