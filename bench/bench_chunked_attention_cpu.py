@@ -3,7 +3,7 @@
 Target (issue 27, Llama 4): at seq 16384 with a chunk of 2048, forward + backward of the chunked layer
 takes at most 0.3x the time of the causal one, float32, on the CPU, measured alternately in one
 process (median of interleaved rounds). The scores it computes are 1/8 of causal's plus the chunks'
-diagonals (``trainer.models.args.attention_entries``: 0.125x), so the bound leaves room for the
+diagonals (``trainer.models.common.args.attention_entries``: 0.125x), so the bound leaves room for the
 per-chunk calls. Shape: one sequence, Llama 4's head_dim 128 with grouped KV heads (2 query heads on
 1 KV head instead of 40 on 8: both layers' time scales with the heads alike, and one causal pass
 stays within seconds on 2 idle cores).
@@ -28,7 +28,7 @@ from bench import common
 from bench.bench_attention_cpu import _fwd_bwd, _interleaved, _qkv, _rel, _report
 from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.reference import attention as ref
-from trainer.models.args import attention_entries
+from trainer.models.common.args import attention_entries
 
 SEQ, CHUNK = 16384, 2048
 HEADS, KV_HEADS, HEAD_DIM = 2, 1, 128

@@ -46,8 +46,8 @@ def test_pp2_equals_one_process(tmp_path, tmp_path_factory):
 
 @pytest.mark.slow  # ~20 s on 2 cores; the module docstring says what covers it by default
 def test_cp2_with_a_chunk_longer_than_a_ranks_share_equals_one_process(tmp_path, tmp_path_factory):
-    from trainer.checkpoint import Checkpointer
-    from trainer.hf.convert import dcp_to_hf
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.hf_convert import dcp_to_hf
     from trainer.models.llama4.args import LLAMA4_FLAVORS
     from tests.trainer.helpers import cpu_model
 

@@ -10,11 +10,11 @@ import torch
 from trainer import train
 from trainer.config import parse_args
 from trainer.hf import args_from_hf_config, hf_config
-from trainer.models.args import attention_entries
+from trainer.models.common.args import attention_entries
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
 from trainer.models.llama4.model import temperature_scale
-from trainer.models.moe_args import MoEArgs
-from trainer.models.registry import build_model
+from trainer.models.common.moe_args import MoEArgs
+from trainer.registry import build_model
 from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_refused_in_one_line, first_batch, hf_loss
@@ -208,15 +208,15 @@ def test_chunked_layers_count_only_their_chunks_in_the_flops():
 def test_cp_cost_model_counts_the_blocks_the_ring_sends():
     # 17bx128e at seq 131072 on cp 8: zigzag chunks of 8192 = the attention chunk, so a chunked layer's
     # ring needs no other rank's K/V block; only the 12 NoPE layers send theirs (cp - 1 each).
-    from trainer.estimate import model_costs
-    from trainer.estimate_comm import cp_blocks_per_layer
+    from trainer.estimate.memory import model_costs
+    from trainer.estimate.comm import cp_blocks_per_layer
 
     args = LLAMA4_FLAVORS["17bx128e"].replace(max_seq_len=131072)
     assert cp_blocks_per_layer(model_costs(args), 131072, 8) == pytest.approx(len(args.nope_layers) * 7 / 48)
 
 
 def test_the_planner_plans_maverick(capsys):
-    from trainer.plan import main
+    from trainer.estimate.plan import main
 
     assert main(["--model.name", "llama4", "--flavor", "17bx128e", "--ngpu", "256", "--top", "1"]) == 0
     out = capsys.readouterr().out
@@ -239,7 +239,7 @@ def test_a_chunk_that_does_not_fit_the_cp_split_is_refused_before_the_first_step
 def test_score_before_experts_scales_each_experts_input(top_k):
     # The MoE with score_before_experts against a per-token float64 loop: sum over the chosen experts e
     # of expert_e(sigmoid(logit_e) * x), plus the shared expert; gradients through the weights too.
-    from trainer.models.moe import MoE
+    from trainer.models.common.moe import MoE
 
     torch.manual_seed(0)
     args = MoEArgs(num_experts=4, top_k=top_k, hidden_dim=24, num_shared_experts=1, score_func="sigmoid",

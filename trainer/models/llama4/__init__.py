@@ -3,7 +3,7 @@ layers with temperature tuning, top-1 sigmoid MoE with a shared expert interleav
 ``args`` holds the hyperparameters and flavors, ``model`` its attention, block and model, ``hf`` the
 Hugging Face ``Llama4ForCausalLM`` adapter."""
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
-from trainer.models.registry import ModelSpec
+from trainer.registry import ModelSpec
 
 SPEC = ModelSpec(
     name="llama4", title="Llama 4", args_cls=Llama4Args, flavors=LLAMA4_FLAVORS,

@@ -27,8 +27,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.args import ModelArgs
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.args import ModelArgs
+from trainer.models.common.moe_args import MoEArgs
 
 # Llama 4 Scout's rope_scaling (config.json); Maverick has none.
 SCOUT_ROPE_SCALING = dict(factor=16.0, low_freq_factor=1.0, high_freq_factor=1.0, original_max_position_embeddings=8192)

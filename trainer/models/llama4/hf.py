@@ -28,7 +28,7 @@ from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope
 from trainer.hf.common import rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 
 _FFN = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 KEY_MAP: dict[str, str] = {

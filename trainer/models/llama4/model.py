@@ -12,8 +12,8 @@ from torch import nn
 
 import titan_kernels
 from titan_kernels.nn import RotaryEmbedding
-from trainer.models.attention import Attention
-from trainer.models.decoder import Transformer, TransformerBlock
+from trainer.models.common.attention import Attention
+from trainer.models.common.decoder import Transformer, TransformerBlock
 
 
 def temperature_scale(positions: torch.Tensor, floor_scale: int, attn_scale: float) -> torch.Tensor:
