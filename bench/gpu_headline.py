@@ -21,6 +21,9 @@ the stage's time, and the results are saved after each group, so a time-out lose
                   64 / 8 heads, head_dim 64) against full causal and FlashAttention's window where
                   installed, and MLA's head dims (192 / 128, 8k causal) against SDPA; TFLOP/s over
                   the unmasked score entries only (bench/bench_attention_variants.py)
+  attention_chunked  fwd+bwd of Llama 4's chunked attention (chunk 8192, 40 / 8 heads, head_dim 128) at
+                  seq 32k against causal at the same shape; TFLOP/s over the unmasked score entries
+                  (bench/bench_chunked_attention.py)
   fp8_gemm        tensorwise at the Llama 3 8B q/o, FFN up and FFN down shapes (16384 tokens):
                   titan, titan-triton vs torch._scaled_mm and bf16 torch.mm
   float8_linear   Float8Linear fwd+bwd at the 8B FFN up shape vs bf16 nn.Linear (torchao if present)
@@ -71,6 +74,8 @@ GROUPS = [
      {"pass_": ["fwd", "bwd"], "shape": [(4096, 128, True), (8192, 128, True)]}, 0.17),
     ("attention_variants", "bench.bench_attention_variants", "test_attention_variant",
      {"pass_": ["fwd+bwd"], "seq": [8192, 32768]}, 0.12),
+    ("attention_chunked", "bench.bench_chunked_attention", "test_chunked_attention",
+     {"pass_": ["fwd+bwd"], "seq": [32768]}, 0.04),
     ("fp8_gemm", "bench.bench_fp8", "test_fp8_gemm",
      {"shape": ["8B.attn_qo", "8B.ffn_up", "8B.ffn_down"], "gran": ["tensorwise"]}, 0.12),
     ("float8_linear", "bench.bench_fp8", "test_float8_linear_fwd_bwd",

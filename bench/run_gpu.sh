@@ -20,8 +20,8 @@
 #   train       200   python -m trainer: the debug model, then Llama 3 8B cut to 4 layers (seq 8192,
 #                     bf16, FSDP2 on one GPU) eager, compiled and float8: tokens/s, MFU, memory, loss
 #   correctness  75   every op and backend against float64 on CUDA tensors, a few shapes each
-#   headline    130   RMSNorm, triton_op vs custom_op, rotary, attention, fp8 GEMM, Float8Linear,
-#                     SwiGLU / cross-entropy when their bench files exist, grouped GEMM, the AdamW
+#   headline    130   RMSNorm, triton_op vs custom_op, rotary, attention (and Llama 4's chunked attention),
+#                     fp8 GEMM, Float8Linear, SwiGLU / cross-entropy when their bench files exist, grouped GEMM, the AdamW
 #                     step and Newton-Schulz (optimizers); ratios to baselines
 #   native       50   the native CUDA extension and standalone kernels (built in the background
 #                     since stage 3), their tests and ctest

@@ -348,7 +348,9 @@ def f64_llama_freqs(rotary_dim: int, theta: float, scaling: dict | None) -> list
     return freqs if scaling is None else llama31_scaled_freqs64(freqs, scaling)
 
 
-@pytest.mark.parametrize("scaling", [None, LLAMA31], ids=["plain", "llama3.1"])
+# Llama 4 Scout: equal low and high factors, no blended band.
+@pytest.mark.parametrize("scaling", [None, LLAMA31, dict(LLAMA31, factor=16.0, high_freq_factor=1.0)],
+                         ids=["plain", "llama3.1", "llama4-scout"])
 @pytest.mark.parametrize("head_dim,rotary_dim,theta", [(128, None, 500000.0), (64, 40, 10000.0)])
 def test_rope_cos_sin_matches_float64(scaling, head_dim, rotary_dim, theta):
     max_pos = 131072  # Llama 3.1 context: large angles, where float32 angle math would drift
@@ -400,8 +402,8 @@ def test_rope_cos_sin_errors():
         tk.rope_cos_sin(16, 8, scaling=dict(factor=8.0))
     with pytest.raises(ValueError, match="scaling"):
         tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, beta=1.0))
-    with pytest.raises(ValueError, match="high_freq_factor"):
-        tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, high_freq_factor=1.0))
+    with pytest.raises(ValueError, match="high_freq_factor >= low_freq_factor"):
+        tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, high_freq_factor=0.5))
     with pytest.raises(ValueError, match=r"scaling\['factor'\]"):
         tk.rope_cos_sin(16, 8, scaling=dict(LLAMA31, factor=0.0))
     with pytest.raises(ValueError, match="YaRN takes keys .* got unknown .'high_freq_factor'"):

@@ -89,9 +89,10 @@ def check_scaling(scaling: object) -> dict:
         raise ValueError(f"scaling: expected keys {LLAMA3_KEYS} (Llama 3.1 scaling), got unknown {sorted(extra)}, "
                          f"missing {missing}")
     out = {key: _check_positive(scaling[key], f"scaling[{key!r}]") for key in LLAMA3_KEYS}
-    if out["high_freq_factor"] <= out["low_freq_factor"]:
+    # Equal factors (Llama 4 Scout: 1 and 1) leave no blended band: each frequency is kept or divided.
+    if out["high_freq_factor"] < out["low_freq_factor"]:
         raise ValueError(
-            f"scaling: expected high_freq_factor > low_freq_factor, got {out['high_freq_factor']} <= {out['low_freq_factor']}"
+            f"scaling: expected high_freq_factor >= low_freq_factor, got {out['high_freq_factor']} < {out['low_freq_factor']}"
         )
     return out
 
@@ -116,7 +117,8 @@ def _llama3_freqs(freqs: torch.Tensor, sc: Mapping) -> torch.Tensor:
     low_wavelen = old_len / sc["low_freq_factor"]
     high_wavelen = old_len / sc["high_freq_factor"]
     wavelen = 2 * math.pi / freqs
-    smooth = (old_len / wavelen - sc["low_freq_factor"]) / (sc["high_freq_factor"] - sc["low_freq_factor"])
+    band = sc["high_freq_factor"] - sc["low_freq_factor"]
+    smooth = (old_len / wavelen - sc["low_freq_factor"]) / band if band > 0 else torch.zeros_like(freqs)
     blended = (1 - smooth) * freqs / sc["factor"] + smooth * freqs
     return torch.where(wavelen < high_wavelen, freqs, torch.where(wavelen > low_wavelen, freqs / sc["factor"], blended))
 
@@ -169,7 +171,7 @@ def rope_cos_sin(
     Raises:
         TypeError: a non-int size, a non-number theta or scaling value, scaling not a dict.
         ValueError: head_dim < 2, max_positions < 0, odd rotary_dim or one outside [2, head_dim],
-            theta not finite > 0, scaling keys missing/unknown, high_freq_factor <= low_freq_factor,
+            theta not finite > 0, scaling keys missing/unknown, high_freq_factor < low_freq_factor,
             an unknown rope_type.
     """
     head_dim = _check_int(head_dim, "head_dim", 2)

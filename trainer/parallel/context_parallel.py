@@ -62,6 +62,21 @@ def zigzag_indices(seq_len: int, cp: int, rank: int, device=None) -> torch.Tenso
     return torch.cat([first, second])
 
 
+def check_cp_chunks(args, seq_len: int, cp: int, key: str = "training.seq_len") -> None:
+    """Raise ValueError (naming ``key``) unless every chunked layer's attention chunk is a multiple or a
+    divisor of the zigzag chunk seq_len / (2 cp) (the ring's pairs lie in one attention chunk or in
+    whole ones, ``cp_schedule.pair``), so that a layout that cannot run says so before the first step."""
+    if cp == 1 or seq_len % (2 * cp):
+        return  # one rank, or the divisibility error of the config check
+    c = seq_len // (2 * cp)
+    for i in range(args.n_layers):
+        _, chunk = args.attention_window(i)
+        if chunk and chunk % c and c % chunk:
+            raise ValueError(f"{key}: with context_parallel_degree {cp} each rank holds chunks of {seq_len} / {2 * cp} "
+                             f"= {c} tokens, which the attention chunk {chunk} of layer {i} neither divides nor is a "
+                             f"multiple of; choose a sequence length with that")
+
+
 class ContextParallel:
     """This rank's part of context parallel over ``cp_mesh`` (1-D): sharding, positions, ring attention."""
 

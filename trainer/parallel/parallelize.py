@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.compile import apply_compile
-from trainer.parallel.context_parallel import ContextParallel, apply_cp
+from trainer.parallel.context_parallel import ContextParallel, apply_cp, check_cp_chunks
 from trainer.parallel.expert_parallel import check_ep_divisibility, shard_experts
 from trainer.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainer.parallel.parallel_dims import ParallelDims
@@ -92,13 +92,17 @@ def parallelize_decoder(
 
     Raises ValueError naming the parallelism key when the model does not fit the layout (heads,
     FFN or vocabulary not divisible by tp, too few layers for the stages, bad split points, a
-    micro-batch count the schedule cannot take, tied embeddings with TP or PP) or async TP is asked
+    micro-batch count the schedule cannot take, tied embeddings with TP or PP, attention chunks that
+    do not fit the context-parallel split) or async TP is asked
     for off CUDA (RuntimeError).
     """
     p = config.parallelism
     args = model.args
     check_tp_divisibility(args, dims.tp)
     check_ep_divisibility(args, dims.ep, dims.tp)
+    check_cp_chunks(args, config.training.seq_len, dims.cp)
+    if config.validation.enable and config.validation.seq_len not in (-1, config.training.seq_len):
+        check_cp_chunks(args, config.validation.seq_len, dims.cp, "validation.seq_len")
     if config.compile.enable and dims.tp_enabled:
         if device.type != "cuda":
             raise ValueError(

@@ -107,16 +107,23 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         sinks = self.local_sinks()
         if self.context_parallel is not None:
-            q, k = rope(q, k, self.context_parallel.position_ids(seq, q.device))
+            q, k = self.position_qk(q, k, rope, self.context_parallel.position_ids(seq, q.device))
             extra = {"sinks": sinks} if sinks is not None else {}
             return self.wo(self.context_parallel(q, k, v, **self.mask, **extra).reshape(bsz, seq, -1))
-        q, k = rope(q, k, position_ids)
+        q, k = self.position_qk(q, k, rope, position_ids)
         out = attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks, max_logit=self.max_logit)
         return self.wo(out.reshape(bsz, seq, -1))
+
+    def position_qk(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding,
+                    position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (batch, seq, heads, head_dim) and k as attention takes them: the QK-norm, then the rotary
+        at ``position_ids`` ((batch, seq) or (seq,) global positions; None: 0..seq-1). A family
+        overrides it (Llama 4: NoPE layers, the norm after the rotation, temperature tuning)."""
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return rope(q, k, position_ids)
 
     def local_sinks(self) -> torch.Tensor | None:
         """The sink logits of this rank's heads (float32): under tensor parallel a head-sharded DTensor's

@@ -20,7 +20,9 @@ GEMMs, optional shared experts, and load balancing (auxiliary-loss-free bias or 
    the ranks holding their experts and back; this module does not change.
 4. Unpermute: every row's output times its weight, summed back into its token
    (``titan_kernels.moe_unpermute``, float32 accumulation).
-5. Shared experts (DeepSeek-V3): one SwiGLU every token goes through, added.
+   With ``score_before_experts`` (Llama 4) the weights scale the rows going into the experts instead
+   (``row_weights``), and the outputs are summed unweighted.
+5. Shared experts (DeepSeek-V3, Llama 4): one SwiGLU every token goes through, added.
 
 Load balancing (``MoEArgs.load_balance``):
   bias      the routed counts of every step accumulate in ``tokens_per_expert``; after each
@@ -185,6 +187,15 @@ class Router(nn.Module):
         return scores, idx, weights
 
 
+def row_weights(weights: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """The routing weight of each row of ``moe_permute``'s buffer: weights (T, top_k) float32, src (R,)
+    int64 (the (token, choice) slot of each row, -1 for padding) -> (R, 1), 0 on padding rows.
+    Differentiable in ``weights`` (a gather), no host sync."""
+    flat = weights.reshape(-1)
+    picked = flat.gather(0, src.clamp_min(0))
+    return torch.where(src >= 0, picked, torch.zeros_like(picked)).unsqueeze(1)
+
+
 def limit_groups(choice: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
     """DeepSeek-V3's group-limited routing (sec. 2.1.2; its ``n_group`` / ``topk_group``): the experts
     form ``n_group`` equal groups; each token keeps the ``topk_group`` groups whose two best
@@ -321,9 +332,15 @@ class MoE(nn.Module):
         if counting:
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
-        routed = self.experts(rows, counts)
-        # Unpermute: each (token, expert) output times its weight, summed into the token (one fused pass).
-        out = titan_kernels.moe_unpermute(routed, routing, weights).view(bsz, seq, dim)
+        if a.score_before_experts:
+            # Llama 4: the weight scales the expert's input; the outputs are then summed as they are.
+            rows = rows * row_weights(weights, routing.src).to(rows.dtype)
+            routed = self.experts(rows, counts)
+            out = titan_kernels.moe_unpermute(routed, routing).view(bsz, seq, dim)
+        else:
+            routed = self.experts(rows, counts)
+            # Unpermute: each (token, expert) output times its weight, summed into the token (one fused pass).
+            out = titan_kernels.moe_unpermute(routed, routing, weights).view(bsz, seq, dim)
         if self.tp_mesh is not None:
             from torch.distributed.tensor import DTensor, Partial, Shard
 

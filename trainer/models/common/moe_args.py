@@ -31,6 +31,10 @@ class MoEArgs:
     g sigmoid(alpha g)`` with g = min(gate, limit) (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7,
     ``swiglu_up_offset`` 1; limit 0 = none: the plain SwiGLU).
 
+    ``score_before_experts`` (Llama 4): each routed row is multiplied by its weight on the way *into*
+    its expert, and the expert outputs are summed unweighted (by default the weights scale the
+    outputs); the two differ because the SwiGLU is not linear.
+
     ``load_balance``: "bias" = auxiliary-loss-free balancing (Wang et al. 2024, arXiv 2408.15664;
     DeepSeek-V3's ``e_score_correction_bias``): a per-expert bias added to the scores for the top-k
     choice only, moved by ``bias_update_rate * sign(mean load - load)`` after each optimizer step;
@@ -52,6 +56,7 @@ class MoEArgs:
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
     swiglu_up_offset: float = 0.0
+    score_before_experts: bool = False
     load_balance: str = "bias"
     bias_update_rate: float = 1e-3
     aux_loss_coeff: float = 1e-3
