@@ -1,0 +1,296 @@
+"""KV caches for generation, one class per attention layer kind (DESIGN.md section 4b).
+
+A cache is owned by the attention module that uses it (``module.kv_cache``; the module's forward
+hands it q, k, v after the rotary and takes back the attention output). All caches of a model share
+one :class:`CacheState`, which the generation loop advances: which phase runs (prefill or decode),
+how many tokens each sequence holds, and the prefill's packing.
+
+Phases:
+  prefill  the prompts of a batch packed into one row without padding (positions restarting at 0
+           per prompt): attention is the model's own ``flash_attn_varlen`` over the prompts, and
+           each cache keeps the keys its layer kind needs.
+  decode   one new token per sequence: its key/value is written into the cache, then one query
+           attends over the cache through ``flash_attn`` (the same count of visible keys in every
+           row: one dense call, bottom-right causal alignment makes the one query see them all) or
+           ``flash_attn_varlen`` (rows of different counts: each row's keys are one document, the
+           unused slots after them a document without queries, so no copy and no padding is read).
+
+Layer kinds (what a row keeps; a slot is where the key of position p lives):
+  FullCache           every position, slot p (grows to the batch's longest sequence).
+  SlidingWindowCache  a ring of W slots, slot p mod W: the window of the query at p is p-W+1..p,
+                      which the ring holds once it has written p (GPT-OSS; sinks join each step).
+  ChunkedCache        the current chunk of C positions, slot p mod C: the query at p sees
+                      C*(p//C)..p (Llama 4's chunked attention).
+  MLACache            (``trainer.generate.mla_cache``) the normed latent and the rotary key.
+
+Keys are stored after the rotary, so the order of the slots is irrelevant to the softmax. Memory
+for every cache is allocated once, at the prefill, for the batch and its longest sequence
+(``CacheState.capacity``), in the dtype and on the device of the keys; under tensor parallel each
+rank holds its own heads (the shapes come from the module's local k/v).
+
+A new layer kind is a subclass giving ``size`` (slots per row), ``keep`` (which prefill positions
+stay) and ``visible`` (how many slots the query at a position reads); ``cache_kind`` picks the
+class of a module, and ``CACHE_KINDS`` lets a family add its own rule.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+import titan_kernels
+from trainer.models.attention import attend
+
+
+class CacheState:
+    """What every cache of a model shares during one generation (the loop sets it; the caches read it).
+
+    Attributes:
+        batch: sequences in the batch.
+        capacity: the most tokens any sequence reaches (longest prompt + max_new_tokens); slots of
+            a full cache.
+        lengths: int64 (batch,) tokens each sequence holds before the current forward (the position
+            of its next token), on the model's device; ``lengths_host`` the same as a list.
+        phase: "prefill" or "decode".
+        prompt_lengths: the prompts' lengths (prefill), their packing ``cu_seqlens`` int32
+            (batch + 1,), and for each packed token its row ``rows`` and position ``positions``
+            (int64 (total,)).
+    """
+
+    def __init__(self, prompt_lengths: list[int], capacity: int, device: torch.device) -> None:
+        if not prompt_lengths or min(prompt_lengths) < 1:
+            raise ValueError(f"prompts: expected at least one prompt of at least one token, got lengths {prompt_lengths}")
+        if max(prompt_lengths) > capacity:
+            raise ValueError(f"capacity: {capacity} is shorter than the longest prompt ({max(prompt_lengths)})")
+        self.batch, self.capacity, self.device = len(prompt_lengths), capacity, device
+        self.prompt_lengths = list(prompt_lengths)
+        lengths = torch.tensor(prompt_lengths, dtype=torch.int64)
+        self.cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32).to(device)
+        self.rows = torch.repeat_interleave(torch.arange(self.batch), lengths).to(device)
+        self.positions = torch.cat([torch.arange(n) for n in prompt_lengths]).to(device)
+        self.lengths = torch.zeros(self.batch, dtype=torch.int64, device=device)
+        self.lengths_host = [0] * self.batch
+        self.phase = "prefill"
+        self._plans: dict = {}
+
+    def prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, position_ids), each (1, total) int64: the prompts packed into one row."""
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)[None]
+        return tokens, self.positions[None]
+
+    def decode_inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens (batch, 1), position_ids (batch, 1)) of a decode step on the new ``tokens`` (batch,)."""
+        return tokens.view(self.batch, 1), self.lengths.view(self.batch, 1)
+
+    def start_decode(self) -> None:
+        """After the prefill: every sequence holds its prompt."""
+        self.phase = "decode"
+        self.lengths_host = list(self.prompt_lengths)
+        self.lengths = torch.tensor(self.lengths_host, dtype=torch.int64, device=self.device)
+        self._plans.clear()
+
+    def advance(self) -> None:
+        """After a decode step: every sequence holds one more token."""
+        if any(n >= self.capacity for n in self.lengths_host):
+            raise RuntimeError(f"generation: a sequence would pass the cache's capacity of {self.capacity} tokens")
+        self.lengths_host = [n + 1 for n in self.lengths_host]
+        self.lengths += 1
+        self._plans.clear()
+
+    def decode_plan(self, key, visible: Callable[[int], int], slots: int):
+        """The attention layout of this decode step for a cache of ``slots`` slots per row whose query
+        at position p reads ``visible(p)`` slots: ``("dense", n)`` when every row reads n slots, else
+        ``("varlen", cu_q, cu_k, max_k)`` (one document of keys per row and one of the unused slots
+        after them). Computed once per step and layer kind ``key`` (the layers of a kind share it)."""
+        plan = self._plans.get(key)
+        if plan is None:
+            counts = [visible(p) for p in self.lengths_host]
+            if len(set(counts)) == 1:
+                plan = ("dense", counts[0])
+            else:
+                cu_q, cu_k = [0], [0]
+                for b, n in enumerate(counts):
+                    cu_q += [b + 1, b + 1]
+                    cu_k += [b * slots + n, (b + 1) * slots]
+                to = dict(dtype=torch.int32, device=self.device)
+                plan = ("varlen", torch.tensor(cu_q, **to), torch.tensor(cu_k, **to), slots)
+            self._plans[key] = plan
+        return plan
+
+
+def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, softmax_scale=None, sinks=None):
+    """One query per row (q (batch, 1, heads, d)) over cached keys k (batch, slots, kv_heads, d) /
+    v (batch, slots, kv_heads, dv) laid out by ``CacheState.decode_plan``; returns (batch, 1, heads, dv)."""
+    extra = {} if sinks is None else {"sinks": sinks}
+    if plan[0] == "dense":
+        n = plan[1]
+        return titan_kernels.flash_attn(q, k[:, :n], v[:, :n], causal=True, softmax_scale=softmax_scale, **extra)
+    _, cu_q, cu_k, slots = plan
+    b = q.shape[0]
+    out = titan_kernels.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 1, slots,
+                                          causal=True, softmax_scale=softmax_scale, **extra)
+    return out.view(b, 1, *out.shape[1:])
+
+
+class KVCache:
+    """The cache of one attention layer of the shared kind (GQA with rotary keys): keys and values
+    (batch, size, kv_heads, head_dim), written at ``slot(p)``. Subclasses define the layer kind."""
+
+    def __init__(self, state: CacheState) -> None:
+        self.state = state
+        self.k = self.v = None
+
+    # -- the layer kind: overridden by subclasses ----------------------------------------------------
+
+    def size(self) -> int:
+        """Slots per row."""
+        return self.state.capacity
+
+    def slot(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions % self.size()
+
+    def keep(self, positions: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Which prefill tokens (their positions, their prompt's lengths) the cache keeps."""
+        return torch.ones_like(positions, dtype=torch.bool)
+
+    def visible(self, position: int) -> int:
+        """Slots the query at ``position`` reads (after its own key is written)."""
+        return position + 1
+
+    def kind_key(self) -> tuple:
+        """Equal for the caches that read the same slots (they share one decode plan per step)."""
+        return (type(self), self.size(), getattr(self, "window", None), getattr(self, "chunk", None))
+
+    # -- shared ----------------------------------------------------------------------------------------
+
+    def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        b, n = self.state.batch, self.size()
+        self.k = k.new_zeros((b, n, *k.shape[2:]))
+        self.v = v.new_zeros((b, n, *v.shape[2:]))
+
+    def _store_prefill(self, *tensors_and_buffers) -> None:
+        st = self.state
+        lengths = torch.tensor(st.prompt_lengths, device=st.device)[st.rows]
+        kept = self.keep(st.positions, lengths)
+        rows, slots = st.rows[kept], self.slot(st.positions[kept])
+        for src, buf in tensors_and_buffers:
+            buf[rows, slots] = src[0][kept].to(buf.dtype)
+
+    def _store_decode(self, *tensors_and_buffers) -> None:
+        st = self.state
+        rows, slots = torch.arange(st.batch, device=st.device), self.slot(st.lengths)
+        for src, buf in tensors_and_buffers:
+            buf[rows, slots] = src[:, 0].to(buf.dtype)
+
+    def attend(self, q, k, v, position_ids, cu_seqlens, mask: dict, sinks=None, softmax_scale=None):
+        """The attention of the module's q (batch, seq, heads, d), k/v (batch, seq, kv_heads, .) (after
+        the rotary), which it would have run itself with ``mask``; keeps k/v. Returns
+        (batch, seq, heads, dv)."""
+        if self.state.phase == "prefill":
+            if self.k is None:
+                self._allocate(k, v)
+            self._store_prefill((k, self.k), (v, self.v))
+            return attend(q, k, v, position_ids, cu_seqlens, mask, softmax_scale=softmax_scale, sinks=sinks)
+        self._store_decode((k, self.k), (v, self.v))
+        plan = self.state.decode_plan(self.kind_key(), self.visible, self.size())
+        return attend_cached(q, self.k, self.v, plan, softmax_scale, sinks)
+
+
+class FullCache(KVCache):
+    """Causal attention over the whole sequence: every position kept, slot p."""
+
+    def slot(self, positions: torch.Tensor) -> torch.Tensor:
+        return positions
+
+
+class SlidingWindowCache(KVCache):
+    """A sliding window of ``window`` keys (the query's own included): a ring buffer of that many slots."""
+
+    def __init__(self, state: CacheState, window: int) -> None:
+        super().__init__(state)
+        self.window = window
+
+    def size(self) -> int:
+        return min(self.window, self.state.capacity)
+
+    def keep(self, positions, lengths):
+        return positions >= lengths - self.window
+
+    def visible(self, position: int) -> int:
+        return min(position + 1, self.window)
+
+
+class ChunkedCache(KVCache):
+    """Chunked attention (chunks of ``chunk`` absolute positions): the current chunk only."""
+
+    def __init__(self, state: CacheState, chunk: int) -> None:
+        super().__init__(state)
+        self.chunk = chunk
+
+    def size(self) -> int:
+        return min(self.chunk, self.state.capacity)
+
+    def keep(self, positions, lengths):
+        return positions >= (lengths - 1) // self.chunk * self.chunk
+
+    def visible(self, position: int) -> int:
+        return position % self.chunk + 1
+
+
+def _shared_kind(module, state: CacheState):
+    """The shared ``Attention``'s kind from its mask (``trainer.models.attention.layer_mask``)."""
+    mask = getattr(module, "mask", None)
+    if mask is None:
+        return None
+    if mask.get("chunk_size"):
+        return ChunkedCache(state, int(mask["chunk_size"]))
+    left, right = mask.get("window_size", (-1, -1))
+    if right not in (0, -1):
+        raise ValueError(f"generation: a window reaching {right} tokens ahead cannot decode one token at a time")
+    if left >= 0:
+        return SlidingWindowCache(state, left + 1)
+    return FullCache(state)
+
+
+def _mla_kind(module, state: CacheState):
+    from trainer.models.deepseek_v3.attention import MLA
+
+    if isinstance(module, MLA):
+        from trainer.generate.mla_cache import MLACache
+
+        return MLACache(state)
+    return None
+
+
+# Rules, first match wins: module -> a cache for it, or None. A family with its own attention kind
+# appends (or prepends) its rule here; the shared kinds come last.
+CACHE_KINDS: list[Callable] = [_mla_kind, _shared_kind]
+
+
+def cache_kind(module, state: CacheState):
+    """The cache of attention ``module`` for a generation with ``state``; ValueError if no rule takes it."""
+    for rule in CACHE_KINDS:
+        cache = rule(module, state)
+        if cache is not None:
+            return cache
+    raise ValueError(f"generation: no KV cache kind for attention module {type(module).__name__}")
+
+
+def attention_modules(model) -> list:
+    """The attention modules of ``model``'s main layers (those holding a ``kv_cache`` attribute)."""
+    return [layer.attention for layer in model.layers.values() if hasattr(layer.attention, "kv_cache")]
+
+
+def install_caches(model, state: CacheState) -> list:
+    """Give every attention layer of ``model`` its cache for ``state``; returns the caches."""
+    caches = []
+    for module in attention_modules(model):
+        module.kv_cache = cache_kind(module, state)
+        caches.append(module.kv_cache)
+    return caches
+
+
+def remove_caches(model) -> None:
+    """Back to training behaviour: no attention layer keeps a cache."""
+    for module in attention_modules(model):
+        module.kv_cache = None
