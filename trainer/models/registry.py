@@ -43,6 +43,10 @@ class ModelSpec:
             or None when the family has no Hugging Face counterpart.
         hf_model_types: the ``model_type`` values of config.json this family reads.
         parallelize: ``"module:function"`` replacing the shared ``parallelize_decoder``, or None.
+        generate: ``"module:function"`` of the family's own ``python -m trainer.generate``,
+            ``fn(config, options) -> exit code`` (the JobConfig and the parsed generation options,
+            ``trainer.generate.cli``), for a family that is not a text decoder; None = the decoder's
+            KV-cache generation.
         extra: anything else a family wants to hand its own hooks.
     """
 
@@ -55,6 +59,7 @@ class ModelSpec:
     hf_adapter: str | None = None
     hf_model_types: tuple[str, ...] = ()
     parallelize: str | None = None
+    generate: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def load(self, what: str) -> Any:
