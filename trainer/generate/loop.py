@@ -30,6 +30,7 @@ class Completion:
     ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: str = "length"
+    logits: list = field(default_factory=list)  # float32 (vocab,) per token, with ``record_logits``
 
 
 @dataclass
@@ -74,7 +75,7 @@ def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
 def generate(model, prompts: list[list[int]], max_new_tokens: int, params: SamplingParams = SamplingParams(), *,
              eos_ids: tuple[int, ...] = (), stop: Callable[[int, list[int]], bool] | None = None,
              on_token: Callable[[int, int], None] | None = None, generator: torch.Generator | None = None,
-             timing: Timing | None = None) -> list[Completion]:
+             timing: Timing | None = None, record_logits: bool = False) -> list[Completion]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (one batch).
 
     Args:
@@ -87,6 +88,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, params: Sampl
         on_token: ``on_token(row, token)``, called for every new token of an unfinished row (streaming).
         generator: the random generator of the draws (on the model's device).
         timing: accumulates the prefill and decode tokens and seconds.
+        record_logits: keep each generated token's float32 logits in ``Completion.logits`` (tests).
 
     Returns one :class:`Completion` per prompt, in order.
 
@@ -130,6 +132,8 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, params: Sampl
                     continue
                 out[b].ids.append(tok)
                 out[b].logprobs.append(lp)
+                if record_logits:
+                    out[b].logits.append(logits[b].clone())
                 if on_token is not None:
                     on_token(b, tok)
                 if tok in eos_ids:
