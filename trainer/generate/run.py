@@ -24,8 +24,8 @@ logger = logging.getLogger("trainer")
 class Streamer:
     """Prints one row's text as its tokens come (``on_token``), holding back a partial UTF-8 character."""
 
-    def __init__(self, tokenizer, out=sys.stdout) -> None:
-        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None) -> None:
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)

@@ -1,0 +1,106 @@
+"""``python -m trainer.generate`` and ``python -m trainer.eval`` on a run's own checkpoint folder: one
+short training run (validation and a DCP checkpoint at its last step) is generated from and evaluated
+with the run's own flags; ``trainer.eval`` gives the loss the run's validation logged (1e-5);
+``--json`` lines, BOS first, stop strings, EOS, Hugging Face folders, and one-line errors."""
+import json
+
+import pytest
+import torch
+
+from trainer.eval import main as eval_main
+from trainer.generate.cli import main as generate_main
+from tests.trainer.helpers import train_records
+
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
+
+RUN = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
+       "--validation.enable", "--validation.freq", "3", "--validation.steps", "2", "--validation.seq_len", "48",
+       "--checkpoint.enable", "--checkpoint.interval", "3", "--training.dataset_path", "tests/data/tinyshakespeare.txt"]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("run")
+    torch.set_num_threads(1)
+    records = train_records(folder, *RUN)
+    return folder, records
+
+
+def _json_lines(capsys) -> list[dict]:
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+
+
+def test_eval_equals_the_in_run_validation_loss(run, capsys):
+    folder, records = run
+    val = [r for r in records if "val_loss" in r][-1]
+    assert eval_main([*RUN, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    r = _json_lines(capsys)[0]
+    assert abs(r["loss"] - val["val_loss"]) < 1e-5 * max(1.0, val["val_loss"])
+    assert r["tokens"] == val.get("val_tokens", r["tokens"]) and r["batches"] == 2
+    # the byte tokenizer: one token per byte but BOS/EOS, so bits per byte ~ loss / ln 2
+    assert r["bits_per_byte"] == pytest.approx(r["loss"] / 0.6931471805599453 * r["tokens"] / r["bytes"])
+    assert r["bytes"] <= r["tokens"] and "step 3" in r["checkpoint"]
+
+
+def test_eval_prints_a_progress_bar_with_an_eta(run, capsys):
+    folder, _ = run
+    assert eval_main([*RUN, "--job.dump_folder", str(folder)]) == 0
+    out = capsys.readouterr()
+    assert "ETA" in out.err and "2/2" in out.err and "perplexity" in out.out
+
+
+def test_generate_from_the_run_folder_with_the_training_flags(run, capsys):
+    folder, _ = run
+    argv = [*RUN, "--job.dump_folder", str(folder), "--prompt", "To be", "--prompt", "KING RICHARD:\n",
+            "--max_new_tokens", "12", "--json"]
+    assert generate_main(argv) == 0
+    lines = _json_lines(capsys)
+    assert [x["prompt"] for x in lines] == ["To be", "KING RICHARD:\n"]
+    for x in lines:
+        assert x["prompt_ids"][0] == 256 and x["prompt_ids"][1:] == list(x["prompt"].encode())  # BOS first
+        assert len(x["ids"]) == len(x["logprobs"]) <= 12 and all(lp <= 0 for lp in x["logprobs"])
+        assert x["finish"] in ("eos", "length") and (x["finish"] == "eos") == (x["ids"][-1] == 257)
+    # batch size 1 and sampling at temperature 0 give the same tokens; a seed repeats a sampled run
+    assert generate_main([*argv, "--batch_size", "1"]) == 0
+    assert [x["ids"] for x in _json_lines(capsys)] == [x["ids"] for x in lines]
+    sampled = [*argv, "--temperature", "1.0", "--top_k", "50", "--top_p", "0.9", "--seed", "3"]
+    runs = []
+    for _ in range(2):
+        assert generate_main(sampled) == 0
+        runs.append([x["ids"] for x in _json_lines(capsys)])
+    assert runs[0] == runs[1] and len(runs[0]) == 2
+
+
+def test_stop_strings_streaming_and_the_throughput_line(run, capsys):
+    folder, _ = run
+    base = [*RUN, "--job.dump_folder", str(folder), "--prompt", "To be", "--max_new_tokens", "16"]
+    assert generate_main([*base, "--json"]) == 0
+    full = _json_lines(capsys)[0]
+    text = full["completion"]
+    stop = text[3:5] if len(text) >= 5 else None
+    if stop:
+        assert generate_main([*base, "--json", "--stop", stop]) == 0
+        cut = _json_lines(capsys)[0]
+        assert cut["finish"] == "stop" and cut["completion"] == text[:text.find(stop)]
+    assert generate_main(base) == 0
+    out = capsys.readouterr()
+    assert ("\nTo be" + text + "\n") in out.out and "tokens/s" in out.err and "prefill" in out.err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max_new_tokens", "0"], "--max_new_tokens: expected an integer >= 1"),
+    (["--top_p", "1.5"], "--top_p: expected a number in"),
+    (["--training.stpes", "3"], "did you mean --training.steps"),
+    ([], "no prompt"),
+])
+def test_bad_options_are_one_line(argv, message, capsys, tmp_path):
+    assert generate_main(["--job.dump_folder", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
+
+
+def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert generate_main(["--job.dump_folder", str(tmp_path), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "no checkpoint" in err and "\n" not in err
+    assert eval_main(["--job.dump_folder", str(tmp_path)]) == 1
