@@ -15,14 +15,15 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 RUN = ["--training.steps", "3", "--training.seq_len", "64", "--training.local_batch_size", "2",
        "--validation.enable", "--validation.freq", "3", "--validation.steps", "2", "--validation.seq_len", "48",
-       "--checkpoint.enable", "--checkpoint.interval", "3", "--training.dataset_path", "tests/data/tinyshakespeare.txt"]
+       "--checkpoint.enable", "--checkpoint.interval", "3", "--training.dataset_path", "tests/data/tinyshakespeare.txt",
+       "--validation.sample_prompts", "To be,KING", "--validation.sample_max_new_tokens", "6"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("run")
     torch.set_num_threads(1)
-    records = train_records(folder, *RUN)
+    records = train_records(folder, *RUN, "--metrics.enable_tensorboard")
     return folder, records
 
 
@@ -40,6 +41,24 @@ def test_eval_equals_the_in_run_validation_loss(run, capsys):
     # the byte tokenizer: one token per byte but BOS/EOS, so bits per byte ~ loss / ln 2
     assert r["bits_per_byte"] == pytest.approx(r["loss"] / 0.6931471805599453 * r["tokens"] / r["bytes"])
     assert r["bytes"] <= r["tokens"] and "step 3" in r["checkpoint"]
+
+
+def test_validation_writes_the_sample_completions(run):
+    folder, records = run
+    samples = [r for r in records if "samples" in r]
+    assert [r["step"] for r in samples] == [3]
+    assert [s["prompt"] for s in samples[0]["samples"]] == ["To be", "KING"]
+    assert all(isinstance(s["completion"], str) for s in samples[0]["samples"])
+    tb = list(folder.glob("tb/**/events*"))
+    assert tb and any(b"validation/samples" in f.read_bytes() for f in tb)
+
+
+def test_sample_prompts_need_validation_and_no_model_split():
+    from tests.trainer.helpers import config_error
+
+    assert "add --validation.enable" in config_error(["--validation.sample_prompts", "x"])
+    assert "data parallel only" in config_error(["--validation.enable", "--validation.sample_prompts", "x",
+                                                 "--parallelism.tensor_parallel_degree", "2"])
 
 
 def test_eval_prints_a_progress_bar_with_an_eta(run, capsys):
