@@ -11,7 +11,8 @@ both decode paths (absorbed and up-projected), and across chunk boundaries (a ch
 import pytest
 import torch
 
-from trainer.generate.cache import FullCache, SlidingWindowCache, ChunkedCache, CacheState, install_caches
+from trainer.generate.cache import CacheState, ChunkedCache, FullCache, SlidingWindowCache
+from trainer.generate.kinds import install_caches
 from trainer.generate.load import Source, materialize
 from trainer.generate.loop import generate
 from trainer.generate.mla_cache import MLACache

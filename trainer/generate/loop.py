@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from trainer.generate.cache import CacheState, install_caches, remove_caches
+from trainer.generate.cache import CacheState
+from trainer.generate.kinds import install_caches, remove_caches
 from trainer.generate.sampler import SamplingParams, sample
 
 
