@@ -472,8 +472,8 @@ class Trainer:
                         result = self.validator.evaluate()
                     self.metrics.exclude(result["val_time_s"])
                     self.metrics.log_validation(step, result)
-                    if v.sample_prompts:  # completions of the prompts (trainer/generate/samples.py)
-                        self.metrics.log_samples(step, self._samples())
+                if v.sample_prompts and (step == cfg_t.steps or (self.validator is not None and step % v.freq == 0)):
+                    self.metrics.log_samples(step, self._samples())  # trainer/generate/samples.py
                 self.checkpointer.poll()
                 stop = self._guard.should_stop()  # a preemption signal: every rank stops after this step
                 if self.checkpointer.should_save(step, cfg_t.steps) or (stop and self.config.checkpoint.enable):

@@ -53,12 +53,12 @@ def test_validation_writes_the_sample_completions(run):
     assert tb and any(b"validation/samples" in f.read_bytes() for f in tb)
 
 
-def test_sample_prompts_need_validation_and_no_model_split():
+def test_sample_prompts_need_a_model_that_is_not_split():
     from tests.trainer.helpers import config_error
 
-    assert "add --validation.enable" in config_error(["--validation.sample_prompts", "x"])
-    assert "data parallel only" in config_error(["--validation.enable", "--validation.sample_prompts", "x",
+    assert "data parallel only" in config_error(["--validation.sample_prompts", "x",
                                                  "--parallelism.tensor_parallel_degree", "2"])
+    assert "sample_max_new_tokens" in config_error(["--validation.sample_max_new_tokens", "0"])
 
 
 def test_eval_prints_a_progress_bar_with_an_eta(run, capsys):

@@ -325,8 +325,8 @@ class Validation:
         "validation and never trained on (1 in 50 = 2%)."
     )
     sample_prompts: list[str] = _opt(
-        [], "Prompts completed (greedy, KV cache) at each validation; printed and written to the metrics and "
-        "TensorBoard as text. Empty (default) = none."
+        [], "Prompts completed (greedy, KV cache) at each validation and at the end of training; printed and "
+        "written to metrics.jsonl and TensorBoard as text. Empty (default) = none."
     )
     sample_max_new_tokens: int = _opt(48, "Tokens generated per sample prompt at most.")
 

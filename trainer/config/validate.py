@@ -146,8 +146,6 @@ def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
     if v.dataset_path and not pathlib.Path(v.dataset_path).expanduser().exists():
         raise ConfigError(f"--validation.dataset_path: no such file or folder: {v.dataset_path!r}")
     need(v.sample_max_new_tokens >= 1, "sample_max_new_tokens", v.sample_max_new_tokens, "an integer >= 1")
-    if v.sample_prompts and not v.enable:
-        raise ConfigError("--validation.sample_prompts: the samples are written at each validation; add --validation.enable")
     if v.sample_prompts and max(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree) > 1:
         raise ConfigError("--validation.sample_prompts: sampling during training runs with data parallel only (no "
                           "tensor, pipeline or context parallel); use python -m trainer.generate on the checkpoint")
