@@ -11,7 +11,8 @@ Phases:
            each cache keeps the keys its layer kind needs.
   decode   one new token per sequence: its key/value is written into the cache, then one query
            attends over the cache through ``flash_attn`` (the same count of visible keys in every
-           row: one dense call, bottom-right causal alignment makes the one query see them all) or
+           row: one dense call; bottom-right causal alignment would let the one query see them all,
+           so it runs as the unmasked case, ``attend_cached``) or
            ``flash_attn_varlen`` (rows of different counts: each row's keys are one document, the
            unused slots after them a document without queries, so no copy and no padding is read).
 
@@ -120,15 +121,20 @@ class CacheState:
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, softmax_scale=None, sinks=None):
     """One query per row (q (batch, 1, heads, d)) over cached keys k (batch, slots, kv_heads, d) /
-    v (batch, slots, kv_heads, dv) laid out by ``CacheState.decode_plan``; returns (batch, 1, heads, dv)."""
+    v (batch, slots, kv_heads, dv) laid out by ``CacheState.decode_plan``; returns (batch, 1, heads, dv).
+
+    The one query of a row sees every key the plan gives it: with bottom-right alignment causal is
+    the same mask, so the call says causal=False, which every backend runs as its plain (unmasked)
+    case (on the CPU causal with seq_q < seq_k goes through the query-block decomposition instead;
+    measured 15 ms against 0.03 ms per call at batch 1, 150 keys, 16 heads)."""
     extra = {} if sinks is None else {"sinks": sinks}
     if plan[0] == "dense":
         n = plan[1]
-        return titan_kernels.flash_attn(q, k[:, :n], v[:, :n], causal=True, softmax_scale=softmax_scale, **extra)
+        return titan_kernels.flash_attn(q, k[:, :n], v[:, :n], causal=False, softmax_scale=softmax_scale, **extra)
     _, cu_q, cu_k, slots = plan
     b = q.shape[0]
     out = titan_kernels.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 1, slots,
-                                          causal=True, softmax_scale=softmax_scale, **extra)
+                                          causal=False, softmax_scale=softmax_scale, **extra)
     return out.view(b, 1, *out.shape[1:])
 
 
