@@ -123,3 +123,34 @@ def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert "no checkpoint" in err and "\n" not in err
     assert eval_main(["--job.dump_folder", str(tmp_path)]) == 1
+
+
+def test_the_readme_generation_commands_are_valid(monkeypatch):
+    """The README's ``-m trainer.generate`` / ``-m trainer.eval`` commands: every option exists and, where
+    no placeholder (DIR, a file to bring) stands in, the whole command line parses."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from tests.test_readme import README, _blocks, _commands
+    from trainer.config import all_keys, parse_args
+    from trainer.generate.cli import build_parser
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    found = 0
+    for _, code in _blocks("bash"):
+        for cmd in _commands(code):
+            words = shlex.split(cmd)
+            if "-m" not in words or words[words.index("-m") + 1] not in ("trainer.generate", "trainer.eval"):
+                continue
+            found += 1
+            argv = words[words.index("-m") + 2:]
+            ns, rest = build_parser().parse_known_args(argv)
+            rest = [a for a in rest if a not in ("--no_progress", "--json")]
+            for a in rest:
+                if a.startswith("--"):
+                    assert a[2:].split("=", 1)[0] in [*all_keys(), "flavor", "config"], cmd
+            if not any(re.fullmatch(r"[A-Z]+|\w+\.txt", a) for a in argv):
+                parse_args(rest)
+    assert found >= 5 and "python -m trainer.generate --prompt" in README
