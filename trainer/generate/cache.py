@@ -68,6 +68,7 @@ class CacheState:
         lengths = torch.tensor(prompt_lengths, dtype=torch.int64)
         self.cu_seqlens = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]).to(torch.int32).to(device)
         self.rows = torch.repeat_interleave(torch.arange(self.batch), lengths).to(device)
+        self.row_lengths = torch.repeat_interleave(lengths, lengths).to(device)  # each packed token's prompt length
         self.positions = torch.cat([torch.arange(n) for n in prompt_lengths]).to(device)
         self.lengths = torch.zeros(self.batch, dtype=torch.int64, device=device)
         self.lengths_host = [0] * self.batch
@@ -91,8 +92,9 @@ class CacheState:
         self._plans.clear()
 
     def advance(self) -> None:
-        """After a decode step: every sequence holds one more token."""
-        if any(n >= self.capacity for n in self.lengths_host):
+        """After a decode step: every sequence holds one more token. Raises RuntimeError when the next
+        token would not fit the cache (the loop sizes it so that this never happens)."""
+        if any(n + 1 >= self.capacity for n in self.lengths_host):
             raise RuntimeError(f"generation: a sequence would pass the cache's capacity of {self.capacity} tokens")
         self.lengths_host = [n + 1 for n in self.lengths_host]
         self.lengths += 1
@@ -176,8 +178,7 @@ class KVCache:
 
     def _store_prefill(self, *tensors_and_buffers) -> None:
         st = self.state
-        lengths = torch.tensor(st.prompt_lengths, device=st.device)[st.rows]
-        kept = self.keep(st.positions, lengths)
+        kept = self.keep(st.positions, st.row_lengths)
         rows, slots = st.rows[kept], self.slot(st.positions[kept])
         for src, buf in tensors_and_buffers:
             buf[rows, slots] = src[0][kept].to(buf.dtype)

@@ -28,7 +28,6 @@ Exit codes: 0 done; 1 no usable checkpoint, tokenizer or prompt (one line); 2 a 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
