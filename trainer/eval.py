@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 
@@ -123,7 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-h", "--help", action="store_true")
     ns, rest = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
     if ns.help:
-        print(__doc__)
+        try:
+            print(__doc__, flush=True)
+        except BrokenPipeError:  # `--help | head`: the reader left
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     try:
         config = parse_args(rest)
