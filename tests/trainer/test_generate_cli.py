@@ -154,3 +154,21 @@ def test_the_readme_generation_commands_are_valid(monkeypatch):
             if not any(re.fullmatch(r"[A-Z]+|\w+\.txt", a) for a in argv):
                 parse_args(rest)
     assert found >= 5 and "python -m trainer.generate --prompt" in README
+
+
+def test_the_newest_step_of_a_run_folder_is_read_dcp_or_hugging_face(tmp_path):
+    from trainer.config import parse_args
+    from trainer.generate.load import resolve_source
+
+    ckpt = tmp_path / "checkpoint"
+    for name, marker in (("step-2", ".metadata"), ("hf-step-3", "config.json"), ("step-5", None)):
+        (ckpt / name).mkdir(parents=True)
+        if marker:
+            (ckpt / name / marker).write_text("{}")
+    config = parse_args(["--job.dump_folder", str(tmp_path)])
+    src = resolve_source(config)  # step-5 is incomplete (no .metadata): hf-step-3 is the newest
+    assert (src.kind, src.path.name) == ("hf", "hf-step-3")
+    (ckpt / "hf-step-3" / "config.json").unlink()
+    assert resolve_source(config).path.name == "step-2"
+    explicit = parse_args(["--checkpoint.initial_load_path", str(ckpt / "step-2")])
+    assert resolve_source(explicit).kind == "dcp"
