@@ -75,10 +75,20 @@ class CacheState:
         self.phase = "prefill"
         self._plans: dict = {}
 
-    def prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(tokens, position_ids), each (1, total) int64: the prompts packed into one row."""
-        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)[None]
-        return tokens, self.positions[None]
+    def prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(tokens, position_ids) of the prefill: the prompts packed into one row, each (1, total) int64
+        (attention per prompt through ``flash_attn_varlen``); prompts of one length are already
+        unpadded as a (batch, length) batch, which runs the dense causal attention instead (one
+        kernel call rather than one per prompt), position_ids None. Either way the tokens are in the
+        order of ``rows`` / ``positions``."""
+        tokens = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=self.device)
+        if len(set(self.prompt_lengths)) == 1:
+            return tokens.view(self.batch, -1), None
+        return tokens[None], self.positions[None]
+
+    def last_positions(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden state (batch, dim) of each prompt from the prefill's output."""
+        return hidden.flatten(0, 1)[self.cu_seqlens[1:].long() - 1]
 
     def decode_inputs(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(tokens (batch, 1), position_ids (batch, 1)) of a decode step on the new ``tokens`` (batch,)."""
@@ -180,8 +190,8 @@ class KVCache:
         st = self.state
         kept = self.keep(st.positions, st.row_lengths)
         rows, slots = st.rows[kept], self.slot(st.positions[kept])
-        for src, buf in tensors_and_buffers:
-            buf[rows, slots] = src[0][kept].to(buf.dtype)
+        for src, buf in tensors_and_buffers:  # src: (1, total, ...) packed or (batch, length, ...)
+            buf[rows, slots] = src.flatten(0, 1)[kept].to(buf.dtype)
 
     def _store_decode(self, *tensors_and_buffers) -> None:
         st = self.state

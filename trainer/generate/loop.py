@@ -1,4 +1,5 @@
-"""The generation loop of a decoder: prefill the prompts packed without padding, then decode one
+"""The generation loop of a decoder: prefill the prompts without padding (packed into one row, or as
+a batch when they have one length), then decode one
 token per sequence per step from the KV caches (``trainer.generate.cache``), sampling outside the
 model (``trainer.generate.sampler``).
 
@@ -102,9 +103,10 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, params: Sampl
     device = next(model.parameters()).device
     capacity = max(lengths, default=0) + max_new_tokens
     limit = model.args.max_seq_len
-    if capacity > limit or sum(lengths) > limit:
+    packed = sum(lengths) if len(set(lengths)) > 1 else 0  # prompts of one length prefill as a batch
+    if capacity > limit or packed > limit:
         raise ValueError(f"max_seq_len: the model takes {limit} positions, but this batch needs "
-                         f"{max(capacity, sum(lengths))} (longest prompt + max_new_tokens, and the packed prompts)")
+                         f"{max(capacity, packed)} (longest prompt + max_new_tokens, and the packed prompts)")
     state = CacheState(lengths, capacity, device)
     out = [Completion(list(p)) for p in prompts]
     done = [False] * len(prompts)
@@ -118,7 +120,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, params: Sampl
         t0 = time.perf_counter()
         tokens, positions = state.prefill_inputs(prompts)
         hidden = model(tokens, positions)
-        logits = _logits(model, hidden[0, state.cu_seqlens[1:].long() - 1])
+        logits = _logits(model, state.last_positions(hidden))
         _sync(device)
         t.prefill_tokens, t.prefill_s = sum(lengths), time.perf_counter() - t0
         state.start_decode()
