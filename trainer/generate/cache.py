@@ -70,6 +70,7 @@ class CacheState:
         self.rows = torch.repeat_interleave(torch.arange(self.batch), lengths).to(device)
         self.row_lengths = torch.repeat_interleave(lengths, lengths).to(device)  # each packed token's prompt length
         self.positions = torch.cat([torch.arange(n) for n in prompt_lengths]).to(device)
+        self.batch_rows = torch.arange(self.batch, device=device)
         self.lengths = torch.zeros(self.batch, dtype=torch.int64, device=device)
         self.lengths_host = [0] * self.batch
         self.phase = "prefill"
@@ -195,7 +196,7 @@ class KVCache:
 
     def _store_decode(self, *tensors_and_buffers) -> None:
         st = self.state
-        rows, slots = torch.arange(st.batch, device=st.device), self.slot(st.lengths)
+        rows, slots = st.batch_rows, self.slot(st.lengths)
         for src, buf in tensors_and_buffers:
             buf[rows, slots] = src[:, 0].to(buf.dtype)
 
