@@ -172,3 +172,27 @@ def test_the_newest_step_of_a_run_folder_is_read_dcp_or_hugging_face(tmp_path):
     assert resolve_source(config).path.name == "step-2"
     explicit = parse_args(["--checkpoint.initial_load_path", str(ckpt / "step-2")])
     assert resolve_source(explicit).kind == "dcp"
+
+
+CALLS = []
+
+
+def toy_sampler(config, options) -> int:
+    """A family's own sampler (what Flux plugs in): it gets the configuration and the generation options."""
+    CALLS.append((config.model.name, options.prompt, options.seed))
+    return 0
+
+
+def test_a_family_that_is_not_a_decoder_brings_its_own_sampler():
+    from tests.trainer.test_registry import ToyArgs
+    from trainer.models import registry
+    from trainer.models.registry import ModelSpec
+
+    registry.register(ModelSpec(name="toyimage", title="Toy image", args_cls=ToyArgs, description="a test family",
+                                flavors={"tiny": ToyArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2)},
+                                generate=f"{__name__}:toy_sampler"))
+    try:
+        assert generate_main(["--model.name", "toyimage", "--flavor", "tiny", "--prompt", "a cat", "--seed", "3"]) == 0
+    finally:
+        registry.unregister("toyimage")
+    assert CALLS == [("toyimage", ["a cat"], 3)]
