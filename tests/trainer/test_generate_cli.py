@@ -196,3 +196,27 @@ def test_a_family_that_is_not_a_decoder_brings_its_own_sampler():
     finally:
         registry.unregister("toyimage")
     assert CALLS == [("toyimage", ["a cat"], 3)]
+
+
+# Slow (a fresh training run, about 20 s on 2 shared cores): the main job's ending. By default the
+# pieces are covered: the HF export and its BOS (test_hf_export_tokenizer.py), reading a run folder
+# (above), greedy parity with transformers (test_generate.py).
+@pytest.mark.slow
+def test_the_main_job_leaves_a_folder_that_generate_and_transformers_load(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    from trainer.__main__ import MAIN_JOB
+
+    records = train_records(tmp_path, *MAIN_JOB, "--training.steps", "6", "--training.seq_len", "64")
+    assert [s["prompt"] for r in records if "samples" in r for s in r["samples"]] == ["The module"]
+    folder = tmp_path / "checkpoint" / "hf-step-6"
+    capsys.readouterr()
+    assert generate_main(["--job.dump_folder", str(tmp_path), "--prompt", "The module", "--max_new_tokens", "12",
+                          "--json"]) == 0
+    ours = _json_lines(capsys)[0]
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
+    x = tok("The module", return_tensors="pt")
+    assert x.input_ids[0].tolist() == ours["prompt_ids"]  # BOS first, as training and trainer.generate
+    with torch.no_grad():
+        out = hf.generate(**x, do_sample=False, max_new_tokens=12)
+    assert out[0, x.input_ids.shape[1]:].tolist() == ours["ids"][:12]
