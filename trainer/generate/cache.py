@@ -10,11 +10,10 @@ Phases:
            per prompt): attention is the model's own ``flash_attn_varlen`` over the prompts, and
            each cache keeps the keys its layer kind needs.
   decode   one new token per sequence: its key/value is written into the cache, then one query
-           attends over the cache through ``flash_attn`` (the same count of visible keys in every
-           row: one dense call; bottom-right causal alignment would let the one query see them all,
-           so it runs as the unmasked case, ``attend_cached``) or
-           ``flash_attn_varlen`` (rows of different counts: each row's keys are one document, the
-           unused slots after them a document without queries, so no copy and no padding is read).
+           attends over the cache through ``flash_attn`` on views of the cache: one call when every
+           row reads as many slots, else one per run of rows reading the same count (no copy, no
+           padding read); bottom-right causal alignment would let the one query see them all, so
+           it runs as the unmasked case (``attend_cached``).
 
 Layer kinds (what a row keeps; a slot is where the key of position p lives):
   FullCache           every position, slot p (grows to the batch's longest sequence).
@@ -112,43 +111,37 @@ class CacheState:
         self._plans.clear()
 
     def decode_plan(self, key, visible: Callable[[int], int], slots: int):
-        """The attention layout of this decode step for a cache of ``slots`` slots per row whose query
-        at position p reads ``visible(p)`` slots: ``("dense", n)`` when every row reads n slots, else
-        ``("varlen", cu_q, cu_k, max_k)`` (one document of keys per row and one of the unused slots
-        after them). Computed once per step and layer kind ``key`` (the layers of a kind share it)."""
+        """The attention layout of this decode step for a cache whose query at position p reads
+        ``visible(p)`` slots: a list of (first row, last row + 1, count) for runs of consecutive rows
+        reading the same count (one dense call each; one run when every row reads as many, e.g. equal
+        prompts or full windows). Computed once per step and layer kind ``key`` (the layers of a kind
+        share it)."""
         plan = self._plans.get(key)
         if plan is None:
             counts = [visible(p) for p in self.lengths_host]
-            if len(set(counts)) == 1:
-                plan = ("dense", counts[0])
-            else:
-                cu_q, cu_k = [0], [0]
-                for b, n in enumerate(counts):
-                    cu_q += [b + 1, b + 1]
-                    cu_k += [b * slots + n, (b + 1) * slots]
-                to = dict(dtype=torch.int32, device=self.device)
-                plan = ("varlen", torch.tensor(cu_q, **to), torch.tensor(cu_k, **to), slots)
+            plan = []
+            for b, n in enumerate(counts):
+                if plan and plan[-1][2] == n:
+                    plan[-1] = (plan[-1][0], b + 1, n)
+                else:
+                    plan.append((b, b + 1, n))
             self._plans[key] = plan
         return plan
 
 
 def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, softmax_scale=None, sinks=None):
     """One query per row (q (batch, 1, heads, d)) over cached keys k (batch, slots, kv_heads, d) /
-    v (batch, slots, kv_heads, dv) laid out by ``CacheState.decode_plan``; returns (batch, 1, heads, dv).
+    v (batch, slots, kv_heads, dv) (any strides) laid out by ``CacheState.decode_plan``; returns
+    (batch, 1, heads, dv). Each run of rows is one ``flash_attn`` call on views of the cache (no copy).
 
     The one query of a row sees every key the plan gives it: with bottom-right alignment causal is
     the same mask, so the call says causal=False, which every backend runs as its plain (unmasked)
     case (on the CPU causal with seq_q < seq_k goes through the query-block decomposition instead;
     measured 15 ms against 0.03 ms per call at batch 1, 150 keys, 16 heads)."""
     extra = {} if sinks is None else {"sinks": sinks}
-    if plan[0] == "dense":
-        n = plan[1]
-        return titan_kernels.flash_attn(q, k[:, :n], v[:, :n], causal=False, softmax_scale=softmax_scale, **extra)
-    _, cu_q, cu_k, slots = plan
-    b = q.shape[0]
-    out = titan_kernels.flash_attn_varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 1, slots,
-                                          causal=False, softmax_scale=softmax_scale, **extra)
-    return out.view(b, 1, *out.shape[1:])
+    outs = [titan_kernels.flash_attn(q[lo:hi], k[lo:hi, :n], v[lo:hi, :n], causal=False, softmax_scale=softmax_scale,
+                                     **extra) for lo, hi, n in plan]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class KVCache:
@@ -183,9 +176,11 @@ class KVCache:
     # -- shared ----------------------------------------------------------------------------------------
 
     def _allocate(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """(batch, size, kv_heads, d) views of head-major storage (batch, kv_heads, size, d): each head's
+        keys lie contiguous, the layout attention kernels read best (transformers' cache has it too)."""
         b, n = self.state.batch, self.size()
-        self.k = k.new_zeros((b, n, *k.shape[2:]))
-        self.v = v.new_zeros((b, n, *v.shape[2:]))
+        self.k = k.new_zeros((b, k.shape[2], n, k.shape[3])).transpose(1, 2)
+        self.v = v.new_zeros((b, v.shape[2], n, v.shape[3])).transpose(1, 2)
 
     def _store_prefill(self, *tensors_and_buffers) -> None:
         st = self.state
