@@ -19,7 +19,7 @@ Per cached token the absorbed path reads r + d_r numbers and does about 2 H (2 r
 the up-projected one does 2 r H (d_nope + d_v) more and moves H (d_nope + d_v + d_r) numbers, so the
 absorbed path is cheaper once the cache holds more than a few tokens, at every DeepSeek shape; decode
 uses it. ``absorb = False`` selects the other (the tests check both against the full forward;
-``bench/bench_generate.py`` times both: absorbed 1.2x to 1.9x faster at 1,024 cached tokens on the
+``bench/bench_generate.py`` times both: absorbed 1.2x to 2.1x faster at 1,024 cached tokens on the
 debug model, 2 shared CPU cores, 2026-12-07).
 
 The latent attention's head dims (V3: 576 and 512) exceed what the flash kernels take (256); such
