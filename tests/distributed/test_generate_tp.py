@@ -20,12 +20,19 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["--prompt", "To be, or not", "--prompt", "Hi", "--prompt", "KING RICHARD III:\n"]
 
 
-def _folder(tmp_path) -> Path:
-    from tests.trainer.hf_parity import hf_llama
+def _folder(tmp_path, family: str = "llama3") -> Path:
+    from tests.trainer.hf_parity import hf_llama, hf_model
     from tests.trainer.helpers import tiny_llama
 
-    # GQA 4 heads / 2 kv heads and an FFN of 192 columns: TP 2 splits both; a vocabulary over the 258 bytes
-    hf_llama(tiny_llama(dim=64, vocab_size=300, multiple_of=32, max_seq_len=64), seed=4).save_pretrained(tmp_path / "hf")
+    if family == "llama3":
+        # GQA 4 heads / 2 kv heads and an FFN of 192 columns: TP 2 splits both; a vocabulary over the 258 bytes
+        hf = hf_llama(tiny_llama(dim=64, vocab_size=300, multiple_of=32, max_seq_len=64), seed=4)
+    else:  # GPT-OSS: sinks split with the heads, a sliding window of 5 passed, the experts whole on each rank
+        from tests.trainer.test_gpt_oss import _randomize, _tiny
+
+        hf = hf_model(_tiny(window=5, vocab_size=300), (transformers.GptOssConfig, transformers.GptOssForCausalLM), 3,
+                      _randomize)
+    hf.save_pretrained(tmp_path / "hf")
     return tmp_path / "hf"
 
 
@@ -36,11 +43,14 @@ def _lines(text: str) -> list[dict]:
 SAMPLED = ["--temperature", "0.8", "--top_k", "40", "--seed", "7"]
 
 
-# Each case launches torchrun (about 30 s on 2 shared cores): greedy runs by default; the sampled case
-# (same draws on both ranks from one seed) is slow-marked, as the greedy one covers the split itself.
-@pytest.mark.parametrize("extra", [[], pytest.param(SAMPLED, marks=pytest.mark.slow)], ids=["greedy", "sampled"])
-def test_tp2_generation_equals_one_process(extra, tmp_path, capsys):
-    folder = _folder(tmp_path)
+# Each case launches torchrun (about 30 s on 2 shared cores): greedy Llama runs by default; the sampled
+# case (same draws on both ranks from one seed) and GPT-OSS (sinks split with the heads) are slow-marked,
+# as the greedy one covers the split itself.
+@pytest.mark.parametrize("family, extra", [("llama3", []), pytest.param("llama3", SAMPLED, marks=pytest.mark.slow),
+                                           pytest.param("gpt_oss", [], marks=pytest.mark.slow)],
+                         ids=["greedy", "sampled", "gpt_oss"])
+def test_tp2_generation_equals_one_process(family, extra, tmp_path, capsys):
+    folder = _folder(tmp_path, family)
     common = ["--flavor", "custom", "--checkpoint.initial_load_path", str(folder), "--checkpoint.initial_load_in_hf",
               *PROMPTS, "--max_new_tokens", "20", "--json", *extra]
     n = torch.get_num_threads()
