@@ -110,7 +110,7 @@ class CacheState:
         self.lengths += 1
         self._plans.clear()
 
-    def decode_plan(self, key, visible: Callable[[int], int], slots: int):
+    def decode_plan(self, key, visible: Callable[[int], int]):
         """The attention layout of this decode step for a cache whose query at position p reads
         ``visible(p)`` slots: a list of (first row, last row + 1, count) for runs of consecutive rows
         reading the same count (one dense call each; one run when every row reads as many, e.g. equal
@@ -205,7 +205,7 @@ class KVCache:
             self._store_prefill((k, self.k), (v, self.v))
             return attend(q, k, v, position_ids, cu_seqlens, mask, softmax_scale=softmax_scale, sinks=sinks)
         self._store_decode((k, self.k), (v, self.v))
-        plan = self.state.decode_plan(self.kind_key(), self.visible, self.size())
+        plan = self.state.decode_plan(self.kind_key(), self.visible)
         return attend_cached(q, self.k, self.v, plan, softmax_scale, sinks)
 
 

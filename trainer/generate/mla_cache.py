@@ -58,7 +58,7 @@ class MLACache(KVCache):
             self._store_prefill((joint, self.k))
             return attend(q, k, v, position_ids, cu_seqlens, module.mask, softmax_scale=module.softmax_scale)
         self._store_decode((joint, self.k))
-        plan = st.decode_plan(self.kind_key(), self.visible, self.size())
+        plan = st.decode_plan(self.kind_key(), self.visible)
         r = module.kv_lora_rank
         w = _local(module.wkv_b.weight).view(-1, module.qk_nope + module.v_dim, r)  # (heads, d_nope + d_v, r)
         w_uk, w_uv = w[:, :module.qk_nope], w[:, module.qk_nope:]
