@@ -92,7 +92,7 @@ def compare(hf, ours, batch: int) -> dict:
 def mla_paths(cache_len: int = 1024, new: int = 32) -> dict:
     """Decode tokens/s of the DeepSeek-V3 debug model's latent cache, absorbed against up-projected."""
     from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
 
     args = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(vocab_size=2048, max_seq_len=cache_len + new + 8)
     model = build_model(args, device="cpu")

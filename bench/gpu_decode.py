@@ -22,7 +22,7 @@ PROMPT, NEW = 512, 64
 
 def _model(dry: bool, device: torch.device):
     from trainer.models.llama3.args import LLAMA3_FLAVORS
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
 
     if dry:
         args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=258, n_layers=2, max_seq_len=256)

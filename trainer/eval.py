@@ -30,7 +30,7 @@ from trainer.environment import resolve_compute_dtype, setup_logging
 
 import torch
 
-from trainer.checkpoint_folder import CheckpointError
+from trainer.errors import CheckpointError
 from trainer.data import build_validation_loader
 from trainer.data.loader import IGNORE_INDEX
 from trainer.evaluate import Validator

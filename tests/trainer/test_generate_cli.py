@@ -185,8 +185,8 @@ def toy_sampler(config, options) -> int:
 
 def test_a_family_that_is_not_a_decoder_brings_its_own_sampler():
     from tests.trainer.test_registry import ToyArgs
-    from trainer.models import registry
-    from trainer.models.registry import ModelSpec
+    from trainer import registry
+    from trainer.registry import ModelSpec
 
     registry.register(ModelSpec(name="toyimage", title="Toy image", args_cls=ToyArgs, description="a test family",
                                 flavors={"tiny": ToyArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2)},

@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 import titan_kernels
-from trainer.models.attention import attend
+from trainer.models.common.attention import attend
 
 
 class CacheState:

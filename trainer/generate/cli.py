@@ -21,7 +21,7 @@ model's distribution before temperature / top-k / top-p) and ``finish`` (eos, st
 Under torchrun (WORLD_SIZE > 1) the ranks generate together with tensor parallel
 (``--parallelism.tensor_parallel_degree`` = WORLD_SIZE; ``trainer.generate.tensor_parallel``); rank
 0 prints. A family that is not a text decoder brings its own sampler through its ``ModelSpec.generate``
-hook (``trainer.models.registry``), called with the configuration and these options.
+hook (``trainer.registry``), called with the configuration and these options.
 
 Exit codes: 0 done; 1 no usable checkpoint, tokenizer or prompt (one line); 2 a bad option.
 """
@@ -90,14 +90,14 @@ def parse(argv: list[str]):
 
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m trainer.generate`` with ``argv``; returns the exit code."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         options, config = parse(argv)
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc), 2)
-    from trainer.models import registry
+    from trainer import registry
 
     spec = registry.get(config.model.name)
     if spec.generate is not None:  # a family that is not a text decoder samples its own way

@@ -2,7 +2,7 @@
 
 ``CACHE_KINDS`` is a list of rules, ``rule(module, state) -> cache or None``, first match wins: MLA
 modules get the latent cache (``trainer.generate.mla_cache``); the shared ``Attention`` its kind from
-its mask (``trainer.models.attention.layer_mask``): a chunk -> ``ChunkedCache``, a sliding window ->
+its mask (``trainer.models.common.attention.layer_mask``): a chunk -> ``ChunkedCache``, a sliding window ->
 ``SlidingWindowCache``, else ``FullCache``. A family with an attention of its own adds its rule here.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from trainer.models.deepseek_v3.attention import MLA
 
 
 def _shared_kind(module, state: CacheState):
-    """The shared ``Attention``'s kind from its mask (``trainer.models.attention.layer_mask``)."""
+    """The shared ``Attention``'s kind from its mask (``trainer.models.common.attention.layer_mask``)."""
     mask = getattr(module, "mask", None)
     if mask is None:
         return None

@@ -9,7 +9,7 @@ by changing the module name):
     ``--model.tokenizer_path`` names one;
   * a DCP step folder (it holds ``.metadata``): the model args it records;
   * a folder of steps (a run's checkpoint folder): its newest step whose files match their manifest
-    (``trainer.checkpoint_manifest``; a damaged one is skipped with a warning), DCP ``step-<N>`` or
+    (``trainer.checkpoint.manifest``; a damaged one is skipped with a warning), DCP ``step-<N>`` or
     Hugging Face ``hf-step-<N>`` (``checkpoint.last_save_in_hf``), whichever is newer.
 """
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint_folder import CheckpointError, complete_steps, load_weights, read_model_args
+from trainer.checkpoint.folder import CheckpointError, complete_steps, load_weights, read_model_args
 from trainer.data import build_tokenizer
-from trainer.models.registry import build_model, model_args
+from trainer.registry import build_model, model_args
 
 logger = logging.getLogger("trainer")
 HF_STEP_RE = re.compile(r"^hf-step-(\d+)$")
@@ -40,7 +40,7 @@ class Source:
 
 
 def _verified(step_folder: Path) -> bool:
-    from trainer.checkpoint_manifest import ManifestError, UnverifiedCheckpoint, verify_folder
+    from trainer.checkpoint.manifest import ManifestError, UnverifiedCheckpoint, verify_folder
 
     try:
         verify_folder(step_folder)

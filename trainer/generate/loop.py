@@ -3,7 +3,7 @@ a batch when they have one length), then decode one
 token per sequence per step from the KV caches (``trainer.generate.cache``), sampling outside the
 model (``trainer.generate.sampler``).
 
-The model is the training model itself (any family built on ``trainer.models.decoder.Transformer``,
+The model is the training model itself (any family built on ``trainer.models.common.decoder.Transformer``,
 also under tensor parallel): the loop only installs a cache in each attention layer and asks the
 model for its final hidden states (``return_hidden``); the logits of the last position of each
 sequence are computed from them, never those of the whole prompt.
@@ -81,7 +81,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, params: Sampl
     """Generate up to ``max_new_tokens`` tokens after each prompt (one batch).
 
     Args:
-        model: a decoder (``trainer.models.decoder.Transformer`` or a family's subclass), materialized,
+        model: a decoder (``trainer.models.common.decoder.Transformer`` or a family's subclass), materialized,
             any dtype; its ``args.max_seq_len`` must hold the packed prompts and the longest sequence.
         prompts: token ids, one list per prompt (each at least one token; the caller adds BOS).
         params: the sampling settings (temperature 0 = greedy).

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from trainer.generate.cache import KVCache, attend_cached
-from trainer.models.attention import attend
+from trainer.models.common.attention import attend
 
 MAX_FLASH_HEAD_DIM = 256
 

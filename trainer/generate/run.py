@@ -13,7 +13,7 @@ from trainer.environment import env_int, init_distributed, resolve_compute_dtype
 import torch
 
 import titan_kernels
-from trainer.checkpoint_folder import CheckpointError
+from trainer.errors import CheckpointError
 from trainer.generate.load import load_tokenizer, materialize, resolve_source, source_args
 from trainer.generate.loop import Timing, generate
 from trainer.generate.sampler import SamplingParams

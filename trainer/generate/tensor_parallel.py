@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from trainer.models.attention import Attention
-from trainer.models.feed_forward import FeedForward
+from trainer.models.common.attention import Attention
+from trainer.models.common.feed_forward import FeedForward
 
 
 def apply_generation_tp(model, tp_mesh) -> None:
