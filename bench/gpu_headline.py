@@ -40,6 +40,9 @@ the stage's time, and the results are saved after each group, so a time-out lose
                   (bench/bench_moe.py; the loop last, should the group's share run out)
   adamw_step      one AdamW step of a Llama 3 8B FFN weight (4096 x 14336): titan's fused_adamw_
                   (float32 and bf16 states) vs torch.optim.AdamW fused and foreach (bench/bench_optim.py)
+  decode          generation's decode step (trainer.generate) at Llama 3 8B shapes cut to 4 layers, bf16,
+                  batch 1 and 32: tokens/s and the share of the bandwidth limit (weights + cache bytes
+                  per step over the copy bandwidth measured in this run; bench/gpu_decode.py)
   newton_schulz   Muon's Newton-Schulz at 4096 x 4096 and 8192 x 28672 (bf16): titan (measured
                   choice), titan-aten (cuBLAS), titan-triton (symmetric products) vs torch.optim.Muon's
                   iteration; TFLOP/s and share of the bf16 matmul rate measured in the same run
@@ -89,6 +92,7 @@ GROUPS = [
      {"pass_": ["fwd+bwd"], "shape": ["30B-A3B.w13", "30B-A3B.w2"]}, 0.10),
     ("adamw_step", "bench.bench_optim", "test_adamw_step", {"shape": ["8B.ffn"]}, 0.04),
     ("newton_schulz", "bench.bench_optim", "test_newton_schulz", {"shape": [(4096, 4096), (8192, 28672)]}, 0.10),
+    ("decode", None, "decode_timing", {}, 0.08),
 ]
 # Groups whose modules other issues are still shaping: their filters fall back to the module's first
 # value instead of failing, and a missing function name to every timed function of the module.
@@ -331,7 +335,11 @@ def main(argv: list[str]) -> int:
         deadline = min(end, t0 + share * budget * 1.5)  # a group may borrow a little from the ones after it
         n0, k0 = len(common.ROWS), len(notes)
         try:
-            if modname is None:
+            if modname is None and fname == "decode_timing":
+                from bench.gpu_decode import decode_timing
+
+                head["decode"] = decode_timing(deadline, notes, dry)
+            elif modname is None:
                 head["triton_op"] = compiled_rms_norm(deadline, notes, dry)
             elif importlib.util.find_spec(modname) is None:
                 notes.append(f"{group}: {modname.replace('.', '/')}.py is not in the tree yet: skipped")

@@ -20,8 +20,16 @@ def _config_error(exc: ConfigError) -> int:
     return 2
 
 
+# The README's main job is ``python -m trainer`` alone: it also leaves a model to use, the Hugging Face
+# folder <dump_folder>/checkpoint/hf-step-<N> (python -m trainer.generate and transformers load it),
+# and prints one sample from it at the end. Any argument makes it an ordinary run.
+MAIN_JOB = ["--checkpoint.last_save_in_hf", "--validation.sample_prompts", "The module"]
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the trainer with ``argv`` (default ``sys.argv[1:]``); returns the process exit code."""
+    """Run the trainer with ``argv`` (default ``sys.argv[1:]``; none: the main job, ``MAIN_JOB``);
+    returns the process exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv) or list(MAIN_JOB)
     try:
         config = parse_args(argv)
     except ConfigError as exc:

@@ -47,6 +47,10 @@ class ModelSpec:
         tensor_parallel: ``"module:function"`` ``fn(model, tp_mesh)`` that shards the family's modules
             outside the transformer blocks under tensor parallel (DeepSeek-V3's MTP modules), run
             after the shared plan; None when the blocks are all there is.
+        generate: ``"module:function"`` of the family's own ``python -m trainer.generate``,
+            ``fn(config, options) -> exit code`` (the JobConfig and the parsed generation options,
+            ``trainer.generate.cli``), for a family that is not a text decoder; None = the decoder's
+            KV-cache generation.
     """
 
     name: str
@@ -59,6 +63,7 @@ class ModelSpec:
     hf_model_types: tuple[str, ...] = ()
     parallelize: str | None = None
     tensor_parallel: str | None = None
+    generate: str | None = None
 
     def load(self, what: str) -> Any:
         """Import the attribute ``what`` names (``"package.module:attribute"``)."""

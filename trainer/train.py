@@ -468,6 +468,8 @@ class Trainer:
                         result = self.validator.evaluate()
                     self.metrics.exclude(result["val_time_s"])
                     self.metrics.log_validation(step, result)
+                if v.sample_prompts and (step == cfg_t.steps or (self.validator is not None and step % v.freq == 0)):
+                    self.metrics.log_samples(step, self._samples())  # trainer/generate/samples.py
                 self.checkpointer.poll()
                 stop = self._guard.should_stop()  # a preemption signal: every rank stops after this step
                 if self.checkpointer.should_save(step, cfg_t.steps) or (stop and self.config.checkpoint.enable):
@@ -490,6 +492,16 @@ class Trainer:
         if self.rank == 0 and self.config.metrics.save_plot:
             save_plot(self.config.job.dump_folder)
         logger.info("done in %.1fs", time.perf_counter() - self._t_start)
+
+    def _samples(self) -> list[tuple[str, str]]:
+        """(prompt, greedy completion) of each ``validation.sample_prompts``, the time excluded from tokens/s."""
+        from trainer.generate.samples import sample_completions
+
+        t0 = time.perf_counter()
+        v = self.config.validation
+        out = sample_completions(self.model, self.tokenizer, v.sample_prompts, v.sample_max_new_tokens)
+        self.metrics.exclude(time.perf_counter() - t0)
+        return out
 
     def _check_running(self, name: str) -> None:
         if not self._ready:

@@ -87,6 +87,7 @@ def test_last_save_in_hf_ships_the_byte_level_tokenizer(tmp_path):
     # the byte-level tokenizer as tokenizer.json: one id per UTF-8 byte, BOS 256, EOS 257
     hf_tok = transformers.AutoTokenizer.from_pretrained(out)
     assert hf_tok(TEXT, add_special_tokens=False)["input_ids"] == list(TEXT.encode())
+    assert hf_tok(TEXT)["input_ids"] == [256, *TEXT.encode()]  # BOS first, as every training document
     assert (hf_tok.bos_token_id, hf_tok.eos_token_id, len(hf_tok)) == (256, 257, 258)
     ours = build_model(HFCheckpoint(out).args, device="cpu")
     ours.init_weights(0)
@@ -105,7 +106,9 @@ def test_convert_copies_a_tokenizers_json_and_says_when_there_is_none(tmp_path, 
     assert type(build_tokenizer(tok_dir / "my.json")).__name__ == "HFTokenizer"
     out = tmp_path / "copied"
     assert convert_main(["dcp-to-hf", str(step), str(out), "--tokenizer_path", str(tok_dir / "my.json")]) == 0
-    assert (out / "tokenizer.json").read_bytes() == (tok_dir / "my.json").read_bytes()
+    shipped, source = (json.loads(p.read_text()) for p in (out / "tokenizer.json", tok_dir / "my.json"))
+    assert shipped.pop("post_processor")["type"] == "TemplateProcessing"  # BOS first, as training
+    assert shipped == {k: v for k, v in source.items() if k != "post_processor"}
     ours = _our_model(step, lambda m: load_weights(m, step))
     _check_loads_as_our_model(out, ours, str(tok_dir / "my.json"))
     # none given: the command says so

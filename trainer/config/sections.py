@@ -321,6 +321,11 @@ class Validation:
         50, "Without a validation dataset: every N-th document of the training source is held out for "
         "validation and never trained on (1 in 50 = 2%)."
     )
+    sample_prompts: list[str] = _opt(
+        [], "Prompts completed (greedy, KV cache) at each validation and at the end of training; printed and "
+        "written to metrics.jsonl and TensorBoard as text. Empty (default) = none."
+    )
+    sample_max_new_tokens: int = _opt(48, "Tokens generated per sample prompt at most.")
 
 
 @dataclass

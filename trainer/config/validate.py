@@ -145,6 +145,10 @@ def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
     need(v.split_every >= 2, "split_every", v.split_every, "an integer >= 2")
     if v.dataset_path and not pathlib.Path(v.dataset_path).expanduser().exists():
         raise ConfigError(f"--validation.dataset_path: no such file or folder: {v.dataset_path!r}")
+    need(v.sample_max_new_tokens >= 1, "sample_max_new_tokens", v.sample_max_new_tokens, "an integer >= 1")
+    if v.sample_prompts and max(p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree) > 1:
+        raise ConfigError("--validation.sample_prompts: sampling during training runs with data parallel only (no "
+                          "tensor, pipeline or context parallel); use python -m trainer.generate on the checkpoint")
     if not v.enable:
         return
     seq = t.seq_len if v.seq_len == -1 else v.seq_len

@@ -17,7 +17,9 @@
   ``AutoTokenizer`` may not load it.
 
 Without a tokenizer_config.json beside it, one is written (PreTrainedTokenizerFast, the BOS/EOS
-token strings, no BOS/EOS added by the tokenizer: the trainer joins documents with them itself).
+token strings). The tokenizer.json shipped (written or copied) prepends BOS to every encoding (its
+post-processor), as training starts every document with BOS, so ``AutoTokenizer`` gives the model the
+ids it was trained on; ``add_special_tokens=False`` gives the bare ones.
 
 Every case also sets ``bos_token_id`` / ``eos_token_id`` in config.json (transformers' family
 defaults, e.g. Llama's 1 and 2, are another tokenizer's) and writes ``generation_config.json``
@@ -85,6 +87,18 @@ def tiktoken_tokenizer_json(tok):
     return converted
 
 
+def _prepend_bos(path: Path, bos: str, bos_id: int) -> None:
+    """Make the ``tokenizer.json`` at ``path`` start every encoding with BOS (its post-processor), as the
+    loader starts every training document: transformers' tokenizer then gives the ids the model was
+    trained on (``add_special_tokens=False`` still gives the bare ones)."""
+    from tokenizers import Tokenizer, processors
+
+    t = Tokenizer.from_file(str(path))
+    t.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                     special_tokens=[(bos, bos_id)])
+    t.save(str(path))
+
+
 def _special_names(tok) -> tuple[str, str] | None:
     """The BOS and EOS token strings of ``tok`` (None for a SentencePiece model)."""
     if hasattr(tok, "special_tokens"):
@@ -144,9 +158,11 @@ def write_tokenizer_files(out: str | Path, tokenizer_path: str) -> list[str]:
             logger.warning("%s: the tokenizer %s is copied as it is; it has no tokenizer.json, so AutoTokenizer "
                            "may not load it or may not give the training ids", out, tok.name)
         names = _special_names(tok)
+    if "tokenizer.json" in written and names is not None:
+        _prepend_bos(out / "tokenizer.json", names[0], tok.bos_id)
     if "tokenizer_config.json" not in written and names is not None:
         cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": names[0], "eos_token": names[1],
-               "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+               "add_bos_token": True, "add_eos_token": False, "clean_up_tokenization_spaces": False,
                "model_max_length": int(json.loads((out / CONFIG).read_text())["max_position_embeddings"])}
         (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         written.append("tokenizer_config.json")

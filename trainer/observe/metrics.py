@@ -385,6 +385,21 @@ class MetricsLogger:
             self._wandb.log_validation(step, record)
         return record
 
+    def log_samples(self, step: int, samples: list[tuple[str, str]]) -> None:
+        """Write (rank 0) the (prompt, completion) pairs of a validation (``validation.sample_prompts``):
+        printed, one ``{"step", "samples"}`` record in metrics.jsonl, TensorBoard text ``validation/samples``."""
+        if not self.enabled or not samples:
+            return
+        c = self.c
+        for prompt, completion in samples:
+            print(f"{c.red}step {step}{c.reset}  {c.bold}sample{c.reset}  {prompt!r} -> {completion!r}", flush=True)
+        record = {"step": step, "samples": [{"prompt": p, "completion": t} for p, t in samples]}
+        self._jsonl.write((json.dumps(record) + "\n").encode())
+        if self._tb is not None:
+            text = "\n\n".join(f"**{p}**{t}" for p, t in samples)
+            self._tb.add_text("validation/samples", text, step)
+            self._tb.flush()
+
     def print_summary(self) -> dict:
         """Print (rank 0) and return the end-of-run summary."""
         s = self.summary

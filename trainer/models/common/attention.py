@@ -99,6 +99,8 @@ class Attention(nn.Module):
         self.context_parallel = None
         # Set by QK-clip (trainer.optim.qk_clip): (local heads,) float32 max-logit bounds (``attend``).
         self.register_buffer("max_logit", None, persistent=False)
+        # Set by generation (trainer.generate.cache): the layer's KV cache, which then runs the attention.
+        self.kv_cache = None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +115,10 @@ class Attention(nn.Module):
             extra = {"sinks": sinks} if sinks is not None else {}
             return self.wo(self.context_parallel(q, k, v, **self.mask, **extra).reshape(bsz, seq, -1))
         q, k = self.position_qk(q, k, rope, position_ids)
-        out = attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks, max_logit=self.max_logit)
+        if self.kv_cache is not None:
+            out = self.kv_cache.attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks)
+        else:
+            out = attend(q, k, v, position_ids, cu_seqlens, self.mask, sinks=sinks, max_logit=self.max_logit)
         return self.wo(out.reshape(bsz, seq, -1))
 
     def position_qk(self, q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding,

@@ -69,6 +69,8 @@ class MLA(nn.Module):
         self.register_buffer("max_logit", None, persistent=False)
         # Set by tensor parallel (tp_finish): the latents are replicated, the heads split.
         self.tp_mesh = None
+        # Set by generation (trainer.generate.cache): the layer's latent cache, which then runs the attention.
+        self.kv_cache = None
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, position_ids: torch.Tensor | None = None,
                 cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +82,8 @@ class MLA(nn.Module):
         q = q.view(bsz, seq, -1, self.qk_dim)  # -1: this rank's heads under tensor parallel
         q_nope, q_rope = q.split([self.qk_nope, self.qk_rope], dim=-1)
         latent, k_rope = self._replicated(self.wkv_a, x).split([self.kv_lora_rank, self.qk_rope], dim=-1)
-        kv = self.wkv_b(self._replicated(self.kv_norm, latent)).view(bsz, seq, -1, self.qk_nope + self.v_dim)
+        latent = self._replicated(self.kv_norm, latent)
+        kv = self.wkv_b(latent).view(bsz, seq, -1, self.qk_nope + self.v_dim)
         k_nope, v = kv.split([self.qk_nope, self.v_dim], dim=-1)
         k_rope = self._rope_key_grad(k_rope).view(bsz, seq, 1, self.qk_rope)
         if self.context_parallel is not None:
@@ -90,6 +93,8 @@ class MLA(nn.Module):
         k = torch.cat([k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         if self.context_parallel is not None:
             out = self.context_parallel(q, k, v, softmax_scale=self.softmax_scale, **self.mask)
+        elif self.kv_cache is not None:  # generation: the cache keeps the latent (trainer.generate.mla_cache)
+            out = self.kv_cache.attend_latent(self, q, k, v, latent, k_rope, position_ids, cu_seqlens)
         else:
             out = attend(q, k, v, position_ids, cu_seqlens, self.mask, softmax_scale=self.softmax_scale,
                          max_logit=self.max_logit)

@@ -1,0 +1,137 @@
+"""Generation on the CPU: our KV-cache loop (``trainer.generate``) against transformers' ``generate()``
+with its default cache (DynamicCache), same process, same model (a random ``LlamaForCausalLM`` of
+the Llama 3 debug model's shapes, saved with ``save_pretrained`` and loaded into ours), same prompts,
+float32, greedy, alternating rounds (median).
+
+Measured:
+  * prefill tokens/s: the prompts' forward that fills the cache (ours: one packed
+    ``flash_attn_varlen`` row; transformers: its first forward of ``generate``, timed as a forward
+    with ``use_cache=True``);
+  * decode tokens/s at batch 1 and 8: generated tokens after the first over the time after the
+    prefill (transformers: the whole ``generate`` minus its measured prefill).
+  * MLA decode (a DeepSeek-V3 debug-size model, ours only): the absorbed latent path against the
+    up-projected one, tokens/s, at a long cache.
+Targets (issue 28): decode >= 1.5x transformers at batch 1 and 8, prefill >= 1.2x.
+
+    python bench/bench_generate.py            # prints the table; BENCH_STRICT=1 asserts the targets
+    BENCH_THREADS=1 BENCH_ROUNDS=5 python bench/bench_generate.py   # steadier on busy shared cores
+Report the numbers with ``uptime``: the cores are shared.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainer.generate.load import Source, materialize  # noqa: E402
+from trainer.generate.loop import Timing, generate  # noqa: E402
+from trainer.generate.mla_cache import MLACache  # noqa: E402
+
+ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+PROMPT, NEW = 128, 64
+
+
+def _pair(folder: Path):
+    import transformers
+
+    from trainer.hf import HFCheckpoint, hf_config
+    from trainer.models.llama3.args import LLAMA3_FLAVORS
+
+    args = LLAMA3_FLAVORS["debugmodel"].replace(vocab_size=2048, max_seq_len=2048)
+    cfg = {k: v for k, v in hf_config(args).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).float().eval()
+    hf.generation_config.eos_token_id = None
+    hf.generation_config.pad_token_id = 0
+    hf.save_pretrained(folder)
+    ours = materialize(HFCheckpoint(folder).args.replace(max_seq_len=4096), torch.device("cpu"), torch.float32,
+                       Source("hf", folder, "bench"))
+    return hf, ours
+
+
+def _hf_times(hf, x: torch.Tensor) -> tuple[float, float]:
+    mask = torch.ones_like(x)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        hf(x, attention_mask=mask, use_cache=True)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        hf.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
+        total = time.perf_counter() - t0
+    return prefill, max(total - prefill, 1e-9)
+
+
+def _our_times(ours, x: torch.Tensor) -> tuple[float, float]:
+    t = Timing()
+    generate(ours, x.tolist(), NEW, timing=t)
+    return t.prefill_s, t.decode_s
+
+
+def compare(hf, ours, batch: int) -> dict:
+    x = torch.randint(0, 2048, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
+    rows = {"ours": [], "hf": []}
+    _our_times(ours, x), _hf_times(hf, x)  # warm-up
+    for _ in range(ROUNDS):
+        rows["ours"].append(_our_times(ours, x))
+        rows["hf"].append(_hf_times(hf, x))
+    med = {k: (statistics.median(p for p, _ in v), statistics.median(d for _, d in v)) for k, v in rows.items()}
+    decode_tokens = batch * (NEW - 1)
+    return {"batch": batch,
+            "prefill_ours": batch * PROMPT / med["ours"][0], "prefill_hf": batch * PROMPT / med["hf"][0],
+            "decode_ours": decode_tokens / med["ours"][1], "decode_hf": decode_tokens / med["hf"][1]}
+
+
+def mla_paths(cache_len: int = 1024, new: int = 32) -> dict:
+    """Decode tokens/s of the DeepSeek-V3 debug model's latent cache, absorbed against up-projected."""
+    from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS
+    from trainer.registry import build_model
+
+    args = DEEPSEEK_V3_FLAVORS["debugmodel"].replace(vocab_size=2048, max_seq_len=cache_len + new + 8)
+    model = build_model(args, device="cpu")
+    model.init_weights(0)
+    prompt = [torch.randint(0, 2048, (cache_len,), generator=torch.Generator().manual_seed(1)).tolist()]
+    out = {}
+    for absorb in (True, False, True, False):
+        MLACache.absorb = absorb
+        t = Timing()
+        generate(model, prompt, new, timing=t)
+        out.setdefault(absorb, []).append(t.decode_tps)
+    MLACache.absorb = True
+    return {"absorbed": statistics.median(out[True]), "up_projected": statistics.median(out[False])}
+
+
+def main() -> int:
+    if os.environ.get("BENCH_THREADS"):  # on shared cores one thread each side is steadier
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    print(f"load: {os.getloadavg()}; torch threads {torch.get_num_threads()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        hf, ours = _pair(Path(tmp))
+        results = [compare(hf, ours, b) for b in (1, 8)]
+    print(f"{'batch':>5} {'prefill ours':>13} {'prefill hf':>11} {'ratio':>6} {'decode ours':>12} {'decode hf':>10} "
+          f"{'ratio':>6}   (tokens/s, prompt {PROMPT}, {NEW} new, float32)")
+    ok = True
+    for r in results:
+        pr, dr = r["prefill_ours"] / r["prefill_hf"], r["decode_ours"] / r["decode_hf"]
+        ok &= pr >= 1.2 and dr >= 1.5
+        print(f"{r['batch']:>5} {r['prefill_ours']:>13,.0f} {r['prefill_hf']:>11,.0f} {pr:>5.2f}x "
+              f"{r['decode_ours']:>12,.1f} {r['decode_hf']:>10,.1f} {dr:>5.2f}x")
+    m = mla_paths()
+    print(f"MLA decode at 1024 cached tokens (DeepSeek-V3 debugmodel): absorbed {m['absorbed']:,.1f} tokens/s, "
+          f"up-projected {m['up_projected']:,.1f} tokens/s ({m['absorbed'] / m['up_projected']:.2f}x)")
+    print(f"load after: {os.getloadavg()}")
+    if os.environ.get("BENCH_STRICT") == "1" and not ok:
+        print("below target (decode 1.5x, prefill 1.2x)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
