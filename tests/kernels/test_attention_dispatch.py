@@ -304,7 +304,7 @@ def test_runtime_failure_falls_back_once(monkeypatch):
         calls.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    orders = dict(A.AUTO_ORDER)
+    orders = dict(A.ORDER)
     _backend.set_order(A.OP, {**orders, "cpu": ("sdpa_flash", "reference")})
     swap = _backend.replace_impl(A.OP, "sdpa_flash", (broken, broken), family="cpu")
     try:

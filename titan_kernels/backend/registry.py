@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
@@ -24,8 +25,9 @@ from titan_kernels.backend import status as _status
 from titan_kernels.backend.status import BACKENDS, NATIVE, check_family
 from titan_kernels.triton import triton_interpret
 
-# Fastest first, per device type.
-AUTO_ORDER = {
+# The families fastest first, per device type: the automatic order of an op that declares none
+# (an op's own is its module's ORDER, given through ``Op.set_order``).
+DEFAULT_ORDER = {
     "cuda": ("cuda", "triton", "reference"),
     "cpu": ("cpu", "reference"),
 }
@@ -38,6 +40,30 @@ class Kernels(NamedTuple):
 
     forward: Callable
     backward: Callable | None = None
+
+
+class LazyKernel:
+    """The entry point ``name`` of the kernel module ``module``, imported at its first call: importing
+    a Triton kernel module imports triton (0.2 s to a second), which ``import titan_kernels`` must
+    not pay. A module that fails to import raises RuntimeError naming it (an automatic choice then
+    falls back, ``mark_failed``)."""
+
+    __slots__ = ("module", "name", "fn")
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name, self.fn = module, name, None
+
+    def __call__(self, *args, **kwargs):
+        fn = self.fn
+        if fn is None:
+            try:
+                fn = self.fn = getattr(importlib.import_module(self.module), self.name)
+            except ImportError as e:
+                raise RuntimeError(f"the kernel module {self.module} does not import: {e}") from e
+        return fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LazyKernel({self.module}.{self.name})"
 
 
 @dataclass(frozen=True)
@@ -114,7 +140,7 @@ def register_impl(op: str, backend: str, kernels: Any, *, name: str | None = Non
 
 def set_order(op: str, orders: dict[str, tuple[str, ...]], *, rank: Callable | None = None, hint: str = "") -> None:
     """The automatic order of ``op``'s implementations per device type, fastest first (default: the
-    families of ``AUTO_ORDER``, each family's implementations in registration order). ``rank(device,
+    families of ``DEFAULT_ORDER``, each family's implementations in registration order). ``rank(device,
     case, names) -> names`` may reorder the runnable candidates (e.g. by a one-time measurement);
     ``hint`` is appended to the error raised when no automatic candidate can run."""
     _orders[op] = dict(orders)
@@ -246,7 +272,7 @@ def _candidates(op: str, dev: str, family: str | None = None) -> list[Impl]:
         for i in impls:
             by_name.setdefault(i.name, []).append(i)
         return [i for n in _orders[op][dev] for i in by_name.get(n, ())]
-    return [i for fam in AUTO_ORDER.get(dev, ("reference",)) for i in impls if i.family == fam]
+    return [i for fam in DEFAULT_ORDER.get(dev, ("reference",)) for i in impls if i.family == fam]
 
 
 def _why_not(impl: Impl, device: torch.device, case: Any) -> str | None:

@@ -32,11 +32,10 @@ import torch
 from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.ops._common import needs_grad
-from titan_kernels.ops._scaffold import Op
 from titan_kernels.ops.attention import dispatch as _d
-from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
+from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad
 
-flash_attn_def = Op(_d.OP)
+flash_attn_def = _d.flash_attn_def
 _record = functools.lru_cache(maxsize=1024)(AttentionArgs.from_op)  # frozen: one record per distinct call
 
 # ----------------------------------------------------------------------------- run one backend
@@ -102,7 +101,7 @@ def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
             out, lse = _run(request, q, k, v, cu_q, a, False, False, lambda kern: kern.forward(q, k, v, cu_q, cu_k, a))
         out = out.contiguous()
     if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks, cu_q is not None)
+        out, lse = apply_attention_sinks(out, lse, sinks, cu_q is not None)
     return out, lse
 
 
@@ -117,7 +116,7 @@ def run_backward(request, dout, q, k, v, out, lse, dlse, cu_q, cu_k, sinks, a: A
             return tuple(t.contiguous() for t in g)  # the fake implementation's strides
 
         grads = _run(request, q, k, v, cu_q, a, True, dlse is not None, call)
-    ds = _no_sinks_grad(q) if sinks is None else sinks_grad(dout, out, lse, dlse, sinks, cu_q is not None)
+    ds = _no_sinks_grad(q) if sinks is None else attention_sinks_grad(dout, out, lse, dlse, sinks, cu_q is not None)
     return (*grads, ds)
 
 
