@@ -23,8 +23,6 @@ forward did (eager or traced, plain tensors or DTensor), so one definition serve
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import operator
 import typing
@@ -186,10 +184,8 @@ class Op:
     def register_triton(self, module: str, *names: str, kind: type = Kernels, **options: Any) -> None:
         """Register the Triton kernels ``module.<names>`` (as ``kind(*those)``: by default
         ``Kernels(forward, backward)``), each imported at its first call (``LazyKernel``: importing
-        triton is not part of ``import titan_kernels``). Without the triton package nothing is
-        registered and the family reports why (``backend_status``)."""
-        if importlib.util.find_spec("triton") is None:
-            return
+        triton is not part of ``import titan_kernels``). Without the triton package the family is
+        unavailable and says why (``backend_status``): asking for it raises with that reason."""
         self.register("triton", kind(*(LazyKernel(module, n) for n in names)), **options)
 
     def register_native(self, kernels: Any, families: tuple[str, ...] = ("cpu", "cuda"), **options: Any) -> None:

@@ -36,7 +36,6 @@ backward, and the sharding rules of direct op calls below.
 from __future__ import annotations
 
 import functools
-import importlib.util
 
 import torch
 
@@ -59,8 +58,7 @@ cross_entropy_def.register("reference", (_ref.linear_cross_entropy_fwd, _ref.lin
 
 
 def _register_triton() -> None:
-    if importlib.util.find_spec("triton") is None:  # the backend reports itself unavailable
-        return
+    # Without triton the family is unavailable and says why (backend_status).
     module = "titan_kernels.triton.cross_entropy"  # imported at the first call (LazyKernel)
     stats, grad_ = _backend.LazyKernel(module, "softmax_stats"), _backend.LazyKernel(module, "softmax_grad_")
     # The Triton statistics pass leaves the logits as they are: the gradient pass reads them again.

@@ -78,8 +78,7 @@ def _may_measure(device_type: str) -> bool:
 
 def register_backends(op: Op, impls: dict, why_not, order: dict, measured) -> None:
     """``op``'s implementations (``Op.register``): ``impls["aten"]`` in the cpu and cuda families (the
-    native kernel of each device), ``impls["triton"]`` (absent: triton is not installed),
-    ``impls["reference"]``, each asking ``why_not(name, device_type, index, *case)``; the op's ``ORDER``
+    native kernel of each device), ``impls["triton"]``, ``impls["reference"]``, each asking ``why_not(name, device_type, index, *case)``; the op's ``ORDER``
     ``order`` (``Op.set_order``), the candidates that take a key (the reference aside, the fallback,
     never timed) reordered on CUDA by ``measured(cands, device_type, index, *case)``."""
     def ask(name):
@@ -92,8 +91,7 @@ def register_backends(op: Op, impls: dict, why_not, order: dict, measured) -> No
         return names
 
     op.register_native(impls["aten"], name="aten", why_not=ask("aten"))
-    if impls.get("triton") is not None:
-        op.register("triton", impls["triton"], why_not=ask("triton"))
+    op.register("triton", impls["triton"], why_not=ask("triton"))
     op.register("reference", impls["reference"], why_not=ask("reference"))
     op.set_order(order, rank=rank)
 

@@ -77,15 +77,14 @@ def flash_attn(
     return_lse: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    return call(q, k, v, None, None, sinks, _dense_args(q, k, v, causal, softmax_scale, window_size, sinks, softcap,
-                                                        chunk_size, return_lse), _check_backend_arg(backend))
-
-
-def _dense_args(q, k, v, causal, softmax_scale, window_size, sinks, softcap, chunk_size, return_lse):
+    # (inline, not through helpers: this runs on every call, and a tiny call's cost is its Python)
+    if backend is not None:
+        backend = _check_backend_arg(backend)
     scale = validate_dense(q, k, v, softmax_scale)
     if sinks is not None:
         check_sinks(sinks, q)
-    return _args(q, k, None, scale, causal, window_size, softcap, chunk_size, return_lse)
+    return call(q, k, v, None, None, sinks, _args(q, k, None, scale, causal, window_size, softcap, chunk_size,
+                                                  return_lse), backend)
 
 
 flash_attn.__doc__ = f"""Scaled dot-product attention on the fastest backend that takes the case (FlashAttention API).

@@ -136,8 +136,11 @@ def _dense_fwd(q, k, v, a: AttentionArgs):
         d = max(dv, q.shape[-1])
         out, lse = _dense_fwd(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), a)
         return out[..., :dv], lse
-    if _plain(q, k, a):
-        o, lse = _cpu_flash(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, a.causal, scale=a.scale)
+    if not a.local and (a.right < 0 or q.shape[1] == k.shape[1]):  # _plain, inline: every call
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if qt.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1:  # see _bhsd
+            qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
+        o, lse = _cpu_flash(qt, kt, vt, 0.0, a.causal, scale=a.scale)
         return o.transpose(1, 2), lse
     b, sq, h, _ = q.shape
     sk = k.shape[1]

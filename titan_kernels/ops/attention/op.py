@@ -31,7 +31,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
-from titan_kernels.ops._common import needs_grad
+from titan_kernels.ops._common import FAST, eager_route_untraced, needs_grad
 from titan_kernels.ops.attention import dispatch as _d
 from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad
 
@@ -275,6 +275,12 @@ flash_attn_def.define(forward, _fake, setup=_save, grads=_grads, backward=backwa
 def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
     """Run one validated call (``backend``: an explicit request or None) through the op's scaffold:
     the eager fast path when nothing needs the dispatcher, else the op."""
+    if (sinks is None and cu_q is None and not backend and not torch.compiler.is_compiling()
+            and eager_route_untraced((q, k, v)) == FAST):
+        # Plain eager, no gradient recorded, no sinks: the fast path's body with the record as it is
+        # (what the scaffold runs, without flattening the record into the op's arguments and back).
+        out, lse = run_forward(None, q, k, v, None, None, None, a)
+        return (out, lse.contiguous()) if a.return_lse else out
     if backend:
         out, lse = flash_attn_def.call(q, k, v, cu_q, cu_k, sinks, *a.op_args(), backend)
     else:

@@ -58,7 +58,6 @@ DTensor rules: grouped_mm's (tensor parallel on the experts), without Partial in
 from __future__ import annotations
 
 import functools
-import importlib.util
 from typing import Callable, NamedTuple
 
 import torch
@@ -202,10 +201,9 @@ def _aten_quantizer(field: str) -> Callable:
     return quantize
 
 
-def _triton_kernels() -> Kernels | None:
-    if importlib.util.find_spec("triton") is None:  # the family reports itself unavailable
-        return None
-    module = "titan_kernels.triton.fp8_grouped_mm"  # imported at the first call (LazyKernel)
+def _triton_kernels() -> Kernels:
+    # Imported at the first call (LazyKernel); without triton the family says why (backend_status).
+    module = "titan_kernels.triton.fp8_grouped_mm"
     return Kernels(*(_backend.LazyKernel(module, n) for n in Kernels._fields))
 
 
