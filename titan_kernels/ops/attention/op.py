@@ -84,15 +84,16 @@ def _failed(choice, key, error) -> None:
     _backend.mark_failed(_d.OP, choice, key[0], key, error)
 
 
-def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
+def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, key: tuple | None = None):
     """(out, lse) of one call on the chosen backend, sinks applied; out contiguous, lse in the
-    kernel's layout."""
-    if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # (inline: every call)
+    kernel's layout. ``key``: the call's dispatch key when the caller has it (``call_planned``)."""
+    if key is None and ((q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q)):
         out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
         lse = torch.full(_lse_shape(q, cu_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         # The first try inline, without _run's closures: most of a small call's overhead otherwise.
-        key = _d.case_key(q, k, v, cu_q, a)
+        if key is None:
+            key = _d.case_key(q, k, v, cu_q, a)
         choice = _backend.choose(_d.OP, key[0], key, backend=request, case=lambda: _d.make_case(q, k, v, cu_q, a))
         try:
             out, lse = choice.kernels.forward(q, k, v, cu_q, cu_k, a)
@@ -286,3 +287,13 @@ def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
     else:
         out, lse = flash_attn_def(q, k, v, cu_q, cu_k, sinks, *a.op_args())
     return (out, lse) if a.return_lse else out
+
+
+def call_planned(q, k, v, a: AttentionArgs, key: tuple):
+    """A validated dense call without sinks whose record and dispatch key were decided once for its
+    case (``api.flash_attn``): the fast path's body when nothing needs the dispatcher, else ``call``."""
+    if not torch.compiler.is_compiling() and eager_route_untraced((q, k, v)) == FAST:
+        out, lse = run_forward(None, q, k, v, None, None, None, a, key)
+        return (out, lse.contiguous()) if a.return_lse else out
+    return call(q, k, v, None, None, None, a, None)
+
