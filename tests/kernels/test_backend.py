@@ -178,3 +178,21 @@ def test_a_context_request_applies_to_the_ops_that_have_it(toy):
     with tk.use_backend("cpu"):  # linear_cross_entropy has no native CPU kernel: automatic
         tk.linear_cross_entropy(h, wv, labels).backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_a_kernel_module_that_does_not_import_is_a_reason_not_a_traceback():
+    # Triton kernels register as LazyKernel (imported at the first call, not by ``import titan_kernels``):
+    # a module that does not import is why the implementation cannot run, named in the refusal.
+    from titan_kernels.backend import LazyKernel
+
+    bad = LazyKernel("titan_kernels.triton.no_such_kernels", "fwd")
+    assert "no_such_kernels does not import" in bad.why_not()
+    with pytest.raises(RuntimeError, match="no_such_kernels does not import"):
+        bad(torch.ones(1))
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with backend.replace_impl("rms_norm", "reference", (bad, bad)):
+        with pytest.raises(RuntimeError, match="cannot run titan op 'rms_norm'.*no_such_kernels does not import"):
+            with backend.use_backend("reference"):
+                tk.rms_norm(x, w)
+    good = LazyKernel("titan_kernels.reference.rms_norm", "rms_norm_fwd")
+    assert good.why_not() is None and callable(good.fn)

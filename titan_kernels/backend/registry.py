@@ -45,22 +45,30 @@ class Kernels(NamedTuple):
 class LazyKernel:
     """The entry point ``name`` of the kernel module ``module``, imported at its first call: importing
     a Triton kernel module imports triton (0.2 s to a second), which ``import titan_kernels`` must
-    not pay. A module that fails to import raises RuntimeError naming it (an automatic choice then
-    falls back, ``mark_failed``)."""
+    not pay. The choice asks ``why_not()`` before it takes the implementation (a module that does not
+    import is a reason, as an unavailable family is); a direct call of a module that does not import
+    raises RuntimeError naming it."""
 
     __slots__ = ("module", "name", "fn")
 
     def __init__(self, module: str, name: str):
         self.module, self.name, self.fn = module, name, None
 
-    def __call__(self, *args, **kwargs):
-        fn = self.fn
-        if fn is None:
+    def why_not(self) -> str | None:
+        """None once the entry point is imported, else why it cannot be (the module's ImportError)."""
+        if self.fn is None:
             try:
-                fn = self.fn = getattr(importlib.import_module(self.module), self.name)
+                self.fn = getattr(importlib.import_module(self.module), self.name)
             except ImportError as e:
-                raise RuntimeError(f"the kernel module {self.module} does not import: {e}") from e
-        return fn(*args, **kwargs)
+                return f"the kernel module {self.module} does not import: {e}"
+        return None
+
+    def __call__(self, *args, **kwargs):
+        if self.fn is None:
+            why = self.why_not()
+            if why is not None:
+                raise RuntimeError(why)
+        return self.fn(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"LazyKernel({self.module}.{self.name})"
@@ -280,9 +288,13 @@ def _why_not(impl: Impl, device: torch.device, case: Any) -> str | None:
     if impl.family in NATIVE and dev != impl.family:
         return f"runs on {impl.family.upper()} tensors, not {dev}"
     if impl.why_not is not None:
-        return impl.why_not(device, case)
-    st = _status.family_status(impl.family, dev, triton_interpret())
-    return None if st.available else st.reason
+        why = impl.why_not(device, case)
+    else:
+        st = _status.family_status(impl.family, dev, triton_interpret())
+        why = None if st.available else st.reason
+    if why is None:  # it can run here: its kernel modules must import (asked once per key: choices are cached)
+        why = next((w for fn in impl.kernels if isinstance(fn, LazyKernel) for w in (fn.why_not(),) if w), None)
+    return why
 
 
 def _why_not_auto(impl: Impl, device: torch.device, case: Any) -> str | None:
