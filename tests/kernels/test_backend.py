@@ -196,3 +196,22 @@ def test_a_kernel_module_that_does_not_import_is_a_reason_not_a_traceback():
                 tk.rms_norm(x, w)
     good = LazyKernel("titan_kernels.reference.rms_norm", "rms_norm_fwd")
     assert good.why_not() is None and callable(good.fn)
+
+
+def test_every_op_registers_through_its_op():
+    # One extension idiom (DESIGN.md section 2): an op module registers its implementations and its
+    # order through its ``Op`` (register*, set_order), never through the registry's functions directly.
+    import ast
+    import pathlib
+
+    ops = pathlib.Path(tk.__file__).parent / "ops"
+    direct = []
+    for path in sorted(ops.rglob("*.py")):
+        if path.name == "_scaffold.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("register_impl", "set_order") \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("_backend", "backend", "registry"):
+                direct.append(f"{path.relative_to(ops)}:{node.lineno} {node.func.value.id}.{node.func.attr}")
+    assert not direct, "registered around the op's Op:\n" + "\n".join(direct)
