@@ -291,9 +291,10 @@ def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
 
 def call_planned(q, k, v, a: AttentionArgs, key: tuple):
     """A validated dense call without sinks whose record and dispatch key were decided once for its
-    case (``api.flash_attn``): the fast path's body when nothing needs the dispatcher, else the op
-    through the scaffold (which takes its own fast path when only a gradient is recorded)."""
-    if not torch.compiler.is_compiling() and eager_route_untraced((q, k, v)) == FAST:
+    case (``api.flash_attn``, which calls it only when nothing is being compiled): the fast path's
+    body when nothing needs the dispatcher, else the op through the scaffold (which takes its own
+    fast path when only a gradient is recorded)."""
+    if eager_route_untraced((q, k, v)) == FAST:
         out, lse = run_forward(None, q, k, v, None, None, None, a, key)
         return (out, lse.contiguous()) if a.return_lse else out
     out, lse = flash_attn_def(q, k, v, None, None, None, *a.op_args())
