@@ -18,8 +18,9 @@ setup(
     packages=find_packages(include=["titan_kernels", "titan_kernels.*", "trainer", "trainer.*"]),
     package_data={"trainer": ["configs/*/*.toml"]},
     install_requires=[
+        # triton is not required: the CUDA builds of torch bring their own, and without it every op runs
+        # on its other backends (titan_kernels.available_backends() says why triton is unavailable).
         "torch>=2.11",
-        "triton>=3.6; platform_system == 'Linux'",
         "numpy",
         "tokenizers>=0.19",
         "tiktoken>=0.7",
@@ -34,8 +35,11 @@ setup(
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
+        # triton for the tests of the Triton kernels in its interpreter (TRITON_INTERPRET=1) on the CPU.
         "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "pytest-xdist>=3", "expecttest", "ninja",
+                 "triton>=3.6; platform_system == 'Linux'",
                  "transformers>=4.45", "wandb>=0.19", "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
+        "triton": ["triton>=3.6; platform_system == 'Linux'"],  # the interpreter with a CPU-only torch
         "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.run.fault_tolerance)
         "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],

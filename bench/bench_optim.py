@@ -31,7 +31,8 @@ import torch
 
 import titan_kernels as tk
 from bench import common
-from titan_kernels.reference.newton_schulz import COEFFICIENTS, EPS, flops as ns_flops
+from titan_kernels import newton_schulz_flops as ns_flops
+from titan_kernels.reference.newton_schulz import COEFFICIENTS, EPS
 
 DEV = common.device()
 CUDA = DEV.type == "cuda"

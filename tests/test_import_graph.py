@@ -7,10 +7,14 @@ remove it), plus ``__import__("x")`` / ``importlib.import_module("x")`` with a l
 ``from package import name`` depends on ``package.name`` when that is a module, else on the package.
 
 Layers, highest first: ``bench`` -> ``trainer`` -> ``titan_kernels`` (its public surface: the
-package itself, ``nn``, ``patch``, ``dtensor``) -> ``titan_kernels.ops`` ->
+package itself, ``nn``, ``patch``) -> ``titan_kernels.ops`` ->
 the kernels and what they stand on (``triton``, ``reference``, the native extension, ``backend``,
 ``attention_mask``, any other module of ``titan_kernels``). A module may import its own layer
 or any below it, never one above.
+
+The trainer uses the kernel library through its public modules alone (``PUBLIC_KERNEL_MODULES``):
+no import of any other module of ``titan_kernels``, and no attribute path through one
+(``titan_kernels.ops.x`` after ``import titan_kernels``). What it needs is exported there.
 """
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ PACKAGES = ("titan_kernels", "trainer", "bench")
 NATIVE_MODULES = ("titan_kernels._C",)
 
 _SURFACE = {"titan_kernels", "titan_kernels.nn", "titan_kernels.patch"}
+# The modules of the kernel library the trainer may import (their own names, not their submodules).
+PUBLIC_KERNEL_MODULES = frozenset(_SURFACE)
 
 
 def layer(module: str) -> tuple[int, str]:
@@ -69,6 +75,45 @@ def _imported_names(tree: ast.AST, package: str):
             name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
             if name in ("__import__", "import_module") and isinstance(node.args[0].value, str):
                 yield node.args[0].value
+
+
+def _attribute_paths(tree: ast.AST, root_name: str):
+    """Every dotted attribute path rooted at the name ``root_name`` (``titan_kernels.ops.x.y``), longest only."""
+    inner = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+            inner.add(id(node.value))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and id(node) not in inner:
+            parts, cur = [], node
+            while isinstance(cur, ast.Attribute):
+                parts.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == root_name:
+                yield ".".join([root_name, *reversed(parts)])
+
+
+def _longest_module(name: str, mods) -> str:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def private_kernel_uses(root: pathlib.Path = ROOT) -> list[str]:
+    """'module: kernel module' for every use from ``trainer`` of a ``titan_kernels`` module outside
+    ``PUBLIC_KERNEL_MODULES``: imported (at any depth, as ``import_graph`` reads them) or reached by
+    an attribute path from the package name."""
+    mods = modules(root)
+    found = []
+    for name, path in sorted(mods.items()):
+        if path is None or not name.startswith("trainer"):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        used = {_longest_module(i, mods) for i in _imported_names(tree, package) if i.split(".")[0] == "titan_kernels"}
+        used |= {_longest_module(p, mods) for p in _attribute_paths(tree, "titan_kernels")}
+        found += [f"{name}: {m}" for m in sorted(used) if m and m not in PUBLIC_KERNEL_MODULES]
+    return found
 
 
 def import_graph(root: pathlib.Path = ROOT) -> dict[str, set[str]]:
@@ -213,3 +258,22 @@ def test_trainer_imports_flow_down_its_floors():
                      if trainer_unit(a) and trainer_unit(b) and trainer_unit(a) != trainer_unit(b)
                      and trainer_floor(trainer_unit(b)) > trainer_floor(trainer_unit(a))})
     assert not upward, "trainer imports against its floors:\n" + "\n".join(upward)
+
+
+def test_the_private_kernel_check_sees_imports_and_attribute_paths(tmp_path):
+    for name in ("titan_kernels/__init__.py", "titan_kernels/nn/__init__.py", "titan_kernels/ops/__init__.py",
+                 "titan_kernels/ops/x.py", "trainer/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    (tmp_path / "trainer" / "a.py").write_text("import titan_kernels\nfrom titan_kernels.nn import RMSNorm\n"
+                                               "y = titan_kernels.rms_norm\n")
+    assert private_kernel_uses(tmp_path) == []
+    (tmp_path / "trainer" / "b.py").write_text("def f():\n    from titan_kernels.ops.x import g\n")
+    (tmp_path / "trainer" / "c.py").write_text("import titan_kernels\nh = titan_kernels.ops.x.h\n")
+    assert private_kernel_uses(tmp_path) == ["trainer.b: titan_kernels.ops.x", "trainer.c: titan_kernels.ops.x"]
+
+
+def test_the_trainer_uses_only_the_public_kernel_api():
+    found = private_kernel_uses()
+    assert not found, ("the trainer uses private modules of titan_kernels (export what it needs from "
+                       f"{sorted(PUBLIC_KERNEL_MODULES)}):\n" + "\n".join(found))

@@ -107,11 +107,10 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
 
 def check_backend_environment() -> None:
     """A bad TITAN_KERNELS_BACKEND is a ConfigError before the run, not a traceback at the first op."""
-    import titan_kernels.ops  # noqa: F401  (registers every op's implementations: their names are valid)
-    from titan_kernels import backend
+    import titan_kernels  # (registers every op's implementations: their names are valid)
 
     try:
-        backend.requested_backend()
+        titan_kernels.requested_backend()
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -7,7 +7,7 @@ compared side by side. Both get the same recipe and the same filter:
 * ``--float8.filter_fqns``: layers whose name contains one of these strings stay in high precision
   (default ``output``: the vocabulary projection feeds the loss directly);
 * ``--float8.auto_filter_small_kgemms``: also keep layers too small to gain (the cost model of
-  ``titan_kernels.nn.float8.too_small_for_float8``: N·K / (N + K) under 1024 for tensorwise, 2048
+  ``titan_kernels.nn.too_small_for_float8``: N·K / (N + K) under 1024 for tensorwise, 2048
   for the rowwise recipes; Llama 3 8B's FFN and wq/wo pass, its 1024-wide wk/wv do not, every
   layer of the debugmodel is filtered).
 
@@ -37,7 +37,7 @@ import logging
 
 from torch import nn
 
-from titan_kernels.nn.float8 import convert_to_float8, module_filter, too_small_for_float8
+from titan_kernels.nn import convert_to_float8, module_filter, too_small_for_float8
 
 logger = logging.getLogger("trainer")
 

@@ -89,6 +89,40 @@ def rel(a, b) -> float:
     return ((a - b).norm() / torch.clamp(b.norm(), min=floor)).item()
 
 
+# Unit roundoff (half the machine epsilon) of each dtype.
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# Half inputs: the kernels accumulate in float32 and round P and the outputs to the half dtype, so the
+# half's rounding dominates: a few of its unit roundoffs, relative (out: bf16 2.6 u, fp16 4.1 u; the
+# gradients 2-2.5x that). These are the tolerances the tests had; only float32's is derived.
+_HALF_TOL = {torch.bfloat16: (1e-2, 2e-2), torch.float16: (2e-3, 5e-3)}
+
+
+def attention_tol(dtype: torch.dtype, seq_q: int, seq_k: int, head_dim: int, head_dim_v: int | None = None,
+                  grad: bool = False) -> float:
+    """The relative norm error (``rel``) an attention output (``grad``: each of dq, dk, dv) may have
+    against float64, from the problem's size and dtype.
+
+    float32: a sum of n terms rounded in float32 errs by at most gamma_n ~ n u (u = 2^-24) relative to
+    the sum of its absolute terms (Higham 2002, "Accuracy and Stability of Numerical Algorithms",
+    Lemma 3.1 and eq. 3.5); to first order the errors of a chain of sums and roundings add. The
+    forward's chain: the scores (head_dim terms), the softmax denominator (seq_k), P V (seq_k), and
+    4 single roundings (scale, max shift, exp, division): (d + 2 s_k + 4) u. The backward's longest
+    chain: P recomputed (d + s_k), dP = dO V^T (d_v), delta = rowsum(dO * O) (d_v), the gradient sums
+    (dq over s_k keys; dk and dv over s_q queries: max(s_q, s_k)) and 6 roundings. This is the
+    worst-case first-order bound, not a fit: at (2, 130, 130, 8/2 heads, 64) it is 2.7e-5 for the
+    gradients, where a run measured 1.67e-5 once and typically 4e-7.
+    bfloat16 / float16: ``_HALF_TOL`` (the half's own rounding dominates the float32 chain).
+    """
+    if dtype != torch.float32:
+        return _HALF_TOL[dtype][grad]
+    dv = head_dim if head_dim_v is None else head_dim_v
+    if grad:
+        n = head_dim + seq_k + 2 * dv + max(seq_q, seq_k) + 6
+    else:
+        n = head_dim + 2 * seq_k + 4
+    return n * UNIT_ROUNDOFF[torch.float32]
+
+
 def assert_lse(lse, lse64, atol):
     fin = torch.isfinite(lse64)
     assert torch.equal(torch.isneginf(lse), ~fin), "rows with no visible key must have lse = -inf"

@@ -266,7 +266,7 @@ def validation_cases():
 
 
 def check_measured_order(monkeypatch, measured_order, dtype: torch.dtype, run_candidates: bool) -> None:
-    """``measured_order`` (a grouped GEMM's, timed by ``ops.grouped_mm.time_order``) with a stand-in
+    """``measured_order`` (a grouped GEMM's, timed by ``ops.grouped_gemm.time_order``) with a stand-in
     timer that makes the later candidate faster, on CPU tensors: the order follows the times, is
     cached per key, and a failing timer keeps the given order. ``run_candidates``: the stand-in also
     runs each candidate (forward and backward)."""

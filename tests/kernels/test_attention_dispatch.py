@@ -304,7 +304,7 @@ def test_runtime_failure_falls_back_once(monkeypatch):
         calls.append(1)
         raise RuntimeError("no kernel image is available for execution on the device")
 
-    orders = dict(A.AUTO_ORDER)
+    orders = dict(A.ORDER)
     _backend.set_order(A.OP, {**orders, "cpu": ("sdpa_flash", "reference")})
     swap = _backend.replace_impl(A.OP, "sdpa_flash", (broken, broken), family="cpu")
     try:
@@ -484,3 +484,30 @@ def test_cuda_order_for_variants(libs, fake_cuda):
     fake_cuda["cap"] = (7, 5)  # no FlashAttention at all: Triton
     choice = choose(softcap=5.0)
     assert choice.backend == "triton" and "soft-capping" in dict(choice.skipped)["sdpa_cudnn"]
+
+
+def test_plain_calls_decide_once_per_case_and_still_follow_the_request():
+    # The plain dense call caches its validation, record and dispatch key per case (api._plain_plans);
+    # the backend is still chosen per call under the request in force, and a bad call of a cached
+    # shape still raises.
+    from titan_kernels.ops.attention import api
+
+    q, k, v = (torch.randn(1, 9, 4, 16) for _ in range(3))
+    api._plain_plans.clear()
+    first = tk.flash_attn(q, k, v)
+    assert len(api._plain_plans) == 1
+    seen = []
+    spy = (lambda *a, **kw: seen.append(1) or R.attention_fwd(*a, **kw), R.attention_bwd)
+    with _backend.replace_impl("flash_attn", "reference", spy):
+        with tk.use_backend("reference"):
+            again = tk.flash_attn(q, k, v)
+        tk.flash_attn(q, k, v)
+    assert seen == [1] and len(api._plain_plans) == 1
+    torch.testing.assert_close(again, first)
+    with pytest.raises(TypeError, match="k: expected dtype"):
+        tk.flash_attn(q, k.double(), v)
+    with pytest.raises(TypeError, match="softmax_scale"):
+        tk.flash_attn(q, k, v, softmax_scale=[0.5])
+    with pytest.raises(ValueError, match="softmax_scale"):
+        tk.flash_attn(q, k, v, softmax_scale=-1.0)
+    assert len(api._plain_plans) == 1

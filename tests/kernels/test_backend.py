@@ -178,3 +178,40 @@ def test_a_context_request_applies_to_the_ops_that_have_it(toy):
     with tk.use_backend("cpu"):  # linear_cross_entropy has no native CPU kernel: automatic
         tk.linear_cross_entropy(h, wv, labels).backward()
     assert h.grad is not None and torch.isfinite(h.grad).all()
+
+
+def test_a_kernel_module_that_does_not_import_is_a_reason_not_a_traceback():
+    # Triton kernels register as LazyKernel (imported at the first call, not by ``import titan_kernels``):
+    # a module that does not import is why the implementation cannot run, named in the refusal.
+    from titan_kernels.backend import LazyKernel
+
+    bad = LazyKernel("titan_kernels.triton.no_such_kernels", "fwd")
+    assert "no_such_kernels does not import" in bad.why_not()
+    with pytest.raises(RuntimeError, match="no_such_kernels does not import"):
+        bad(torch.ones(1))
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with backend.replace_impl("rms_norm", "reference", (bad, bad)):
+        with pytest.raises(RuntimeError, match="cannot run titan op 'rms_norm'.*no_such_kernels does not import"):
+            with backend.use_backend("reference"):
+                tk.rms_norm(x, w)
+    good = LazyKernel("titan_kernels.reference.rms_norm", "rms_norm_fwd")
+    assert good.why_not() is None and callable(good.fn)
+
+
+def test_every_op_registers_through_its_op():
+    # One extension idiom (DESIGN.md section 2): an op module registers its implementations and its
+    # order through its ``Op`` (register*, set_order), never through the registry's functions directly.
+    import ast
+    import pathlib
+
+    ops = pathlib.Path(tk.__file__).parent / "ops"
+    direct = []
+    for path in sorted(ops.rglob("*.py")):
+        if path.name == "_scaffold.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("register_impl", "set_order") \
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id in ("_backend", "backend", "registry"):
+                direct.append(f"{path.relative_to(ops)}:{node.lineno} {node.func.value.id}.{node.func.attr}")
+    assert not direct, "registered around the op's Op:\n" + "\n".join(direct)

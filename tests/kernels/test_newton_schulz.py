@@ -107,8 +107,8 @@ def test_matches_torch_muon_iteration():
 
 
 def test_flops():
-    assert ref.flops(4096, 4096) == 5 * (4 * 4096**3 + 2 * 4096**3)
-    assert ref.flops(8192, 28672) == ref.flops(28672, 8192) == 5 * (4 * 8192**2 * 28672 + 2 * 8192**3)
+    assert ref.newton_schulz_flops(4096, 4096) == 5 * (4 * 4096**3 + 2 * 4096**3)
+    assert ref.newton_schulz_flops(8192, 28672) == ref.newton_schulz_flops(28672, 8192) == 5 * (4 * 8192**2 * 28672 + 2 * 8192**3)
 
 
 def test_opcheck_and_compile():

@@ -7,7 +7,7 @@
    standing in for the driver at sm_90): AOT autograd decomposes the variant into
    ``triton_kernel_wrapper_functional`` nodes for our forward and backward kernels, with only the
    kernels' fresh outputs in ``tensors_to_clone`` (Inductor sees that the inputs are only read), and
-   the public ``rms_norm`` routes there only when asked (``TITAN_KERNELS_TRITON_OP=1``); otherwise
+   the public ``rms_norm`` routes there only when asked (``enable_triton_op()``); otherwise
    the graph holds the opaque custom op.
 
 Not checkable here: ``opcheck`` and ``torch.compile`` of the variant (the interpreter would run the
@@ -103,6 +103,8 @@ def _trace_report() -> dict:
     from titan_kernels.ops import rms_norm as rn
     from titan_kernels.triton import rms_norm as tri
 
+    tk.enable_triton_op()  # registers the variant (titan_kernels does not import Inductor by itself)
+
     class Sm90Target:
         """What torch's kernel analysis asks of the active driver: the target to lower for."""
 
@@ -150,7 +152,7 @@ def _trace_report() -> dict:
     out = {}
     with tk.use_backend("triton"):
         for routed in (True, False):
-            rn._TRITON_OP = routed
+            rn.set_triton_op_route(routed)
             for name, f in cases.items():
                 if not routed and name.startswith("backward"):
                     continue

@@ -7,8 +7,9 @@ Qwen3 debugmodel_moe's routed experts on ``titan_kernels.fp8_grouped_mm`` (conve
 filters, the router gates left alone) and a short run whose three expert GEMMs per layer are counted
 on the float8 op, forward and backward, with the loss falling and tracking float32.
 Slow (``pytest -m slow tests/trainer/test_float8.py``, about 40 minutes on 2 busy CPU cores): the
-debugmodel at its own shapes (seq 256, batch 8) for 100 steps, float32 against float8 tensorwise:
-the loss over every 10-step log interval stays within 3% of the float32 run; and 2 processes (torchrun,
+debugmodel at its own shapes (seq 256, batch 8) for 100 steps on tests/data/tinyshakespeare.txt (one
+pass over 205k of its 340k bytes: no batch repeats or nearly repeats another), float32 against
+float8 tensorwise: the loss of every step stays within 3% of the float32 run's; and 2 processes (torchrun,
 FSDP2 with the float8 all-gather) that checkpoint, resume, and resume again without it.
 """
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _run(folder, *overrides):
     return rc, recs
 
 
+SHAKESPEARE = Path(__file__).resolve().parents[1] / "data" / "tinyshakespeare.txt"
 SHORT = ["--training.seq_len", "64", "--training.local_batch_size", "4", "--training.steps", "15",
          "--lr_scheduler.warmup_steps", "5"]
 F8 = ["--float8.enable", "--float8.auto_filter_small_kgemms", "false"]
@@ -175,21 +177,33 @@ def test_torchao_impl_side_by_side(tmp_path):
 def test_debugmodel_100_steps_float8_within_3_percent_of_float32(tmp_path):
     # Float8 is emulated on the CPU (fp8 casts and _scaled_mm without fp8 units), about 2.5x
     # slower than float32 here: the float8 run alone takes about 25 minutes.
-    steps = ["--training.steps", "100"]
+    # The data: the default embedded corpus holds near-duplicate documents, whose batches drop to a
+    # loss of 1.5-2 and swing by 10% between any two runs whose weights differ (float8 or not), so a
+    # step's loss there measures the batch, not float8. Tiny Shakespeare (byte-level, 340k tokens)
+    # has no such batches, and 100 steps of 8 x 256 tokens read 205k of it once.
+    steps = ["--training.steps", "100", "--training.dataset_path", str(SHAKESPEARE)]
     torch.set_num_threads(2)
     rc, base = _run(tmp_path / "fp32", *steps)
     assert rc == 0
     rc, f8 = _run(tmp_path / "tensorwise", *steps, *F8)
     assert rc == 0
-    # The loss of one batch is noisy once the runs' weights differ: the embedded corpus holds
-    # near-duplicate documents whose batches drop to a loss of 1.5-2 (steps 89-90 here, where the
-    # float8 run was 11% *lower*). So the criterion is the loss over each 10-step log interval.
-    window = [sum(r["loss"] for r in recs[i:i + 10]) / 10 for recs in (f8, base) for i in range(0, 100, 10)]
-    gaps = [abs(a - b) / b for a, b in zip(window[:10], window[10:])]
-    print(f"tensorwise vs float32, 100 steps: 10-step mean loss gaps (%) {[round(100 * g, 2) for g in gaps]}; "
-          f"largest single-step gap {100 * _max_rel_gap(f8, base):.2f}%; final loss {f8[-1]['loss']:.4f} "
-          f"vs {base[-1]['loss']:.4f}")
-    assert max(gaps) < 0.03
+    gap = _max_rel_gap(f8, base)
+    worst = max(range(len(base)), key=lambda i: abs(f8[i]["loss"] - base[i]["loss"]) / base[i]["loss"])
+    print(f"tensorwise vs float32, 100 steps on tiny Shakespeare: largest step gap {100 * gap:.2f}% (step "
+          f"{base[worst]['step']}); final loss {f8[-1]['loss']:.4f} vs {base[-1]['loss']:.4f}")
+    assert gap < 0.03
+    assert f8[-1]["loss"] < f8[0]["loss"] - 1.0  # it trains
+
+
+def test_the_100_step_data_has_no_near_duplicate_batches():
+    # The premise of the slow test above, cheaply: its 100 batches of 8 x 256 byte-level tokens are a
+    # sequential pass over tiny Shakespeare's documents; no two of them share more than 3% of their
+    # 16-byte substrings (measured: 1.2% at most; a near-duplicate batch shares most of them).
+    text = SHAKESPEARE.read_bytes()[:100 * 8 * 256]
+    grams = [{b[j:j + 16] for j in range(len(b) - 15)} for b in (text[i:i + 2048] for i in range(0, len(text), 2048))]
+    assert len(grams) == 100
+    worst = max(len(a & b) / len(a | b) for i, a in enumerate(grams) for b in grams[i + 1:])
+    assert worst < 0.03, worst
 
 
 def _torchrun(folder: Path, *overrides: str) -> subprocess.CompletedProcess:

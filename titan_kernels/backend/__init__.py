@@ -11,7 +11,7 @@ Backend families (``BACKENDS``):
   cuda       native kernels for CUDA tensors: ours from csrc/, aten's, or a library's (FlashAttention).
 """
 from titan_kernels.backend.registry import (  # noqa: F401
-    AUTO_ORDER, Choice, Impl, Kernels, check_name, clear_choices, implementation, implementation_names,
+    DEFAULT_ORDER, Choice, Impl, Kernels, LazyKernel, check_name, clear_choices, implementation, implementation_names,
     implementations, implemented_backends, mark_failed, register_impl, registered_ops, replace_impl, set_order,
     unregister,
 )

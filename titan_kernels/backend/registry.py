@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NamedTuple
@@ -24,8 +25,9 @@ from titan_kernels.backend import status as _status
 from titan_kernels.backend.status import BACKENDS, NATIVE, check_family
 from titan_kernels.triton import triton_interpret
 
-# Fastest first, per device type.
-AUTO_ORDER = {
+# The families fastest first, per device type: the automatic order of an op that declares none
+# (an op's own is its module's ORDER, given through ``Op.set_order``).
+DEFAULT_ORDER = {
     "cuda": ("cuda", "triton", "reference"),
     "cpu": ("cpu", "reference"),
 }
@@ -38,6 +40,38 @@ class Kernels(NamedTuple):
 
     forward: Callable
     backward: Callable | None = None
+
+
+class LazyKernel:
+    """The entry point ``name`` of the kernel module ``module``, imported at its first call: importing
+    a Triton kernel module imports triton (0.2 s to a second), which ``import titan_kernels`` must
+    not pay. The choice asks ``why_not()`` before it takes the implementation (a module that does not
+    import is a reason, as an unavailable family is); a direct call of a module that does not import
+    raises RuntimeError naming it."""
+
+    __slots__ = ("module", "name", "fn")
+
+    def __init__(self, module: str, name: str):
+        self.module, self.name, self.fn = module, name, None
+
+    def why_not(self) -> str | None:
+        """None once the entry point is imported, else why it cannot be (the module's ImportError)."""
+        if self.fn is None:
+            try:
+                self.fn = getattr(importlib.import_module(self.module), self.name)
+            except ImportError as e:
+                return f"the kernel module {self.module} does not import: {e}"
+        return None
+
+    def __call__(self, *args, **kwargs):
+        if self.fn is None:
+            why = self.why_not()
+            if why is not None:
+                raise RuntimeError(why)
+        return self.fn(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LazyKernel({self.module}.{self.name})"
 
 
 @dataclass(frozen=True)
@@ -114,7 +148,7 @@ def register_impl(op: str, backend: str, kernels: Any, *, name: str | None = Non
 
 def set_order(op: str, orders: dict[str, tuple[str, ...]], *, rank: Callable | None = None, hint: str = "") -> None:
     """The automatic order of ``op``'s implementations per device type, fastest first (default: the
-    families of ``AUTO_ORDER``, each family's implementations in registration order). ``rank(device,
+    families of ``DEFAULT_ORDER``, each family's implementations in registration order). ``rank(device,
     case, names) -> names`` may reorder the runnable candidates (e.g. by a one-time measurement);
     ``hint`` is appended to the error raised when no automatic candidate can run."""
     _orders[op] = dict(orders)
@@ -246,7 +280,7 @@ def _candidates(op: str, dev: str, family: str | None = None) -> list[Impl]:
         for i in impls:
             by_name.setdefault(i.name, []).append(i)
         return [i for n in _orders[op][dev] for i in by_name.get(n, ())]
-    return [i for fam in AUTO_ORDER.get(dev, ("reference",)) for i in impls if i.family == fam]
+    return [i for fam in DEFAULT_ORDER.get(dev, ("reference",)) for i in impls if i.family == fam]
 
 
 def _why_not(impl: Impl, device: torch.device, case: Any) -> str | None:
@@ -254,9 +288,13 @@ def _why_not(impl: Impl, device: torch.device, case: Any) -> str | None:
     if impl.family in NATIVE and dev != impl.family:
         return f"runs on {impl.family.upper()} tensors, not {dev}"
     if impl.why_not is not None:
-        return impl.why_not(device, case)
-    st = _status.family_status(impl.family, dev, triton_interpret())
-    return None if st.available else st.reason
+        why = impl.why_not(device, case)
+    else:
+        st = _status.family_status(impl.family, dev, triton_interpret())
+        why = None if st.available else st.reason
+    if why is None:  # it can run here: its kernel modules must import (asked once per key: choices are cached)
+        why = next((w for fn in impl.kernels if isinstance(fn, LazyKernel) for w in (fn.why_not(),) if w), None)
+    return why
 
 
 def _why_not_auto(impl: Impl, device: torch.device, case: Any) -> str | None:

@@ -11,7 +11,8 @@ the rest of the op contract from them (DESIGN.md, "Add an op"):
   last parameter is ``backend: str | None = None``; a forward gets ``capture_request(name)``, and
   ``ctx.backend`` (that request, or the one in force when a direct op call ran) goes to the backward;
 - a RuntimeError naming the op for a derivative it does not implement (never a silent zero);
-- the DTensor sharding rules (``register_sharding``), when torch.distributed is available.
+- the DTensor sharding rules (``register_sharding``), when torch.distributed is available, once
+  ``torch.distributed.tensor`` is imported (``_sharding.py``: ``import titan_kernels`` does not import it).
 
 An op's own module keeps what is particular to it: its validation, its kernels' adapters, its bodies,
 ``setup`` and ``grads``, and its public function, which validates and calls ``op(*args)``.
@@ -22,7 +23,6 @@ forward did (eager or traced, plain tensors or DTensor), so one definition serve
 """
 from __future__ import annotations
 
-import importlib
 import inspect
 import operator
 import typing
@@ -31,7 +31,8 @@ from typing import Any, Callable
 import torch
 
 from titan_kernels import backend as _backend
-from titan_kernels.backend import Kernels, capture_request
+from titan_kernels.backend import Kernels, LazyKernel, capture_request
+from titan_kernels.ops import _sharding
 from titan_kernels.ops._common import FAST, FAST_GRAD, eager_route_untraced
 
 _TENSOR_TYPES = (torch.Tensor, typing.Optional[torch.Tensor], torch.Tensor | None)
@@ -158,7 +159,9 @@ class _Direction:
 
 class Op:
     """A titan op in the making: ``Op(name)``, then its implementations (``register``,
-    ``register_triton``, ``register_native``), then ``define`` with its bodies; ``op(*args)`` runs it.
+    ``register_triton``, ``register_native``; every implementation of every op registers through
+    these) and, where the families' default order is not the op's, ``set_order(ORDER)``; then
+    ``define`` with its bodies; ``op(*args)`` runs it.
 
     ``kernels(device, backend, key)`` inside a body gives the chosen implementation's ``Kernels``.
     """
@@ -180,18 +183,21 @@ class Op:
 
     def register_triton(self, module: str, *names: str, kind: type = Kernels, **options: Any) -> None:
         """Register the Triton kernels ``module.<names>`` (as ``kind(*those)``: by default
-        ``Kernels(forward, backward)``) when the module imports; without triton installed the family
-        reports itself unavailable."""
-        try:
-            mod = importlib.import_module(module)
-        except ImportError:
-            return
-        self.register("triton", kind(*(getattr(mod, n) for n in names)), **options)
+        ``Kernels(forward, backward)``), each imported at its first call (``LazyKernel``: importing
+        triton is not part of ``import titan_kernels``). Without the triton package the family is
+        unavailable and says why (``backend_status``): asking for it raises with that reason."""
+        self.register("triton", kind(*(LazyKernel(module, n) for n in names)), **options)
 
     def register_native(self, kernels: Any, families: tuple[str, ...] = ("cpu", "cuda"), **options: Any) -> None:
         """Register the csrc kernels in each native family (available where the extension is built)."""
         for family in families:
             self.register(family, kernels, **options)
+
+    def set_order(self, order: dict[str, tuple[str, ...]], **options: Any) -> None:
+        """The op's automatic order per device type, fastest first (its module's ``ORDER``):
+        ``titan_kernels.backend.set_order`` for this op (``options``: rank, hint). Without it the
+        families' ``DEFAULT_ORDER`` holds."""
+        _backend.set_order(self.impls, order, **options)
 
     def kernels(self, device: torch.device, backend: str | None = None, key: Any = None) -> Kernels:
         """The ``Kernels`` of the implementation chosen for ``device`` and ``key`` under ``backend`` (a
@@ -224,12 +230,10 @@ class Op:
                                         (), True)
         self._forward = _Direction(self, "", forward, fake, setup, grads, mutates_args, materialize_grads,
                                    differentiable, fast_forward, signature)
-        if torch.distributed.is_available():
-            from torch.distributed.tensor.experimental import register_sharding
-
+        if torch.distributed.is_available():  # (registered once torch.distributed.tensor is imported)
             for direction, rule in ((self._forward, sharding), (self._backward, backward_sharding)):
                 if rule is not None:
-                    register_sharding(direction.overload)(_placements_for_given(rule))
+                    _sharding.register(direction.overload, _placements_for_given(rule))
         return self
 
     @property

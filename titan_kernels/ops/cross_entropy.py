@@ -39,6 +39,7 @@ import functools
 
 import torch
 
+from titan_kernels import backend as _backend
 from titan_kernels.ops._common import check_float, check_same_device, check_tensor
 from titan_kernels.ops._scaffold import Op
 from titan_kernels.reference import cross_entropy as _ref
@@ -57,13 +58,11 @@ cross_entropy_def.register("reference", (_ref.linear_cross_entropy_fwd, _ref.lin
 
 
 def _register_triton() -> None:
-    try:
-        from titan_kernels.triton import cross_entropy as _tri
-    except ImportError:  # triton not installed: the backend reports itself unavailable
-        return
+    # Without triton the family is unavailable and says why (backend_status).
+    module = "titan_kernels.triton.cross_entropy"  # imported at the first call (LazyKernel)
+    stats, grad_ = _backend.LazyKernel(module, "softmax_stats"), _backend.LazyKernel(module, "softmax_grad_")
     # The Triton statistics pass leaves the logits as they are: the gradient pass reads them again.
-    passes = _ref.Kernels(_tri.softmax_stats, lambda z, m, lse, *rest: _tri.softmax_grad_(z, lse, *rest),
-                          _tri.softmax_grad_)
+    passes = _ref.Kernels(stats, lambda z, m, lse, *rest: grad_(z, lse, *rest), grad_)
     cross_entropy_def.register("triton", (functools.partial(_ref.linear_cross_entropy_fwd, kernels=passes),
                                           functools.partial(_ref.linear_cross_entropy_bwd, kernels=passes)))
 

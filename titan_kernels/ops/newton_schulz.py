@@ -63,12 +63,14 @@ def _triton(g, steps, a, b, c, eps, dtype):
 
 
 def _triton_why_not(device: torch.device, case) -> str | None:
+    st = _backend.backend_status("triton", device)  # first: where Triton cannot run, triton is not imported
+    if not st.available:
+        return st.reason
     try:
         import titan_kernels.triton.newton_schulz  # noqa: F401
     except ImportError as e:
         return f"the Triton kernels do not import: {e}"
-    st = _backend.backend_status("triton", device)
-    return None if st.available else st.reason
+    return None
 
 
 def _aten_why_not(device: torch.device, case) -> str | None:
@@ -108,7 +110,8 @@ def _rank(device: torch.device, case, names: tuple[str, ...]) -> tuple[str, ...]
 newton_schulz_def.register("reference", _reference)
 newton_schulz_def.register_native(_aten, name="aten", why_not=_aten_why_not)
 newton_schulz_def.register("triton", _triton, why_not=_triton_why_not)
-_backend.set_order(OP, {"cpu": ("aten", "reference"), "cuda": ("triton", "aten", "reference")}, rank=_rank)
+ORDER = {"cpu": ("aten", "reference"), "cuda": ("triton", "aten", "reference")}
+newton_schulz_def.set_order(ORDER, rank=_rank)
 
 
 # ----------------------------------------------------------------------------- validation

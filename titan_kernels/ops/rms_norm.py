@@ -16,7 +16,6 @@ recomputes rstd from x) instead of the kernel, so second derivatives are exact i
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -210,8 +209,17 @@ add_rms_norm_def.define(add_forward, _add_fake, setup=save_add_rms_norm, grads=_
 # ----------------------------------------------------------------------------- the triton_op route
 
 # The triton_op variant (rms_norm_triton_op.py) on the traced CUDA path; off by default until measured.
+# It is registered on request only (``titan_kernels.ops.triton_op.enable_triton_op``, or this variable
+# set when ``titan_kernels`` is imported): its module imports Inductor, which costs seconds at import.
 TRITON_OP_ENV = "TITAN_KERNELS_TRITON_OP"
-_TRITON_OP = os.environ.get(TRITON_OP_ENV, "0") == "1"
+_TRITON_OP = False
+
+
+def set_triton_op_route(on: bool) -> None:
+    """Route traced CUDA calls to the triton_op variant (``on``) or keep the custom op; the variant
+    must be registered first (``enable_triton_op`` does both)."""
+    global _TRITON_OP
+    _TRITON_OP = bool(on)
 
 
 def _route_triton_op(*tensors) -> bool:

@@ -19,8 +19,9 @@ as is and traced like any torch code.
 
 When it is used: ``rms_norm`` / ``add_rms_norm`` route here instead of the custom op when they are
 not on the eager fast path (compiling, exporting, under a mode), the tensors are plain CUDA tensors
-(DTensor keeps the custom op, which has the sharding rules) and ``TITAN_KERNELS_TRITON_OP=1`` is set
-when ``titan_kernels`` is imported. Default off: the custom op stays until the GPU run
+(DTensor keeps the custom op, which has the sharding rules) and the route is on: ``enable_triton_op()``
+(``titan_kernels.ops.triton_op``), or ``TITAN_KERNELS_TRITON_OP=1`` set when ``titan_kernels`` is
+imported. This module imports Inductor, so ``titan_kernels`` imports it only then. Default off: the custom op stays until the GPU run
 (bench/run_gpu.sh, headline stage) shows that the triton_op pays. ``rms_norm_triton_op`` and
 ``add_rms_norm_triton_op`` call this variant directly.
 

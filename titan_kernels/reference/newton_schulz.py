@@ -25,8 +25,10 @@ STEPS = 5
 EPS = 1e-7
 
 
-def flops(m: int, n: int, steps: int = STEPS, batch: int = 1) -> float:
-    """Multiply-adds x 2 of ``steps`` iterations on ``batch`` matrices of m x n (module docstring)."""
+def newton_schulz_flops(m: int, n: int, steps: int = STEPS, batch: int = 1) -> float:
+    """FLOPs (multiply-adds x 2) of ``steps`` Newton-Schulz iterations on ``batch`` matrices of m x n:
+    each iteration on the wide r x c form (r = min(m, n)) costs A = X X^T (2 r^2 c), A A (2 r^3) and
+    B X (2 r^2 c). Used for the time estimate of Muon's orthogonalisation (module docstring)."""
     r, c = min(m, n), max(m, n)
     return batch * steps * (4.0 * r * r * c + 2.0 * r ** 3)
 

@@ -6,7 +6,7 @@ scaling is read from the old ``rope_theta`` + ``rope_scaling`` keys or transform
 ``rope_parameters``: Llama 3.1's ('llama3': factor, low/high_freq_factor,
 original_max_position_embeddings) and YaRN ('yarn': factor, original_max_position_embeddings,
 beta_fast, beta_slow, mscale, mscale_all_dim, attention_factor, truncate), as
-``titan_kernels.ops.rope_tables`` computes them.
+``titan_kernels.rope_cos_sin`` computes them.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 import titan_kernels
-from titan_kernels.reference.newton_schulz import flops as ns_flops
+from titan_kernels import newton_schulz_flops
 
 WINDOW = 2  # exchange rounds in flight per group (double buffering)
 
@@ -221,7 +221,7 @@ class MatrixExchange:
         w = len(plans[0].members)
         load = [0.0] * w
         owned: list[list[MatrixPlan]] = [[] for _ in range(w)]
-        cost = {q.name: ns_flops(q.full_shape[-2], q.full_shape[-1], batch=math.prod(q.full_shape[:-2]))
+        cost = {q.name: newton_schulz_flops(q.full_shape[-2], q.full_shape[-1], batch=math.prod(q.full_shape[:-2]))
                 for q in plans}
         for q in sorted(plans, key=lambda q: (-cost[q.name], q.name)):
             j = min(range(w), key=lambda i: (load[i], i))

@@ -19,7 +19,7 @@ are skipped, and a K/V block that no pair of its receiver sees is neither sent n
 sliding window shorter than the chunk distance, or the causal upper triangle). The partial outputs
 merge exactly through the LSEs (Milakov & Gimelshein 2018: out = sum_i exp(lse_i - lse) out_i,
 lse = logsumexp_i lse_i). Sinks join each row's softmax once, after the merge (the epilogue of
-``titan_kernels.ops.attention.sinks``); soft-capping applies per score in every call; chunked
+``titan_kernels.apply_attention_sinks``); soft-capping applies per score in every call; chunked
 attention needs the attention chunk to be a multiple of c or to divide it (``cp_schedule.pair``).
 
 The backward receives the K/V blocks again and sends each block's gradient back to its owner
@@ -42,9 +42,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import titan_kernels
-from titan_kernels.backend import capture_request
-from titan_kernels.attention_mask import AttentionArgs, check_chunk, check_softcap, check_window
-from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
+from titan_kernels import (
+    AttentionArgs, apply_attention_sinks, attention_sinks_grad, capture_request, check_chunk, check_softcap, check_window,
+)
 from trainer.parallel import cp_schedule
 
 
@@ -196,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
                 out[:, rows] = out[:, rows] * w_old + o_blk.float() * w_blk
                 lse[:, :, rows] = l_new
         if sinks is not None:
-            out, lse = apply_sinks(out, lse, sinks, False)
+            out, lse = apply_attention_sinks(out, lse, sinks, False)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         # The backward runs the backend this forward's request named (the request, not the choice).
@@ -239,7 +239,7 @@ class _RingAttention(torch.autograd.Function):
                     dkv += back
         dsinks = None
         if sinks is not None:
-            dsinks = sinks_grad(dout, out, lse, None, sinks, False)
+            dsinks = attention_sinks_grad(dout, out, lse, None, sinks, False)
         return dq.to(q.dtype), dkv[..., :dk].to(k.dtype), dkv[..., dk:].to(v.dtype), dsinks, None, None
 
 

@@ -16,4 +16,5 @@ from titan_kernels.ops.attention.dispatch import (  # noqa: F401
     ATTENTION_BACKENDS, AttentionCase, AttentionChoice, choose_backend, clear_caches,
 )
 from titan_kernels.ops.attention.api import attention_backend, flash_attn, flash_attn_varlen  # noqa: F401
+from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad  # noqa: F401
 from titan_kernels.ops.attention.validate import MAX_HEAD_DIM  # noqa: F401

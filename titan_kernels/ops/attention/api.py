@@ -13,7 +13,7 @@ from titan_kernels.attention_mask import (
     AttentionArgs, check_causal, check_chunk, check_flag, check_softcap, check_window,
 )
 from titan_kernels.ops.attention import dispatch as _d
-from titan_kernels.ops.attention.op import call
+from titan_kernels.ops.attention.op import call, call_planned
 from titan_kernels.ops.attention.validate import (
     check_cu_seqlens, check_max_seqlen, check_qkv, check_sinks, validate_dense, validate_varlen,
 )
@@ -28,6 +28,28 @@ def _check_backend_arg(backend) -> str | None:
     if not isinstance(backend, str) or backend not in _BACKEND_NAMES:
         raise ValueError(f"backend: expected None or one of {_BACKEND_NAMES}, got {backend!r}")
     return backend
+
+
+_TENSOR = torch.Tensor
+_plain_plans: dict[tuple, tuple | None] = {}  # the plain calls' cases -> (record, dispatch key) or None
+_MAX_PLANS = 4096
+
+
+def _plain_plan(ck, q, k, v, causal, softmax_scale, return_lse) -> tuple | None:
+    """(record, dispatch key) of a plain dense call, after validating it (raising as ``flash_attn``
+    does); None for a case the general path takes (no work to do, options that are not bools). Cached
+    per ``ck``: shapes, dtypes, devices and the options, everything the outcome depends on. Not under
+    torch.compile (the caller checks): traced code takes the op."""
+    if type(causal) is not bool or type(return_lse) is not bool:
+        return None
+    scale = validate_dense(q, k, v, softmax_scale)
+    a = _args(q, k, None, scale, causal, _FULL, 0.0, None, return_lse)
+    plan = None if (q.numel() == 0 or k.shape[1] == 0) else (a, _d.case_key(q, k, v, None, a))
+    if softmax_scale is None or type(softmax_scale) is float:  # (hashable, as validated)
+        if len(_plain_plans) >= _MAX_PLANS:
+            _plain_plans.clear()
+        _plain_plans[ck] = plan
+    return plan
 
 
 @functools.lru_cache(maxsize=256)
@@ -81,15 +103,26 @@ def flash_attn(
     return_lse: bool = False,
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    return call(q, k, v, None, None, sinks, _dense_args(q, k, v, causal, softmax_scale, window_size, sinks, softcap,
-                                                        chunk_size, return_lse), _check_backend_arg(backend))
-
-
-def _dense_args(q, k, v, causal, softmax_scale, window_size, sinks, softcap, chunk_size, return_lse):
+    if (sinks is None and backend is None and window_size is _FULL and softcap == 0.0 and chunk_size is None
+            and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()):
+        # The common call (full or causal, nothing else): its validation, record and dispatch key are
+        # decided once per case and cached (a tiny call's cost is its Python).
+        ck = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal,
+              softmax_scale, return_lse)
+        try:
+            plan = _plain_plans[ck]
+        except (KeyError, TypeError):  # a new case (TypeError: an unhashable argument, which validation names)
+            plan = _plain_plan(ck, q, k, v, causal, softmax_scale, return_lse)
+        if plan is not None:
+            return call_planned(q, k, v, *plan)
+    # (inline, not through helpers: this runs on every call, and a tiny call's cost is its Python)
+    if backend is not None:
+        backend = _check_backend_arg(backend)
     scale = validate_dense(q, k, v, softmax_scale)
     if sinks is not None:
         check_sinks(sinks, q)
-    return _args(q, k, None, scale, causal, window_size, softcap, chunk_size, return_lse)
+    return call(q, k, v, None, None, sinks, _args(q, k, None, scale, causal, window_size, softcap, chunk_size,
+                                                  return_lse), backend)
 
 
 flash_attn.__doc__ = f"""Scaled dot-product attention on the fastest backend that takes the case (FlashAttention API).

@@ -131,13 +131,16 @@ def _lse_unstack(l: torch.Tensor, b: int) -> torch.Tensor:
 
 
 def _dense_fwd(q, k, v, a: AttentionArgs):
-    dv = v.shape[-1]
-    if dv != q.shape[-1]:  # multi-head latent attention (q/k 192, v 128): the kernel's only way is padding
-        d = max(dv, q.shape[-1])
+    qs, dv = q.shape, v.shape[-1]  # (read once: a tensor's shape costs as much as a small op's arithmetic)
+    if dv != qs[-1]:  # multi-head latent attention (q/k 192, v 128): the kernel's only way is padding
+        d = max(dv, qs[-1])
         out, lse = _dense_fwd(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), a)
         return out[..., :dv], lse
-    if _plain(q, k, a):
-        o, lse = _cpu_flash(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, a.causal, scale=a.scale)
+    if not a.local and (a.right < 0 or qs[1] == k.shape[1]):  # _plain, inline: every call
+        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if qt.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1:  # see _bhsd
+            qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
+        o, lse = _cpu_flash(qt, kt, vt, 0.0, a.causal, scale=a.scale)
         return o.transpose(1, 2), lse
     b, sq, h, _ = q.shape
     sk = k.shape[1]

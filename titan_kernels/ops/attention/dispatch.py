@@ -19,7 +19,7 @@ Backends (``ATTENTION_BACKENDS``) and what they take (sinks: every backend, as a
                   natively), O(block * seq) memory.
   reference       float32 PyTorch math with full score matrices: the ground truth, only when asked for.
 
-Automatic order, fastest first:
+Automatic order (``ORDER``), fastest first:
   CPU:  sdpa_flash > blockwise. Measured on our 2-core AVX2 CPU (torch 2.13, fp32, forward + backward,
         2026-12-01): (b 8, s 256, h 16, d 16) causal 19 ms against 63 ms for the reference math and
         21 ms for SDPA through autograd; (b 2, s 1024, h 8, h_kv 2, d 64) 52 ms against 54 ms for
@@ -50,15 +50,17 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
+from titan_kernels.ops._scaffold import Op
 from titan_kernels.ops.attention import aten as _aten
 from titan_kernels.ops.attention import blockwise as _blockwise
 from titan_kernels.ops.attention.flash_lib import flash_bwd, flash_fwd, flash_lib
 from titan_kernels.reference import attention as _ref
 
 OP = "flash_attn"
+flash_attn_def = Op(OP)  # its implementations are registered here, its bodies defined in op.py
 ATTENTION_BACKENDS = ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient", "blockwise", "reference")
 
-AUTO_ORDER = {
+ORDER = {
     "cuda": ("fa3", "fa2", "sdpa_cudnn", "sdpa_flash", "triton", "sdpa_efficient"),
     "cpu": ("sdpa_flash", "blockwise"),
 }
@@ -258,8 +260,10 @@ def _why_not_triton(case: AttentionCase) -> str | None:
     st = _backend.backend_status("triton", case.device)
     if not st.available:
         return st.reason
-    if "triton" not in _backend.implemented_backends(OP):
-        return "titan_kernels.triton.flash_attn failed to import"
+    try:
+        import titan_kernels.triton.flash_attn  # noqa: F401  (asked once per case key)
+    except ImportError as e:
+        return f"titan_kernels.triton.flash_attn does not import: {e}"
     return None
 
 
@@ -298,25 +302,21 @@ def clear_caches() -> None:
 
 
 def _register() -> None:
-    """Every attention backend as an implementation of titan op ``flash_attn`` in ``titan_kernels.backend``
-    (family: reference, triton, or the device type of the native kernels), with the orders above."""
+    """Every attention backend as an implementation of titan op ``flash_attn`` (``Op.register``; family:
+    reference, triton, or the device type of the native kernels), with the op's ``ORDER``."""
     def ask(name):
         return lambda device, case: why_not(name, case)
 
-    reg = _backend.register_impl
-    reg(OP, "reference", (_ref.attention_fwd, _ref.attention_bwd), why_not=ask("reference"))
-    try:
-        from titan_kernels.triton import flash_attn as _tri
-    except ImportError:  # triton not installed: requesting it says so
-        pass
-    else:
-        reg(OP, "triton", (_tri.attention_fwd, _tri.attention_bwd), why_not=ask("triton"))
+    reg = flash_attn_def.register
+    reg("reference", (_ref.attention_fwd, _ref.attention_bwd), why_not=ask("reference"))
+    flash_attn_def.register_triton("titan_kernels.triton.flash_attn", "attention_fwd", "attention_bwd",
+                                   why_not=ask("triton"))
     for name in ("fa3", "fa2"):
-        reg(OP, "cuda", (flash_fwd(name), flash_bwd(name)), name=name, why_not=ask(name))
+        reg("cuda", (flash_fwd(name), flash_bwd(name)), name=name, why_not=ask(name))
     for (name, dev), fns in _aten.IMPLS.items():
-        reg(OP, dev, fns, name=name, why_not=ask(name))
-    reg(OP, "cpu", (_blockwise.attention_fwd, _blockwise.attention_bwd), name="blockwise", why_not=ask("blockwise"))
-    _backend.set_order(OP, AUTO_ORDER, hint="backend='reference' runs anything, with O(seq_q * seq_k) memory")
+        reg(dev, fns, name=name, why_not=ask(name))
+    reg("cpu", (_blockwise.attention_fwd, _blockwise.attention_bwd), name="blockwise", why_not=ask("blockwise"))
+    flash_attn_def.set_order(ORDER, hint="backend='reference' runs anything, with O(seq_q * seq_k) memory")
 
 
 _register()

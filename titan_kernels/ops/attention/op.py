@@ -31,12 +31,11 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
-from titan_kernels.ops._common import needs_grad
-from titan_kernels.ops._scaffold import Op
+from titan_kernels.ops._common import FAST, eager_route_untraced, needs_grad
 from titan_kernels.ops.attention import dispatch as _d
-from titan_kernels.ops.attention.sinks import apply_sinks, sinks_grad
+from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad
 
-flash_attn_def = Op(_d.OP)
+flash_attn_def = _d.flash_attn_def
 _record = functools.lru_cache(maxsize=1024)(AttentionArgs.from_op)  # frozen: one record per distinct call
 
 # ----------------------------------------------------------------------------- run one backend
@@ -85,15 +84,16 @@ def _failed(choice, key, error) -> None:
     _backend.mark_failed(_d.OP, choice, key[0], key, error)
 
 
-def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
+def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, key: tuple | None = None):
     """(out, lse) of one call on the chosen backend, sinks applied; out contiguous, lse in the
-    kernel's layout."""
-    if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):  # (inline: every call)
+    kernel's layout. ``key``: the call's dispatch key when the caller has it (``call_planned``)."""
+    if key is None and ((q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q)):
         out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
         lse = torch.full(_lse_shape(q, cu_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         # The first try inline, without _run's closures: most of a small call's overhead otherwise.
-        key = _d.case_key(q, k, v, cu_q, a)
+        if key is None:
+            key = _d.case_key(q, k, v, cu_q, a)
         choice = _backend.choose(_d.OP, key[0], key, backend=request, case=lambda: _d.make_case(q, k, v, cu_q, a))
         try:
             out, lse = choice.kernels.forward(q, k, v, cu_q, cu_k, a)
@@ -102,7 +102,7 @@ def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
             out, lse = _run(request, q, k, v, cu_q, a, False, False, lambda kern: kern.forward(q, k, v, cu_q, cu_k, a))
         out = out.contiguous()
     if sinks is not None:
-        out, lse = apply_sinks(out, lse, sinks, cu_q is not None)
+        out, lse = apply_attention_sinks(out, lse, sinks, cu_q is not None)
     return out, lse
 
 
@@ -117,7 +117,7 @@ def run_backward(request, dout, q, k, v, out, lse, dlse, cu_q, cu_k, sinks, a: A
             return tuple(t.contiguous() for t in g)  # the fake implementation's strides
 
         grads = _run(request, q, k, v, cu_q, a, True, dlse is not None, call)
-    ds = _no_sinks_grad(q) if sinks is None else sinks_grad(dout, out, lse, dlse, sinks, cu_q is not None)
+    ds = _no_sinks_grad(q) if sinks is None else attention_sinks_grad(dout, out, lse, dlse, sinks, cu_q is not None)
     return (*grads, ds)
 
 
@@ -276,8 +276,27 @@ flash_attn_def.define(forward, _fake, setup=_save, grads=_grads, backward=backwa
 def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
     """Run one validated call (``backend``: an explicit request or None) through the op's scaffold:
     the eager fast path when nothing needs the dispatcher, else the op."""
+    if (sinks is None and cu_q is None and not backend and not torch.compiler.is_compiling()
+            and eager_route_untraced((q, k, v)) == FAST):
+        # Plain eager, no gradient recorded, no sinks: the fast path's body with the record as it is
+        # (what the scaffold runs, without flattening the record into the op's arguments and back).
+        out, lse = run_forward(None, q, k, v, None, None, None, a)
+        return (out, lse.contiguous()) if a.return_lse else out
     if backend:
         out, lse = flash_attn_def.call(q, k, v, cu_q, cu_k, sinks, *a.op_args(), backend)
     else:
         out, lse = flash_attn_def(q, k, v, cu_q, cu_k, sinks, *a.op_args())
     return (out, lse) if a.return_lse else out
+
+
+def call_planned(q, k, v, a: AttentionArgs, key: tuple):
+    """A validated dense call without sinks whose record and dispatch key were decided once for its
+    case (``api.flash_attn``, which calls it only when nothing is being compiled): the fast path's
+    body when nothing needs the dispatcher, else the op through the scaffold (which takes its own
+    fast path when only a gradient is recorded)."""
+    if eager_route_untraced((q, k, v)) == FAST:
+        out, lse = run_forward(None, q, k, v, None, None, None, a, key)
+        return (out, lse.contiguous()) if a.return_lse else out
+    out, lse = flash_attn_def(q, k, v, None, None, None, *a.op_args())
+    return (out, lse) if a.return_lse else out
+

@@ -41,17 +41,37 @@ def _row_weight(w: torch.Tensor, varlen: bool) -> torch.Tensor:
     return (w.t() if varlen else w.transpose(1, 2)).unsqueeze(-1)
 
 
-def apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool):
-    """(out', lse') of the module docstring; out' in out.dtype, lse' float32, both contiguous."""
+def apply_attention_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor, varlen: bool):
+    """Attention sinks applied to one attention call's result: (out', lse') with
+    ``lse' = logaddexp(lse, sink)`` and ``out' = out * exp(lse - lse')`` (module docstring).
+
+    Args:
+        out: (batch, seq, heads, head_dim_v) dense or (total, heads, head_dim_v) varlen, any float dtype.
+        lse: float32 log-sum-exp of each row over its keys, (batch, heads, seq) / (heads, total);
+            -inf for a row with no visible key.
+        sinks: (heads,) float logits (math in float32). varlen: which layout out and lse are in.
+
+    Returns:
+        (out' in out.dtype, lse' float32), both contiguous; a row with no visible key gets out' = 0
+        and lse' = its sink. Ring attention applies it once, to the merged (out, lse) of its blocks.
+
+    Source: OpenAI's gpt-oss model card 2025 (sinks); the epilogue form is derived in the module docstring.
+    """
     lse2 = torch.logaddexp(lse, _lse_view(sinks, varlen))
     # 0 for a row with no visible key, also where lse2 is -inf too (a sink of -inf: exp(nan) otherwise).
     w = torch.exp(lse - lse2).masked_fill_(lse == float("-inf"), 0.0)
     return (out.float() * _row_weight(w, varlen)).to(out.dtype), lse2.contiguous()
 
 
-def sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-               sinks: torch.Tensor, varlen: bool) -> torch.Tensor:
-    """d loss / d sinks from the forward's out' and lse' (module docstring), in sinks' dtype."""
+def attention_sinks_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                         sinks: torch.Tensor, varlen: bool) -> torch.Tensor:
+    """d loss / d sinks = sum over rows of p_i * (dlse'_i - dout_i . out'_i), p_i = exp(sink - lse'_i).
+
+    Args: dout (out's shape), out' and lse' as ``apply_attention_sinks`` returned them, dlse (lse's
+    shape) or None, sinks (heads,), varlen (the layout). Returns (heads,) in sinks' dtype, summed in
+    float32 over batch and rows. The gradients of q, k and v need nothing more: a backend's backward
+    handed (out', lse') gives them exactly (module docstring).
+    """
     s = _lse_view(sinks, varlen)
     # (.., heads, seq): the sink's probability per row; 1 where lse' is the sink itself (module
     # docstring: also for an infinite sink, where s - lse' would be inf - inf).

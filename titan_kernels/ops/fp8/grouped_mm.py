@@ -31,7 +31,7 @@ which CUTLASS asserts on the device for an empty group or a group not a multiple
 pad every group on the device to a multiple of 16, at least 16, no host sync). Where the weight
 gradient's precision is in doubt, ``rowwise_with_gw_hp`` costs one bf16 GEMM of three.
 
-Backends (``BACKENDS``, registered in ``titan_kernels.backend`` as grouped_mm's), chosen once per
+Backends (``BACKENDS``, registered as grouped_mm's: ``titan_kernels.ops.grouped_gemm``), chosen once per
 (device, dtype, K, N) key and cached:
   aten       ``torch._scaled_grouped_mm`` (CUTLASS, CUDA sm_90; not on the CPU: torch 2.13 has no CPU
              kernel). It takes e4m3 operands with bfloat16 output only, so x must be bfloat16; K and N
@@ -43,7 +43,7 @@ Backends (``BACKENDS``, registered in ``titan_kernels.backend`` as grouped_mm's)
              tile queue of our grouped GEMM, the scales in the epilogue; any K/N, float32/bf16/fp16
              output. CPU only under TRITON_INTERPRET=1 (tests).
   reference  dequantize to float32, one matmul per group (a host loop over the offsets).
-Automatic choice: CPU reference. CUDA: aten > triton > reference, and when aten and triton both take
+Automatic choice (``ORDER``): CPU reference. CUDA: aten > triton > reference, and when aten and triton both take
 a key the first call of that key times both (``measured_order``; TITAN_KERNELS_GROUPED_MM_MEASURE=0
 keeps the static order). Overrides: ``use_backend`` / ``TITAN_KERNELS_BACKEND`` with "reference",
 "triton" or "cpu"/"cuda" (aten's kernel of that device); a requested backend that cannot take the
@@ -51,7 +51,7 @@ case raises RuntimeError with the reason. ``rowwise_with_gw_hp``'s weight gradie
 grouped_mm's backend of the same name where it takes the key, else on grouped_mm's automatic choice.
 
 Built by the op scaffold, as ``grouped_mm`` (whose backend registration, choice and timing it
-shares): one autograd definition for the op path and the eager fast path, the forward's request
+shares through ``grouped_gemm``): one autograd definition for the op path and the eager fast path, the forward's request
 handed to the backward op. Double backward is refused with a RuntimeError naming the op.
 DTensor rules: grouped_mm's (tensor parallel on the experts), without Partial inputs.
 """
@@ -63,6 +63,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from titan_kernels import backend as _backend
+from titan_kernels.ops import grouped_gemm as _gg
 from titan_kernels.ops import grouped_mm as _gmm
 from titan_kernels.ops._common import FLOAT_DTYPES, check_float, dtype_name, refuse_create_graph
 from titan_kernels.ops._scaffold import Op
@@ -72,7 +73,7 @@ from titan_kernels.reference import fp8_grouped_mm as _ref
 OP = "fp8_grouped_mm"
 fp8_grouped_mm_def = Op(OP)
 BACKENDS = ("aten", "triton", "reference")
-AUTO_ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
+ORDER = {"cuda": ("aten", "triton", "reference"), "cpu": ("reference",)}
 RECIPES = ("rowwise", "rowwise_with_gw_hp")  # the recipes implemented here (axiswise, as above)
 E4M3 = torch.float8_e4m3fn
 ALIGN = 16  # torch._scaled_grouped_mm: 16-byte strides (K, N) and token groups (the weight gradient)
@@ -123,7 +124,7 @@ def aten_gmm(a, sa, b, sb, offsets, out_dtype: torch.dtype) -> torch.Tensor:
                                  out_dtype=torch.bfloat16)
     if np_ != n:
         y = y[:, :n].contiguous()
-    return _gmm._zero_tail(y, offsets).to(out_dtype)
+    return _gg.zero_tail(y, offsets).to(out_dtype)
 
 
 def padded_groups(offsets: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -200,12 +201,10 @@ def _aten_quantizer(field: str) -> Callable:
     return quantize
 
 
-def _triton_kernels() -> Kernels | None:
-    try:
-        from titan_kernels.triton import fp8_grouped_mm as t
-    except ImportError:  # triton not installed: the family reports itself unavailable
-        return None
-    return Kernels(t.rows, t.w_fwd, t.w_dgrad, t.group_cols, t.gmm, t.gmm_dw)
+def _triton_kernels() -> Kernels:
+    # Imported at the first call (LazyKernel); without triton the family says why (backend_status).
+    module = "titan_kernels.triton.fp8_grouped_mm"
+    return Kernels(*(_backend.LazyKernel(module, n) for n in Kernels._fields))
 
 
 _IMPLS = {
@@ -221,7 +220,7 @@ def why_not(name: str, device_type: str, index: int | None, dtype: torch.dtype) 
     if name == "reference":
         return None
     if name == "triton":
-        return _gmm.triton_why_not(device_type, "titan_kernels.triton.fp8_grouped_mm")
+        return _gg.triton_why_not(device_type, "titan_kernels.triton.fp8_grouped_mm")
     assert name == "aten", name
     if dtype != torch.bfloat16:
         return f"torch._scaled_grouped_mm writes bfloat16 only; x is {dtype_name(dtype)}"
@@ -236,23 +235,23 @@ def measured_order(cands: tuple[str, ...], device_type: str, index: int | None, 
     def kernels(name):
         return _backend.implementation(OP, name, device_type).kernels
 
-    return _gmm.time_order(cands, device_type, index, dtype, k, n,
+    return _gg.time_order(cands, device_type, index, dtype, k, n,
                            lambda x, w, offs, name: _forward(kernels(name), x, w, offs),
                            lambda dy, x, w, offs, name: _backward(kernels(name), name, dy, x, w, offs, "rowwise",
                                                                   True, True))
 
 
-# As grouped_mm's: aten in the cpu and cuda families (the native kernel of each device), triton,
-# reference; automatic order AUTO_ORDER, measured on CUDA. The case key is (dtype, K, N);
-# capabilities depend on the dtype alone.
-_gmm.register_backends(OP, {name: k for name, k in _IMPLS.items() if k is not None},
-                       lambda name, device_type, index, dtype, *_: why_not(name, device_type, index, dtype),
-                       AUTO_ORDER, measured_order)
+# As grouped_mm's (``grouped_gemm.register_backends``): aten in the cpu and cuda families, triton,
+# reference; the op's ORDER, measured on CUDA. The case key is (dtype, K, N); capabilities depend on
+# the dtype alone.
+_gg.register_backends(fp8_grouped_mm_def, _IMPLS,
+                      lambda name, device_type, index, dtype, *_: why_not(name, device_type, index, dtype),
+                      ORDER, measured_order)
 
 
 def backend_for(x: torch.Tensor, w: torch.Tensor) -> tuple[str, dict[str, str]]:
     """(the backend fp8_grouped_mm(x, w, ...) would run, {skipped backend: reason}) under the current request."""
-    return _gmm.backend_report(OP, x, w)
+    return _gg.backend_report(OP, x, w)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -260,7 +259,7 @@ def backend_for(x: torch.Tensor, w: torch.Tensor) -> tuple[str, dict[str, str]]:
 
 def _validate(x, w, offsets, recipe) -> None:
     check_float(x, "x", FLOAT_DTYPES)
-    _gmm._validate(x, w, offsets)  # ranks, shapes, w's dtype, offsets int32 (E,), devices
+    _gg.validate_layout(x, w, offsets, FLOAT_DTYPES)  # ranks, shapes, w's dtype, offsets int32 (E,), devices
     if recipe not in RECIPES:
         raise ValueError(f"recipe: expected one of {RECIPES}, got {recipe!r}")
 
@@ -284,7 +283,7 @@ def _high_precision_dw(dy, x, w, offsets, name: str) -> torch.Tensor:
     """dw through grouped_mm: on its implementation of the same name where that takes the key, else
     on its automatic choice."""
     d = x.device
-    key = _gmm.case_key(x, w)
+    key = _gg.case_key(x, w)
     request = name if _gmm.why_not(name, d.type, d.index, *key) is None else _backend.AUTO
     return _gmm.grouped_mm_def.kernels(d, request, key).backward(dy, x, w, offsets, False, True)[1]
 
@@ -316,7 +315,7 @@ def forward(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str
     """y (T, N) in x.dtype: y[group e] = x[group e] @ w[e] with float8 rowwise operands, rows past
     offsets[-1] zero. ``backend``: the request (None: the one in force). See
     ``titan_kernels.fp8_grouped_mm``."""
-    return _forward(fp8_grouped_mm_def.kernels(x.device, backend, _gmm.case_key(x, w)), x, w, offsets)
+    return _forward(fp8_grouped_mm_def.kernels(x.device, backend, _gg.case_key(x, w)), x, w, offsets)
 
 
 def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, recipe: str,
@@ -325,13 +324,13 @@ def backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, offsets: torch.
     group zero) and dw (E, K, N) in w.dtype (float8 wgrad for ``rowwise``, high precision for
     ``rowwise_with_gw_hp``; zero for an empty group). A gradient not asked for comes back as an
     empty (T, 0) / (E, K, 0) tensor. ``backend``: the forward's request."""
-    choice = _backend.choose(OP, x.device, _gmm.case_key(x, w), backend=backend)
+    choice = _backend.choose(OP, x.device, _gg.case_key(x, w), backend=backend)
     dx, dw = _backward(choice.kernels, choice.backend, dy, x, w, offsets, recipe, need_dx, need_dw)
-    return _gmm.grads_or_empty(dx, dw, x, w)
+    return _gg.grads_or_empty(dx, dw, x, w)
 
 
 def _setup(ctx, inputs, output):
-    _gmm.save_operands(ctx, inputs, output)
+    _gg.save_operands(ctx, inputs, output)
     ctx.recipe = inputs[3]
 
 
@@ -346,11 +345,11 @@ def _grads(ctx, dy):
 fp8_grouped_mm_def.define(
     forward, lambda x, w, offsets, recipe, backend=None: x.new_empty((x.shape[0], w.shape[2])),
     setup=_setup, grads=_grads, backward=backward,
-    backward_fake=lambda dy, x, w, offsets, recipe, need_dx, need_dw, backend=None: _gmm.fake_grads(
+    backward_fake=lambda dy, x, w, offsets, recipe, need_dx, need_dw, backend=None: _gg.fake_grads(
         x, w, need_dx, need_dw),
     # grouped_mm's rules (its module says why), without taking a Partial input.
-    sharding=lambda x, w, offsets, *rest: _gmm.sharding_rules(len(rest), linear=False),
-    backward_sharding=lambda dy, x, w, offsets, *rest: _gmm.backward_sharding_rules(len(rest)))
+    sharding=lambda x, w, offsets, *rest: _gg.sharding_rules(len(rest), linear=False),
+    backward_sharding=lambda dy, x, w, offsets, *rest: _gg.backward_sharding_rules(len(rest)))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -391,4 +390,4 @@ def fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, *, r
     DeepSeek-V3 (2024, section 3.3: fine-grained scaling, float32 promotion of tensor-core sums).
     """
     _validate(x, w, offsets, recipe)
-    return fp8_grouped_mm_def(x, w, _gmm.prepare_offsets(x, w, offsets), recipe)
+    return fp8_grouped_mm_def(x, w, _gg.prepare_offsets(x, w, offsets), recipe)

@@ -18,6 +18,7 @@ import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.ops.fp8.gemm import OP as OP_GEMM
+from titan_kernels.ops.fp8.gemm import gemm_def
 from titan_kernels.reference import fp8 as _ref
 
 E4M3 = torch.float8_e4m3fn
@@ -152,6 +153,4 @@ def scaled_mm_slower(device: torch.device, case) -> str | None:
 
 # torch._scaled_mm is the native GEMM of both device types (no extension of ours needed): "cpu" /
 # "cuda" / "scaled_mm" ask for it; the automatic choice takes it first where it is not slower.
-for _fam in ("cpu", "cuda"):
-    _backend.register_impl(OP_GEMM, _fam, scaled_mm_gemm, name="scaled_mm", why_not=why_not_scaled_mm,
-                           auto=scaled_mm_slower)
+gemm_def.register_native(scaled_mm_gemm, name="scaled_mm", why_not=why_not_scaled_mm, auto=scaled_mm_slower)
