@@ -5,7 +5,7 @@ TFLOP/s and a share of the matmul rate measured in the same run.
 
 Roofline of the AdamW step: it reads g, p, m, v and writes p, m, v: 28 bytes per parameter with
 float32 states, 20 with bfloat16 states; the ceiling is the measured copy bandwidth. Newton-Schulz:
-``titan_kernels.reference.newton_schulz.flops`` (4 r^2 c + 2 r^3 per step, r <= c: the standard
+``titan_kernels.newton_schulz_flops`` (4 r^2 c + 2 r^3 per step, r <= c: the standard
 products; the Triton backend does 2/3 of them on a square matrix) against the measured matmul rate.
 
 Shapes. CUDA: AdamW and Muon on one Llama 3 8B FFN weight (4096 x 14336); Newton-Schulz at 4096 x
