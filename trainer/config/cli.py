@@ -11,8 +11,10 @@ nothing in the package imports it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import re
 import pathlib
 import sys
 import typing
@@ -75,48 +77,77 @@ def resolve_key(name: str, where: str = "") -> tuple[str, str, bool]:
 
 
 
-def apply_toml(config: JobConfig, path: str | pathlib.Path) -> JobConfig:
+def apply_toml(config: JobConfig, path: str | pathlib.Path, errors: list[str] | None = None) -> JobConfig:
     """Override ``config`` in place with the values of the TOML file ``path``; returns ``config``.
+
+    ``errors``: a list that collects the error lines of the file's keys instead (the caller reports
+    them with the rest); None = raise them, all at once.
 
     Raises:
         ConfigError: a missing file, text that is not TOML, an unknown section or key (with a
-            did-you-mean suggestion) or a value of the wrong type; the message names the file and key.
+            did-you-mean suggestion) or a value of the wrong type; the message names the file and key,
+            one line per error.
     """
     path = pathlib.Path(path)
     where = f"{path.name}: "
+    if path.is_dir():
+        raise ConfigError(f"--config: expected a TOML file, got the folder {str(path)!r}")
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--config: file not found: {str(path)!r}") from None
+    except OSError as exc:  # unreadable: permissions, a device, a folder named by a link
+        raise ConfigError(f"--config: cannot read {str(path)!r} ({exc.strerror or exc})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}not valid TOML: {str(exc).splitlines()[0]}") from None
-    for name, value in _flatten(data, where):
-        if name == CONFIG_FILE_KEY:
-            raise ConfigError(f"{where}{name}: the TOML file is given on the command line (--config or --{name})")
-        section, key, negated = resolve_key(name, where)
-        value = check_value(name, value, _HINTS[section][key], where)
+    # Every key of the file is checked before any error is raised: all of the file's errors at once.
+    collect = errors is not None
+    errors = [] if errors is None else errors
+    for name, value in _flatten(data, where, errors):
+        try:
+            if name == CONFIG_FILE_KEY:
+                raise ConfigError(f"{where}{name}: the TOML file is given on the command line (--config or --{name})")
+            section, key, negated = resolve_key(name, where)
+            value = check_value(name, value, _HINTS[section][key], where)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         setattr(getattr(config, section), key, (not value) if negated else value)
+    if not collect:
+        raise_all(errors)
     return config
 
 
-def _flatten(data: dict[str, Any], where: str, prefix: str = "") -> list[tuple[str, Any]]:
+def raise_all(errors: list[str]) -> None:
+    """Raise one ConfigError for ``errors`` (configuration error lines): the line itself for one,
+    a count and one indented line per error for several (each once); nothing for none."""
+    errors = list(dict.fromkeys(errors))
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} configuration errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def _flatten(data: dict[str, Any], where: str, errors: list[str], prefix: str = "") -> list[tuple[str, Any]]:
     """``(section.key, value)`` of a TOML document. A table of one of our sections is one level
     (a table value there is the key's own, e.g. ``[optimizer.groups]``); a table of torchtitan's
-    (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names."""
+    (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names. A table that is none of
+    these appends its error line to ``errors`` and is skipped."""
     out: list[tuple[str, Any]] = []
     torchtitan_tables = {n.rsplit(".", 1)[0] for n in alias_names() + list(REFUSED) if "." in n}
     for name, value in data.items():
         full = prefix + name
         if not prefix and full in _SECTIONS:
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}{full}: expected a [{full}] table, got {value!r}")
+                errors.append(f"{where}{full}: expected a [{full}] table, got {value!r}")
+                continue
             out += [(f"{full}.{key}", v) for key, v in value.items()]
         elif isinstance(value, dict) and full in torchtitan_tables:
-            out += _flatten(value, where, full + ".")
+            out += _flatten(value, where, errors, full + ".")
         elif isinstance(value, dict) and not prefix:
             hint = suggest(full, _SECTIONS)
-            raise ConfigError(f"{where}unknown section [{full}]" + (f"; did you mean [{hint}]?" if hint else ""))
+            errors.append(f"{where}unknown section [{full}]" + (f"; did you mean [{hint}]?" if hint else ""))
         else:
             out.append((full, value))
     return out
@@ -202,7 +233,8 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     config_file, flavor, items = _split_argv(argv)
     # The family picks the flavor's file (configs/<family>/<flavor>.toml), so it is read before the TOML layer.
     name = next((raw for key, _, raw, _ in items if key == "model.name" and raw is not None), None)
-    config = _base_config(config_file, flavor, name)
+    errors: list[str] = []
+    config = _base_config(config_file, flavor, name, errors)
     if wants_help:
         try:
             print(help_text(config), flush=True)
@@ -211,23 +243,58 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         raise SystemExit(0)
     for target, given, raw, negated in items:
         section, _, key = target.partition(".")
-        value = True if raw is None else parse_str(given, raw, _HINTS[section][key])
+        try:
+            value = True if raw is None else parse_str(given, raw, _HINTS[section][key])
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         setattr(getattr(config, section), key, (not value) if negated else value)
-    apply_model_keys(config)
-    validate_config(config)
+    try:
+        apply_model_keys(config)
+    except ConfigError as exc:
+        errors.append(str(exc))
+    raise_all(errors + value_errors(config))
     return config
 
 
-def _base_config(config_file: str | None, flavor: str | None, model_name: str | None = None) -> JobConfig:
+def value_errors(config: JobConfig, limit: int = 32) -> list[str]:
+    """Every error :func:`validate_config` finds in ``config``, not only the first: after each error
+    the key it names is put back to its default and the check runs again (on a copy), until the
+    configuration passes, an error names no key, or ``limit`` errors. Returns the error lines."""
+    config = copy.deepcopy(config)
+    defaults = JobConfig()
+    errors: list[str] = []
+    while len(errors) < limit:
+        try:
+            validate_config(config)
+            break
+        except ConfigError as exc:
+            line = str(exc)
+        if line in errors:  # putting the key back did not clear it: a relation of other keys
+            break
+        errors.append(line)
+        m = re.match(r"^(?:[^:]*: )?--([a-z_0-9]+)\.([a-z_0-9]+)[:\s]", line)
+        if m is None or m.group(1) not in _HINTS or m.group(2) not in _HINTS[m.group(1)]:
+            break
+        section, key = m.groups()
+        if getattr(getattr(config, section), key) == getattr(getattr(defaults, section), key):
+            break
+        setattr(getattr(config, section), key, copy.deepcopy(getattr(getattr(defaults, section), key)))
+    return errors
+
+
+def _base_config(config_file: str | None, flavor: str | None, model_name: str | None = None,
+                 errors: list[str] | None = None) -> JobConfig:
     """Defaults overridden by the TOML layer: ``config_file``, else the flavor's own file (of the
-    family ``model_name``, default llama3)."""
+    family ``model_name``, default llama3). ``errors``: collects the file's key errors (see
+    :func:`apply_toml`)."""
     config = JobConfig()
     if config_file is not None:
-        apply_toml(config, config_file)
+        apply_toml(config, config_file, errors)
     else:
         path = flavor_config_path(flavor or config.model.flavor, model_name or config.model.name)
         if path.is_file():
-            apply_toml(config, path)
+            apply_toml(config, path, errors)
         # A flavor without a file is reported by validate_config() with the list of known flavors.
     if flavor is not None:
         config.model.flavor = flavor
