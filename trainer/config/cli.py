@@ -249,24 +249,24 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
             errors.append(str(exc))
             continue
         setattr(getattr(config, section), key, (not value) if negated else value)
-    try:
-        apply_model_keys(config)
-    except ConfigError as exc:
-        errors.append(str(exc))
     raise_all(errors + value_errors(config))
+    apply_model_keys(config)
     return config
 
 
 def value_errors(config: JobConfig, limit: int = 32) -> list[str]:
-    """Every error :func:`validate_config` finds in ``config``, not only the first: after each error
-    the key it names is put back to its default and the check runs again (on a copy), until the
-    configuration passes, an error names no key, or ``limit`` errors. Returns the error lines."""
+    """Every error :func:`validate_config` finds in ``config`` (before :func:`apply_model_keys`, which
+    each check applies to a copy), not only the first: after each error the key it names is put back
+    to its default and the check runs again, until the configuration passes, an error names no key,
+    or ``limit`` errors. Returns the error lines."""
     config = copy.deepcopy(config)
     defaults = JobConfig()
     errors: list[str] = []
     while len(errors) < limit:
         try:
-            validate_config(config)
+            derived = copy.deepcopy(config)
+            apply_model_keys(derived)
+            validate_config(derived)
             break
         except ConfigError as exc:
             line = str(exc)
