@@ -36,7 +36,9 @@ that fails is one line with its ``.partial`` removed (``trainer.checkpoint_publi
 Verification. A resume checks the checkpoint against its manifest first (the ranks share the
 files). A damaged, truncated, unreadable or unverifiable newest checkpoint is reported in one
 line naming the file, moved to ``damaged/`` and the run falls back to the newest intact one
-(``strict_verify``: an error instead). An explicit ``load_step`` never falls back.
+(``strict_verify``: an error instead). An explicit ``load_step`` never falls back. Damage is decided by
+the manifest alone: a verified checkpoint that does not load into this run (another optimizer or state
+dtype, ``trainer.checkpoint_fit``) is an error that says what differs, and it stays in place.
 
 Lineage and retention (``trainer.checkpoint_lineage``): a run resumed with a ``load_step`` below
 the newest step moves the later steps aside into ``abandoned-after-step-<L>-<time>/``; retention
@@ -68,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer import signals
+from trainer.checkpoint_fit import optimizer_mismatch, state_dtype_change
 from trainer.checkpoint_folder import (
     CheckpointError,
     complete_steps,
@@ -377,11 +380,18 @@ class Checkpointer:
             if problem is None:
                 try:
                     result = self._load_step(path, s)
-                except _Unreadable as exc:
-                    problem = str(exc)
-                except CheckpointError:
-                    raise
+                except CheckpointError as exc:
+                    if legacy and isinstance(exc, _Unreadable):
+                        problem = str(exc)
+                    else:
+                        raise
                 except _READ_ERRORS as exc:
+                    if not legacy:  # the manifest verified every file: intact, so it does not fit this run
+                        raise CheckpointError(
+                            f"checkpoint {path} is intact (its manifest verifies) but cannot be loaded into this run "
+                            f"({_error_line(exc)}); it is left in place. Resume it with the settings it was saved "
+                            f"with, or start from its weights: --checkpoint.initial_load_path {path} "
+                            f"--checkpoint.initial_load_model_only with another --checkpoint.folder") from None
                     problem = f"{path}: unreadable ({_error_line(exc)})"
                 else:
                     self._after_load(s, damaged)
@@ -502,6 +512,26 @@ class Checkpointer:
         logger.info("started from checkpoint %s (step %d)", step_dir, step)
         return step, tokens
 
+    def _check_optimizer_fits(self, path: Path, optim_state: dict[str, Any]) -> None:
+        """Raise CheckpointError, saying what differs and the ways on, when the optimizer state of the
+        checkpoint ``path`` does not fit this run's optimizer (``trainer.checkpoint_fit``)."""
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except _READ_ERRORS as exc:
+            raise _Unreadable(f"{path}/.metadata: unreadable ({_error_line(exc)})") from None
+        found = optimizer_mismatch(metadata, optim_state)
+        if found is None:
+            change = state_dtype_change(metadata, optim_state)
+            if change is not None:
+                logger.info("the optimizer states of %s are %s; loaded as %s (--optimizer.state_dtype)", path, *change)
+            return
+        what, how = found
+        raise CheckpointError(
+            f"checkpoint {path} is intact but its optimizer state does not fit this run: {what}. Either resume "
+            f"it with the optimizer it was saved with ({how}), or start a new optimizer from its weights: "
+            f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only with another "
+            f"--checkpoint.folder (this one resumes its newest step)")
+
     def _load_all(self, path: Path, keys: set[str]) -> tuple[int, int]:
         """Model, optimizer, scheduler, loader and train state from the full checkpoint ``path``."""
         state = self._full_state(0, 0)
@@ -513,6 +543,8 @@ class Checkpointer:
             saved = sorted((k.split(".", 1)[1] for k in keys if k.startswith("dataloader.")),
                            key=lambda k: int(k.rsplit("_", 1)[1]))
             state["dataloader"] = dict.fromkeys(saved, "")
+        if self.optimizer is not None:
+            self._check_optimizer_fits(path, state["optimizer"])
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:
