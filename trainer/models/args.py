@@ -104,7 +104,10 @@ class ModelArgs:
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint's JSON record
-            object.__setattr__(self, "moe", MoEArgs(**self.moe))
+            moe = dict(self.moe)
+            if moe.get("swiglu_limit") == 0.0 and not moe.get("swiglu_up_offset"):
+                moe["swiglu_limit"] = None  # records before None existed wrote 0 for a plain SwiGLU's "no clamp"
+            object.__setattr__(self, "moe", MoEArgs(**moe))
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         name = type(self).__name__
