@@ -68,8 +68,11 @@ from trainer.fault_tolerance import ReplicaGroups
 from trainer.fit import fit_message
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
+from trainer.config.cli import raise_all
+from trainer.models.options import unused_option_errors
 from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
+from trainer.optim.groups import rule_errors
 from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
@@ -245,6 +248,10 @@ class Trainer:
         except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
             raise TrainingError(str(exc) if config.model.flavor == "custom" else f"--model.tokenizer_path: {exc}") \
                 from None
+        # Before the model is built: options this model does not use, group rules that give Muon a vector.
+        o = config.optimizer
+        raise_all(unused_option_errors(config, self.args)
+                  + (rule_errors(self.args, o.name, o.weight_decay, list(o.groups)) if o.groups else []))
 
     def _setup_mesh(self) -> None:
         """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""

@@ -26,6 +26,8 @@ COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
 GROUP_KINDS = ("embedding", "output", "norm", "bias", "router", "expert", "hidden", "other")
 GROUP_KEYS = ("optimizer", "lr_multiplier", "weight_decay")
+# The kinds whose parameters are vectors (or scalars): never Muon's (trainer/optim/groups.py param_kind).
+VECTOR_KINDS = ("norm", "bias", "other")
 GROUP_OPTIMIZERS = ("adamw", "muon")
 
 
@@ -58,6 +60,8 @@ def validate_config(config: JobConfig) -> None:
                               "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path DIR")
     elif flavors and config.model.flavor not in flavors:
         raise ConfigError(choice_message("model.flavor", config.model.flavor, flavors))
+    elif flavors:
+        _validate_model_options(config)
     need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
     need(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "an integer >= 1")
     need(
@@ -93,6 +97,9 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay,
          "a finite value >= 0")
     _validate_optimizer(o)
+    need(o.qk_clip_threshold is None or p.context_parallel_degree == 1, "optimizer.qk_clip_threshold",
+         o.qk_clip_threshold, "none with parallelism.context_parallel_degree > 1 (ring attention records no "
+         "per-head max logit)")
     need(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "an integer >= 0")
     need(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
          "none or a value in [0, 1]")
@@ -128,6 +135,21 @@ def validate_config(config: JobConfig) -> None:
          "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
          f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
 
+
+
+def _validate_model_options(config: JobConfig) -> None:
+    """Options the flavor's model does not use (``trainer.models.options``) are refused, not ignored.
+    A custom flavor's model is known from its config.json only: the trainer checks it then."""
+    from trainer.models import registry
+    from trainer.models.options import unused_option_errors
+
+    try:
+        args = registry.get(config.model.name).flavor_args(config.model.flavor).configure(config.model)
+    except ValueError as exc:  # e.g. --model.mtp_layers the model cannot take
+        raise ConfigError(f"--model.mtp_layers: {exc}") from None
+    errors = unused_option_errors(config, args)
+    if errors:
+        raise ConfigError(errors[0])
 
 
 def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
@@ -293,6 +315,9 @@ def parse_group_rules(rules: list[str]) -> list[tuple[str, dict]]:
                 if value.lower() not in GROUP_OPTIMIZERS:
                     raise ConfigError(f"--optimizer.groups: optimizer expected one of {', '.join(GROUP_OPTIMIZERS)}, "
                                       f"got {value!r} in rule {rule!r}")
+                if value.lower() == "muon" and sel in VECTOR_KINDS:
+                    raise ConfigError(f"--optimizer.groups: Muon orthogonalises matrices; the {sel} parameters are "
+                                      f"vectors (1 dim) in rule {rule!r}; give them adamw")
                 settings[key] = value.lower()
                 continue
             try:
