@@ -299,8 +299,10 @@ class Checkpointer:
         return self._writer.write(state, name, force_sync, after_publish=lambda final: self._published(final, purge))
 
     def _published(self, final: Path, purge: bool) -> None:
-        """Rank 0, after the rename: log, and drop the oldest checkpoints of this lineage beyond keep_latest_k."""
-        logger.info("saved checkpoint %s", final)
+        """Rank 0, after the rename: log, and drop the oldest checkpoints of this lineage beyond keep_latest_k.
+        A dot name (the temporary export a Hugging Face save streams from) is removed again: not logged."""
+        if not final.name.startswith("."):
+            logger.info("saved checkpoint %s", final)
         m = _STEP_RE.match(final.name)
         if m:
             signals.set_last_good(f"the last good checkpoint is {final.name} in {self.folder}")

@@ -68,3 +68,17 @@ def test_resume_with_another_optimizer_or_state_dtype_says_what_differs(tmp_path
     out = capsys.readouterr().out
     assert "are float32; loaded as bfloat16" in out and "resumed from checkpoint" in out
     assert [json.loads(l)["step"] for l in (titan / "metrics.jsonl").read_text().splitlines() if '"loss"' in l][-1] == 3
+
+
+def test_last_save_in_hf_without_checkpoints_says_what_it_saves_and_names_only_what_exists(tmp_path, capsys):
+    folder = tmp_path / "run"
+    assert train.main(parse_args([*BASE[:-3], "--training.steps", "1", "--job.dump_folder", str(folder),
+                                  "--checkpoint.last_save_in_hf"])) == 0
+    out = capsys.readouterr().out
+    hf = folder / "checkpoint" / "hf-step-1"
+    line = next(l for l in out.splitlines() if "outputs:" in l)
+    assert f"step 1 as the Hugging Face folder {hf} at the end" in line and "no checkpoints to resume from" in line
+    # Every path the log names under the checkpoint folder is on disk afterwards (no temporary folder).
+    named = {w.rstrip(";,:") for l in out.splitlines() for w in l.split() if w.startswith(str(folder / "checkpoint"))}
+    assert named and all(Path(p).exists() for p in named), named
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir()) == ["hf-step-1"]
