@@ -64,7 +64,7 @@ from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader, build_tokenizer, build_validation_loader
 from trainer.evaluate import Validator
-from trainer.fault_tolerance import ReplicaGroups
+from trainer.fault_tolerance import ReplicaGroups, wait_for_lighthouse
 from trainer.fit import fit_message
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
@@ -158,6 +158,8 @@ class Trainer:
         seed_only = cfg_ckpt.create_seed_checkpoint
         self._t_start = time.perf_counter()
         self._setup_device_and_layout()
+        if config.fault_tolerance.enable:  # fail fast, before the build, when no Lighthouse answers
+            wait_for_lighthouse(os.environ.get("TORCHFT_LIGHTHOUSE", ""), config.fault_tolerance.lighthouse_timeout_seconds)
         self._setup_tokenizer()
         if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
             message = fit_message(config, self.args, self.dims, self.compute_dtype)

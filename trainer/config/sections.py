@@ -438,3 +438,6 @@ class FaultTolerance:
     min_replica_size: int = _opt(1, "The fewest replica groups that may commit a step.")
     process_group: str = _opt("gloo", "Backend between the replica groups.", choices=("gloo", "nccl"))
     process_group_timeout_ms: int = _opt(10000, "Timeout of a collective between replica groups, in milliseconds.")
+    lighthouse_timeout_seconds: float = _opt(
+        30.0, "How long to wait for the Lighthouse (TORCHFT_LIGHTHOUSE) to answer at start-up before the run stops "
+        "with one line naming its address.")

@@ -217,6 +217,9 @@ def _validate_resilience(config: JobConfig) -> None:
     if ft.process_group_timeout_ms < 1:
         raise ConfigError(f"--fault_tolerance.process_group_timeout_ms: expected an integer >= 1, got "
                           f"{ft.process_group_timeout_ms!r}")
+    if not (math.isfinite(ft.lighthouse_timeout_seconds) and ft.lighthouse_timeout_seconds > 0):
+        raise ConfigError(f"--fault_tolerance.lighthouse_timeout_seconds: expected a finite value > 0, got "
+                          f"{ft.lighthouse_timeout_seconds!r}")
     if config.parallelism.data_parallel_replicate_degree != 1:
         raise ConfigError("--parallelism.data_parallel_replicate_degree: expected 1 with --fault_tolerance.enable "
                           "(the replica groups are the replicate dimension)")
