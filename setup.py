@@ -16,7 +16,7 @@ setup(
     description="Fused kernels (RMSNorm, rotary, float8, FlashAttention) and a PyTorch-native Llama 3 trainer",
     python_requires=">=3.10",
     packages=find_packages(include=["titan_kernels", "titan_kernels.*", "trainer", "trainer.*"]),
-    package_data={"trainer": ["configs/*/*.toml"]},
+    package_data={"trainer": ["configs/*/*.toml", "data/samples/*.jsonl"]},
     install_requires=[
         "torch>=2.11",
         "triton>=3.6; platform_system == 'Linux'",

@@ -135,14 +135,19 @@ def _flatten(data: dict[str, Any], where: str, errors: list[str], prefix: str = 
     (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names. A table that is none of
     these appends its error line to ``errors`` and is skipped."""
     out: list[tuple[str, Any]] = []
-    torchtitan_tables = {n.rsplit(".", 1)[0] for n in alias_names() + list(REFUSED) if "." in n}
+    # every table above a torchtitan key: quantize, quantize.linear, quantize.linear.float8
+    torchtitan_tables = {n.rsplit(".", i)[0] for n in alias_names() + list(REFUSED) for i in range(1, n.count(".") + 1)}
     for name, value in data.items():
         full = prefix + name
         if not prefix and full in _SECTIONS:
             if not isinstance(value, dict):
                 errors.append(f"{where}{full}: expected a [{full}] table, got {value!r}")
                 continue
-            out += [(f"{full}.{key}", v) for key, v in value.items()]
+            for key, v in value.items():
+                if isinstance(v, dict) and f"{full}.{key}" in torchtitan_tables:  # e.g. [validation.dataloader]
+                    out += _flatten(v, where, errors, f"{full}.{key}.")
+                else:
+                    out.append((f"{full}.{key}", v))
         elif isinstance(value, dict) and full in torchtitan_tables:
             out += _flatten(value, where, errors, full + ".")
         elif isinstance(value, dict) and not prefix:

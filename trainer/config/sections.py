@@ -100,7 +100,8 @@ class Training:
     max_norm: float = _opt(1.0, "Clip the global gradient norm to this value.")
     dataset: str = _opt(
         "pydoc",
-        "Dataset name: 'pydoc' = the embedded English corpus shipped with Python (offline); "
+        "Dataset name: 'pydoc' = the embedded English corpus shipped with Python (offline); 'c4_test' = a small "
+        "sample in C4's layout shipped with the trainer (torchtitan's debug dataset name; public-domain text); "
         "'c4' or another Hugging Face dataset name (needs the network and the 'datasets' package).",
     )
     dataset_path: str = _opt(
