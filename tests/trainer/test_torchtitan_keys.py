@@ -68,7 +68,7 @@ def test_the_tables_name_only_torchtitan_keys_and_ours():
 def test_aliases_set_our_key_on_the_command_line():
     c = parse_args(["--debug.seed", "3", "--debug.deterministic", "--dump_folder", "/tmp/tt-out",
                     "--metrics.disable_color_printing", "--profiler.profile_freq", "7",
-                    "--validator.enable", "--validator.steps", "5", "--checkpoint.last_save_model_only",
+                    "--validator.enable", "--validator.steps", "5", "--checkpoint.enable", "--checkpoint.last_save_model_only",
                     "--compile.enable_async_tensor_parallel", "false"])
     assert (c.training.seed, c.training.deterministic, c.job.dump_folder) == (3, True, "/tmp/tt-out")
     assert c.metrics.enable_color is False

@@ -113,6 +113,9 @@ def validate_config(config: JobConfig) -> None:
     need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", c.keep_latest_k, "an integer >= 0 (0 = keep all)")
     need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
     need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
+    need(not c.model_weights_only or (c.enable and not c.last_save_in_hf), "checkpoint.model_weights_only",
+         c.model_weights_only, "false without --checkpoint.enable or with --checkpoint.last_save_in_hf (the last save "
+         "is then none, or the Hugging Face folder)")
     if c.initial_load_path and not pathlib.Path(c.initial_load_path).expanduser().is_dir():
         raise ConfigError(f"--checkpoint.initial_load_path: no such folder: {c.initial_load_path!r}")
     need(not c.initial_load_in_hf or bool(c.initial_load_path), "checkpoint.initial_load_in_hf",
