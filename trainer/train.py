@@ -64,19 +64,17 @@ from trainer.run_guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_dataloader, build_tokenizer, build_validation_loader
 from trainer.evaluate import Validator
-from trainer.fault_tolerance import ReplicaGroups, wait_for_lighthouse
+from trainer.fault_tolerance import ReplicaGroups
 from trainer.fit import fit_message
 from trainer.metrics import MetricsLogger
 from trainer.models.moe import load_metrics, moe_modules, update_load_balance
-from trainer.config.cli import raise_all
-from trainer.models.options import unused_option_errors
 from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
-from trainer.optim.groups import rule_errors
 from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
+from trainer.preflight import preflight
 from trainer.profiling import Profiler
 from trainer import step as numerics  # one step's numerics (trainer/step.py), called through their module
 from trainer.run_history import settle_previous_outputs
@@ -158,9 +156,8 @@ class Trainer:
         seed_only = cfg_ckpt.create_seed_checkpoint
         self._t_start = time.perf_counter()
         self._setup_device_and_layout()
-        if config.fault_tolerance.enable:  # fail fast, before the build, when no Lighthouse answers
-            wait_for_lighthouse(os.environ.get("TORCHFT_LIGHTHOUSE", ""), config.fault_tolerance.lighthouse_timeout_seconds)
         self._setup_tokenizer()
+        preflight(config, self.args)  # the checks that need the model's args or the environment, before the build
         if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
             message = fit_message(config, self.args, self.dims, self.compute_dtype)
             if message is not None:
@@ -250,10 +247,6 @@ class Trainer:
         except ValueError as exc:  # e.g. a tokenizer larger than the flavor's embedding
             raise TrainingError(str(exc) if config.model.flavor == "custom" else f"--model.tokenizer_path: {exc}") \
                 from None
-        # Before the model is built: options this model does not use, group rules that give Muon a vector.
-        o = config.optimizer
-        raise_all(unused_option_errors(config, self.args)
-                  + (rule_errors(self.args, o.name, o.weight_decay, list(o.groups)) if o.groups else []))
 
     def _setup_mesh(self) -> None:
         """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""
