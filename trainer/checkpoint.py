@@ -190,6 +190,7 @@ class Checkpointer:
         self.tokenizer_path = tokenizer_path
         self.rank = _rank()
         self.failed_saves = 0
+        self._verified = False  # the checkpoint being loaded matched its manifest (messages say "intact")
         self.loaded_from: str | None = None  # what load() / initial_load() read, for the non-finite message
         self._pg = None
         if async_mode == "async" and dist.is_available() and dist.is_initialized():
@@ -376,9 +377,11 @@ class Checkpointer:
             logger.warning("checkpoints in %s have no manifest (written by an older version): loading step-%d "
                            "unverified", self.folder, step)
         damaged: list[int] = []
+        skipped: list[int] = []
         for s in candidates:
             path = self.folder / f"step-{s}"
             problem = None if legacy else self._verify(path)
+            self._verified = not legacy
             if problem is None:
                 try:
                     result = self._load_step(path, s)
@@ -398,12 +401,19 @@ class Checkpointer:
                 else:
                     self._after_load(s, damaged)
                     return result
+            # Without a manifest a load error proves no damage: such a step is skipped, never set aside.
+            what = "cannot be loaded (no manifest tells damage from a mismatch)" if legacy else "is damaged"
             if self.strict_verify or self.load_step >= 0:
                 why = "--checkpoint.strict_verify" if self.strict_verify else f"--checkpoint.load_step {s}"
-                raise CheckpointError(f"checkpoint step-{s} is damaged: {problem} ({why}: not falling back to an "
+                raise CheckpointError(f"checkpoint step-{s} {what}: {problem} ({why}: not falling back to an "
                                       f"older checkpoint)")
-            logger.warning("checkpoint step-%d is damaged: %s; falling back to the previous checkpoint", s, problem)
-            damaged.append(s)
+            logger.warning("checkpoint step-%d %s: %s; falling back to the previous checkpoint", s, what, problem)
+            (skipped if legacy else damaged).append(s)
+        if skipped:
+            raise CheckpointError(f"no checkpoint in {self.folder} loads into this run: "
+                                  f"{', '.join(f'step-{s}' for s in skipped)} (see above; written before manifests, "
+                                  f"so not verifiable); resume with the settings they were saved with, or start "
+                                  f"afresh with another --checkpoint.folder")
         raise CheckpointError(f"no intact checkpoint to resume from in {self.folder}: "
                               f"{', '.join(f'step-{s}' for s in damaged)} failed verification (see above); move "
                               f"them away to start afresh")
@@ -496,7 +506,8 @@ class Checkpointer:
             return 0, 0
         step_dir = resolve_step_folder(path)
         self.loaded_from = f"the checkpoint {step_dir}"
-        if (step_dir / "manifest.json").exists() or self.strict_verify:
+        self._verified = (step_dir / "manifest.json").exists() or self.strict_verify
+        if self._verified:
             problem = self._verify(step_dir)
             if problem is not None:
                 raise CheckpointError(f"checkpoint.initial_load_path: {problem}")
@@ -528,8 +539,9 @@ class Checkpointer:
                 logger.info("the optimizer states of %s are %s; loaded as %s (--optimizer.state_dtype)", path, *change)
             return
         what, how = found
+        state = "is intact but holds an" if self._verified else "(unverified: no manifest) holds an"
         raise CheckpointError(
-            f"checkpoint {path} is intact but its optimizer state does not fit this run: {what}. Either resume "
+            f"checkpoint {path} {state} optimizer state that does not fit this run: {what}. Either resume "
             f"it with the optimizer it was saved with ({how}), or start a new optimizer from its weights: "
             f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only with another "
             f"--checkpoint.folder (this one resumes its newest step)")

@@ -192,6 +192,10 @@ def complete_config(cfg: dict, where: str) -> dict:
     if chosen is None:
         chosen = table["rope_parameters"] or {}
     chosen = copy.deepcopy(chosen)
+    nested = sorted(k for k, v in chosen.items() if isinstance(v, dict))
+    if nested:  # transformers' per-layer-type rotary settings: none of our families has them
+        raise HFCheckpointError(f"{where}: rope_parameters per layer type ({', '.join(nested)}) is not supported "
+                                f"(expected one set of rotary parameters)")
     chosen.setdefault("rope_theta", table["default_theta"] if theta is None else theta)
     if chosen["rope_theta"] is not None:
         chosen["rope_theta"] = _check_type("rope_theta", chosen["rope_theta"], "float", where)
