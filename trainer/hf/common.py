@@ -89,11 +89,9 @@ def _rope_from_config(cfg: dict, where: str, allowed: tuple[str, ...] = ("llama3
 
 def rope_to_config(theta: float, scaling: dict | None) -> dict:
     """The config.json rotary keys of ``(rope_theta, our rope_scaling)``, in the long-standing layout
-    (``rope_theta`` + ``rope_scaling``) that transformers 4 and 5 both read. No scaling is written as
-    the type "default", not null: transformers reads a null as the class's default, which for GPT-OSS
-    is YaRN x32."""
+    (``rope_theta`` + ``rope_scaling``) that transformers 4 and 5 both read."""
     if scaling is None:
-        return {"rope_theta": theta, "rope_scaling": {"rope_type": "default"}}
+        return {"rope_theta": theta, "rope_scaling": None}
     kind = scaling.get("rope_type", "llama3")
     return {"rope_theta": theta, "rope_scaling": {**{k: v for k, v in scaling.items() if k != "rope_type"},
                                                   "rope_type": kind}}

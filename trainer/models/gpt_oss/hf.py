@@ -131,7 +131,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
             "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings,
             "attention_bias": args.attention_bias, "swiglu_limit": moe.swiglu_limit, "swiglu_alpha": moe.swiglu_alpha,
             "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
-            **rope_to_config(args.rope_theta, args.rope_scaling),
+            # No scaling is the type "default", not null: transformers reads a null as GptOssConfig's YaRN x32.
+            **rope_to_config(args.rope_theta, args.rope_scaling or {"rope_type": "default"}),
         }
 
     def args_from_config(self, cfg: dict, where: str) -> tuple[GptOssArgs, str]:
