@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 import typing
 from typing import Any
@@ -115,9 +116,11 @@ def _type_names(annotation: Any) -> str | None:
     return name if name in _TYPES else None
 
 
+@functools.lru_cache(maxsize=None)
 def from_transformers(model_type: str) -> dict[str, Any] | None:
     """The ``TABLE`` entry of ``model_type`` read from the installed transformers' config class (the
-    fields ``TABLE`` lists); None when transformers or its class for that type is missing."""
+    fields ``TABLE`` lists); None when transformers or its class for that type is missing, or the class
+    is not a dataclass (transformers 4). Cached: callers copy what they change."""
     try:
         from transformers import CONFIG_MAPPING
         cls = CONFIG_MAPPING[model_type]
