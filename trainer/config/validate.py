@@ -60,8 +60,6 @@ def validate_config(config: JobConfig) -> None:
                               "--checkpoint.initial_load_in_hf --checkpoint.initial_load_path DIR")
     elif flavors and config.model.flavor not in flavors:
         raise ConfigError(choice_message("model.flavor", config.model.flavor, flavors))
-    elif flavors:
-        _validate_model_options(config)
     need(t.steps >= 1, "training.steps", t.steps, "an integer >= 1")
     need(t.local_batch_size >= 1, "training.local_batch_size", t.local_batch_size, "an integer >= 1")
     need(
@@ -80,6 +78,9 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(t.mtp_loss_weight) and t.mtp_loss_weight >= 0, "training.mtp_loss_weight", t.mtp_loss_weight,
          "a finite value >= 0")
     need(config.model.mtp_layers >= -1, "model.mtp_layers", config.model.mtp_layers, "-1 (the flavor's) or an integer >= 0")
+    for key in ("moe_bias_update_rate", "moe_aux_loss_coeff"):
+        value = getattr(config.model, key)
+        need(math.isfinite(value) and value >= 0, f"model.{key}", value, "a finite value >= 0")
     for name in config.model.converters:
         if name not in CONVERTERS:
             raise ConfigError(f"--model.converters: unknown converter {name!r}; known: {', '.join(CONVERTERS)}")
@@ -137,6 +138,8 @@ def validate_config(config: JobConfig) -> None:
     need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
          "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
          f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
+    if flavors and config.model.flavor in flavors:  # last: the values themselves are checked above
+        _validate_model_options(config)
 
 
 
@@ -148,8 +151,9 @@ def _validate_model_options(config: JobConfig) -> None:
 
     try:
         args = registry.get(config.model.name).flavor_args(config.model.flavor).configure(config.model)
-    except ValueError as exc:  # e.g. --model.mtp_layers the model cannot take
-        raise ConfigError(f"--model.mtp_layers: {exc}") from None
+    except ValueError as exc:  # the [model] options give args the model refuses
+        raise ConfigError(f"--model.flavor: {config.model.name} {config.model.flavor} with these [model] options: "
+                          f"{exc}") from None
     errors = unused_option_errors(config, args)
     if errors:
         raise ConfigError(errors[0])
