@@ -72,32 +72,43 @@ def _like(template: Any, obj: Any) -> Any:
 
 
 def wait_for_lighthouse(address: str, timeout_seconds: float) -> None:
-    """Return once a TCP connection to the Lighthouse ``address`` (``http://HOST:PORT``) opens, trying
-    every half second (it may be starting); after ``timeout_seconds`` raise TrainingError, one line
-    naming the address and the last error. Also a TrainingError: an address without a port."""
+    """Return once the torchft Lighthouse at ``address`` (``http://HOST:PORT``) answers, asking every
+    half second (it may be starting): it serves its dashboard over HTTP on its one port, so a GET of
+    "/" that returns the dashboard is the answer; something else listening there (a port that accepts
+    and never replies, another HTTP server) is not. After ``timeout_seconds`` raise TrainingError, one
+    line naming the address and the last error. Also a TrainingError: an empty address, or one without
+    a host and port."""
+    from urllib.error import HTTPError, URLError
     from urllib.parse import urlsplit
+    from urllib.request import urlopen
 
+    if not address:
+        raise TrainingError("--fault_tolerance.enable: set TORCHFT_LIGHTHOUSE to the Lighthouse's address "
+                            "(e.g. http://HOST:29510, started with torchft_lighthouse --min_replicas 1)")
     try:
         parts = urlsplit(address if "://" in address else f"http://{address}")
         host, port = parts.hostname, parts.port
     except ValueError:
         host = port = None
-    if not address:
-        raise TrainingError("--fault_tolerance.enable: set TORCHFT_LIGHTHOUSE to the Lighthouse's address "
-                            "(e.g. http://HOST:29510, started with torchft_lighthouse --min_replicas 1)")
     if not host or not port:
         raise TrainingError(f"--fault_tolerance.enable: TORCHFT_LIGHTHOUSE={address!r} is not an address "
                             f"http://HOST:PORT")
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
     logger.info("fault tolerance: waiting for the Lighthouse at %s (up to %gs, "
                 "--fault_tolerance.lighthouse_timeout_seconds)", address, timeout_seconds)
     deadline = time.monotonic() + timeout_seconds
     while True:
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, left))):
-                return
-        except OSError as exc:
-            why = exc.strerror or str(exc) or type(exc).__name__
+            with urlopen(url, timeout=max(0.1, min(2.0, left))) as reply:
+                if b"Lighthouse" in reply.read(4096):
+                    return
+                why = "it answers, but not as a torchft Lighthouse"
+        except HTTPError as exc:
+            why = f"it answers HTTP {exc.code}, not as a torchft Lighthouse"
+        except (URLError, OSError, ValueError) as exc:  # refused, unreachable, silent (timeout), not HTTP
+            reason = getattr(exc, "reason", exc)
+            why = getattr(reason, "strerror", None) or str(reason) or type(exc).__name__
         if time.monotonic() + 0.5 >= deadline:
             raise TrainingError(f"--fault_tolerance.enable: no Lighthouse answers at {address} (TORCHFT_LIGHTHOUSE) "
                                 f"within {timeout_seconds:g}s (--fault_tolerance.lighthouse_timeout_seconds): {why}; "

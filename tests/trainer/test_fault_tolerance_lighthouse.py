@@ -34,10 +34,19 @@ def test_wait_for_lighthouse_times_out_in_one_line_naming_the_address():
             wait_for_lighthouse(bad, 1.0)
     with pytest.raises(TrainingError, match="set TORCHFT_LIGHTHOUSE"):
         wait_for_lighthouse("", 1.0)
-    with socket.socket() as server:  # something answers: it returns at once
+    with socket.socket() as server:  # a port that accepts and never replies is no Lighthouse
         server.bind(("127.0.0.1", 0))
         server.listen()
-        wait_for_lighthouse(f"http://127.0.0.1:{server.getsockname()[1]}", 1.0)
+        with pytest.raises(TrainingError, match="no Lighthouse answers at .* timed out"):
+            wait_for_lighthouse(f"http://127.0.0.1:{server.getsockname()[1]}", 1.0)
+    torchft = pytest.importorskip("torchft", reason="a real Lighthouse needs torchft (the [test] extra)")
+    lighthouse = torchft._torchft.LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    try:  # a Lighthouse answers at once
+        t0 = time.monotonic()
+        wait_for_lighthouse(lighthouse.address(), 5.0)
+        assert time.monotonic() - t0 < 2
+    finally:
+        lighthouse.shutdown()
     assert "lighthouse_timeout_seconds: expected a finite value > 0" in config_error(
         ["--fault_tolerance.enable", "--fault_tolerance.group_size", "1", "--fault_tolerance.lighthouse_timeout_seconds",
          "0"])
