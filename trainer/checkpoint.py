@@ -359,9 +359,11 @@ class Checkpointer:
         moved to ``damaged/``, and the next older one is tried (the module docstring). A
         ``load_step`` below the newest step forks the lineage (``trainer.checkpoint_lineage.fork``).
 
-        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), the data
-        loader states cannot be resharded or belong to another dataset, tokenizer or seq_len, the
-        model does not match, or no checkpoint is intact (or, with strict_verify or an explicit
+        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), its
+        optimizer state does not fit this run's optimizer (another optimizer or implementation: the
+        message says what differs and the ways on; never "damaged", the checkpoint stays in place),
+        the data loader states cannot be resharded or belong to another dataset, tokenizer or seq_len,
+        the model does not match, or no checkpoint is intact (or, with strict_verify or an explicit
         load_step, the chosen one is not).
         """
         step = self.resolve_load_step()

@@ -66,8 +66,9 @@ def optimizer_mismatch(metadata: Mapping[str, Any], optim_state: Mapping[str, An
         optim_state: this run's optimizer state dict (``get_optimizer_state_dict``), initialised.
 
     Returns None when every key this run needs is in the checkpoint with the same state dtype; else
-    ``(what differs, the settings that resume it)``: e.g. ``("the checkpoint holds AdamW state for 56
-    tensors, this run gives 36 of them to Muon", "--optimizer.name adamw")``.
+    ``(what differs, the settings that resume it)``: e.g. ``("the checkpoint holds AdamW state for 42
+    tensor(s) that this run gives to Muon; ...", "--optimizer.name adamw, ...")``. A state dtype that
+    differs alone is no mismatch (the load casts it: ``state_dtype_change``).
     """
     saved, saved_groups = _saved_layout(metadata)
     want, want_groups = _expected_layout(optim_state)
