@@ -244,6 +244,11 @@ def test_a_toml_reports_every_error_at_once(tmp_path):
                  "tt.toml: training.local_batch_size: expected an integer, got '8'",
                  "--training.steps: expected an integer >= 1, got 0", "--optimizer.lr: expected a finite value > 0"):
         assert part in body, (part, body)
+    # The command line's errors come together with the file's.
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path), "--training.stpes", "5", "--comm.trace_buf_size", "0"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "7 configuration errors:" and "did you mean --training.steps?" in str(info.value), lines
     # A folder given as the file is one line.
     assert config_error(["--job.config_file", str(tmp_path)]) == (
         f"--config: expected a TOML file, got the folder {str(tmp_path)!r}")

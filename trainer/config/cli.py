@@ -166,8 +166,9 @@ def _flatten(data: dict[str, Any], where: str, errors: list[str], prefix: str = 
 _Item = tuple[str, str, "str | None", bool]
 
 
-def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[_Item]]:
-    """Split argv into (config file, flavor, the options as :data:`_Item`)."""
+def _split_argv(argv: list[str], errors: list[str]) -> tuple[str | None, str | None, list[_Item]]:
+    """Split argv into (config file, flavor, the options as :data:`_Item`); unknown or refused options
+    append their error line to ``errors`` and are left out."""
     config_file: str | None = None
     flavor: str | None = None
     items: list[_Item] = []
@@ -191,7 +192,13 @@ def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[_Item]]:
             else:
                 flavor = value
             continue
-        section, key, negated = resolve_key(name)
+        try:
+            section, key, negated = resolve_key(name)
+        except ConfigError as exc:  # reported with the others; its value, if any, is skipped
+            errors.append(str(exc))
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
         hint = _HINTS[section][key]
         if value is None:
             nxt = argv[i] if i < len(argv) else None
@@ -235,11 +242,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     wants_help = any(a in ("--help", "-h") for a in argv)
     if wants_help:
         argv = [a for a in argv if a not in ("--help", "-h")]
-    config_file, flavor, items = _split_argv(argv)
+    argv_errors: list[str] = []
+    config_file, flavor, items = _split_argv(argv, argv_errors)
     # The family picks the flavor's file (configs/<family>/<flavor>.toml), so it is read before the TOML layer.
     name = next((raw for key, _, raw, _ in items if key == "model.name" and raw is not None), None)
     errors: list[str] = []
     config = _base_config(config_file, flavor, name, errors)
+    errors += argv_errors
     if wants_help:
         try:
             print(help_text(config), flush=True)
