@@ -66,6 +66,9 @@ def test_fields_left_out_take_transformers_defaults():
     hf = transformers.DeepseekV3Config.from_dict(cfg)
     assert args.q_lora_rank == hf.q_lora_rank == 1536
     assert args.moe.route_norm is hf.norm_topk_prob is True and args.n_dense_layers == 2  # min(3, layers)
+    assert args_from_hf_config({**cfg, "q_lora_rank": None}, "x")[0].q_lora_rank == 0  # null: a plain q projection
+    with pytest.raises(HFCheckpointError, match="q_lora_rank 0 is not supported"):  # transformers: a rank-0 latent
+        args_from_hf_config({**cfg, "q_lora_rank": 0}, "x")
     # Qwen3 without max_position_embeddings: 32768; Llama without rms_norm_eps: 1e-6.
     q = {"model_type": "qwen3", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "intermediate_size": 96}
