@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from trainer import train
-from trainer.checkpoint_folder import complete_steps
-from trainer.checkpoint_manifest import ManifestError, digest_files, verify_folder, write_manifest
+from trainer.checkpoint.folder import complete_steps
+from trainer.checkpoint.manifest import ManifestError, digest_files, verify_folder, write_manifest
 from trainer.config import parse_args
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]

@@ -7,8 +7,8 @@ import pytest
 
 from trainer import train
 from trainer.config import parse_args
-from trainer.fault_tolerance import wait_for_lighthouse
-from trainer.step import TrainingError
+from trainer.run.fault_tolerance import wait_for_lighthouse
+from trainer.errors import TrainingError
 from tests.trainer.helpers import config_error
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]

@@ -13,9 +13,9 @@ transformers = pytest.importorskip("transformers", reason="the comparisons need 
 
 from trainer.hf import HFCheckpointError, args_from_hf_config
 from trainer.hf.defaults import SAME_AS, TABLE, complete_config, defaults, from_transformers
-from trainer.models import registry
-from trainer.models.moe import run_experts
-from trainer.models.moe_args import MoEArgs
+from trainer import registry
+from trainer.models.common.moe import run_experts
+from trainer.models.common.moe_args import MoEArgs
 
 GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 100, "intermediate_size": 32,

@@ -8,9 +8,9 @@ from tests.trainer.helpers import config_error
 from trainer import train
 from trainer.config import ConfigError, JobConfig, parse_args
 from trainer.hf import args_from_hf_config
-from trainer.models import registry
-from trainer.models.args import ModelArgs
-from trainer.models.options import unused_option_errors
+from trainer import registry
+from trainer.models.common.args import ModelArgs
+from trainer.models.common.options import unused_option_errors
 from trainer.optim.groups import settings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config.sections import ConfigError
+from trainer.errors import ConfigError
 
 # The command-line key naming the TOML file (ours: --config).
 CONFIG_FILE_KEY = "job.config_file"
@@ -83,10 +83,10 @@ _CP = "ring attention always uses the zigzag (head-tail) split of each sequence"
 _FR = "the NCCL flight recorder is not configured by the trainer (set TORCH_NCCL_TRACE_BUFFER_SIZE)"
 _MX = "MX (microscaling) formats are not supported; float8 is --float8.enable with --float8.recipe"
 _F8 = "not configurable here: float8 training is --float8.enable, --float8.recipe and --float8.filter_fqns"
-_IMPORT = "the trainer imports no extension modules; a model family registers in trainer/models/registry.py"
+_IMPORT = "the trainer imports no extension modules; a model family registers in trainer/registry.py"
 _FT = "replica groups here synchronise every step (no semi-synchronous DiLoCo / local SGD)"
 _LOADER = "the data loader reads in the training process; there are no worker processes to configure"
-_MEM = "every run checks that it fits this machine before it builds the model; python -m trainer.estimate " \
+_MEM = "every run checks that it fits this machine before it builds the model; python -m trainer.estimate.memory " \
        "prints the estimate alone"
 
 # torchtitan key -> why it has no meaning here (the error says "not applicable here: <reason>").

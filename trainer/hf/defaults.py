@@ -27,7 +27,7 @@ import types
 import typing
 from typing import Any
 
-from trainer.hf.common import HFCheckpointError
+from trainer.errors import HFCheckpointError
 
 # model_type -> {"fields": {name: (default, types)}, "default_theta", "rope_parameters" (the class's
 # default without rope_theta; None = the default type), "aliases" (a name transformers maps to the field)}.

@@ -118,7 +118,7 @@ def rule_errors(args, optimizer_name: str, weight_decay: float, rules: list[str]
     names and shapes from the model built on the meta device: no memory), as error lines; checked
     before the model is built, so that a glob such as ``'layers.*: optimizer=muon'`` (which takes the
     norms too) is a configuration error, not a failure after the build."""
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
 
     try:
         settings(build_model(args, "meta"), optimizer_name, weight_decay, rules)

@@ -1,7 +1,7 @@
 """Whether a checkpoint's optimizer state fits this run's optimizer, and what differs when it does not.
 
 A checkpoint that passes its manifest is intact; when its training state cannot be loaded into this
-run, that is a difference of settings, not damage (``trainer.checkpoint`` never calls it damaged and
+run, that is a difference of settings, not damage (``trainer.checkpoint.checkpointer`` never calls it damaged and
 never sets it aside). The usual one: another optimizer (AdamW state saved, Muon asked for), another
 state dtype (float32 saved, bfloat16 asked for), or the other implementation (torch.optim.AdamW's
 param groups against titan's, whose groups carry ``optimizer``, ``label``, ``state_dtype``...).

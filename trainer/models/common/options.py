@@ -8,7 +8,7 @@ built.
 """
 from __future__ import annotations
 
-from trainer.models import registry
+from trainer import registry
 
 
 def unused_option_errors(config, args, what: str | None = None) -> list[str]:
