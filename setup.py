@@ -16,7 +16,7 @@ setup(
     description="Fused kernels (RMSNorm, rotary, float8, FlashAttention) and a PyTorch-native Llama 3 trainer",
     python_requires=">=3.10",
     packages=find_packages(include=["titan_kernels", "titan_kernels.*", "trainer", "trainer.*"]),
-    package_data={"trainer": ["configs/*/*.toml"]},
+    package_data={"trainer": ["configs/*/*.toml", "data/samples/*.jsonl"]},
     install_requires=[
         # triton is not required: the CUDA builds of torch bring their own, and without it every op runs
         # on its other backends (titan_kernels.available_backends() says why triton is unavailable).

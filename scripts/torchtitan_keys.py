@@ -4,9 +4,13 @@
     python scripts/torchtitan_keys.py torchtitan-0.3.0-py3-none-any.whl > tests/data/torchtitan_0.3.0_keys.json
 
 (the argument: a wheel, read in place, which also gives the version and the wheel's sha256; or an
-unpacked ``torchtitan`` package folder).
+unpacked ``torchtitan`` package folder). Several wheels give one file with each key's releases:
 
-The root is ``Trainer.Config`` (torchtitan/trainer.py). Each of its fields whose default is a config
+    python scripts/torchtitan_keys.py torchtitan-0.1.0-*.whl torchtitan-0.2.0-*.whl torchtitan-0.2.1-*.whl \
+        torchtitan-0.2.2-*.whl > tests/data/torchtitan_earlier_keys.json
+
+The root is ``Trainer.Config`` (torchtitan/trainer.py; releases before 0.3.0: ``JobConfig`` of
+torchtitan/config/job_config.py or torchtitan/config_manager.py, whose sections are plain classes). Each of its fields whose default is a config
 dataclass (``field(default_factory=X.Config)``) is a section; its keys are the fields of that class and
 of its bases, as ``section.key``; a field of a section that is itself a config dataclass adds
 ``section.field.key``. Plain fields of the root are top-level keys (``hf_assets_path``). Fields marked
@@ -54,9 +58,9 @@ def _sources(root: pathlib.Path) -> dict[str, str]:
     return {n: t for n, t in files.items() if "/experiments/" not in n and "/tests/" not in n}
 
 
-def _index(root: pathlib.Path) -> dict[str, list[_Class]]:
+def _index(root: pathlib.Path, only: tuple[str, ...] = ()) -> dict[str, list[_Class]]:
     """Every class of the tree by dotted qualname within its file ('Trainer.Config'), so that
-    'CheckpointManager.Config' finds the class nested in CheckpointManager."""
+    'CheckpointManager.Config' finds the class nested in CheckpointManager; ``only``: these files alone."""
     table: dict[str, list[_Class]] = {}
 
     def visit(node: ast.AST, prefix: str, path: str) -> None:
@@ -67,7 +71,8 @@ def _index(root: pathlib.Path) -> dict[str, list[_Class]]:
                 visit(child, qual + ".", path)
 
     for rel, text in sorted(_sources(root).items()):
-        visit(ast.parse(text), "", rel)
+        if not only or rel in only:
+            visit(ast.parse(text), "", rel)
     return table
 
 
@@ -91,27 +96,37 @@ def _all_fields(table: dict[str, list[_Class]], cls: _Class) -> list[tuple[str, 
     return list(out.values())
 
 
-def _section_class(table: dict[str, list[_Class]], ann: str, factory: str | None) -> _Class | None:
+def _section_class(table: dict[str, list[_Class]], ann: str, factory: str | None, any_name: bool = False) -> _Class | None:
     """The config class of a field: its default factory's, else its annotation's (a known class named
-    ``*Config``); a class without fields is a section without keys."""
+    ``*Config``, or any class of the table with ``any_name``); a class without fields is a section
+    without keys."""
     for name in (factory, ann):
-        if name and name.replace(".", "").isidentifier() and name.endswith("Config"):
+        if name and name.replace(".", "").isidentifier() and (any_name or name.endswith("Config")):
             found = _resolve(table, name)
             if found is not None:
                 return found
     return None
 
 
+# Releases before 0.3.0 keep the whole configuration in one file, rooted at ``JobConfig``.
+_EARLIER_ROOTS = ("torchtitan/config/job_config.py", "torchtitan/config_manager.py")
+
+
 def keys(root: pathlib.Path) -> dict[str, object]:
     table = _index(root)
     trainer = _resolve(table, "Trainer.Config")
-    if trainer is None:
-        raise SystemExit(f"no Trainer.Config under {root}")
+    any_name, described = False, "Trainer.Config (torchtitan/trainer.py)"
+    if trainer is None:  # an earlier release: JobConfig and its sections in one file
+        files = [f for f in _EARLIER_ROOTS if f in _sources(root)]
+        if not files:
+            raise SystemExit(f"no Trainer.Config or JobConfig under {root}")
+        table = _index(root, (files[0],))
+        trainer, any_name, described = _resolve(table, "JobConfig"), True, f"JobConfig ({files[0]})"
     out: dict[str, dict[str, str]] = {}
 
     def walk(prefix: str, cls: _Class, depth: int) -> None:
         for name, ann, factory in _all_fields(table, cls):
-            sub = _section_class(table, ann, factory) if depth < 3 else None
+            sub = _section_class(table, ann, factory, any_name) if depth < 3 else None
             if sub is not None:
                 walk(f"{prefix}{name}.", sub, depth + 1)
             else:
@@ -121,10 +136,25 @@ def keys(root: pathlib.Path) -> dict[str, object]:
     head: dict[str, object] = {}
     if root.suffix == ".whl":
         head = {"torchtitan": root.name.split("-")[1], "wheel_sha256": hashlib.sha256(root.read_bytes()).hexdigest()}
-    return {**head, "root": "Trainer.Config (torchtitan/trainer.py)", "keys": out}
+    return {**head, "root": described, "keys": out}
+
+
+def merged(wheels: list[pathlib.Path]) -> dict[str, object]:
+    """The keys of several releases' wheels: ``{"torchtitan": [versions], "wheel_sha256": {version: hash},
+    "keys": {key: [the versions that have it]}}``."""
+    out: dict[str, object] = {"torchtitan": [], "wheel_sha256": {}, "keys": {}}
+    for wheel in wheels:
+        one = keys(wheel)
+        out["torchtitan"].append(one["torchtitan"])
+        out["wheel_sha256"][one["torchtitan"]] = one["wheel_sha256"]
+        for key in one["keys"]:
+            out["keys"].setdefault(key, []).append(one["torchtitan"])
+    out["keys"] = dict(sorted(out["keys"].items()))
+    return out
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) < 2:
         raise SystemExit(__doc__.split("\n\n")[1])
-    print(json.dumps(keys(pathlib.Path(sys.argv[1])), indent=1))
+    paths = [pathlib.Path(a) for a in sys.argv[1:]]
+    print(json.dumps(keys(paths[0]) if len(paths) == 1 else merged(paths), indent=1))

@@ -74,6 +74,7 @@ from trainer.observe.outputs import data_error, dataset_key, log_model, log_outp
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
+from trainer.run.preflight import preflight
 from trainer.observe.profiling import Profiler
 from trainer import step as numerics  # one step's numerics (trainer/step.py), called through their module
 from trainer.run.history import settle_previous_outputs
@@ -153,6 +154,7 @@ class Trainer:
         self._t_start = time.perf_counter()
         self._setup_device_and_layout()
         self._setup_tokenizer()
+        preflight(config, self.args)  # the checks that need the model's args or the environment, before the build
         if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
             message = fit_message(config, self.args, self.dims, self.compute_dtype)
             if message is not None:

@@ -230,7 +230,9 @@ _MOE_CFG = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 4
     ({"layer_types": ["full_attention", "sliding_attention", "full_attention"]}, "without use_sliding_window"),
     ({"attention_bias": True}, "attention_bias=true is not supported"),
     ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling 'yarn' lacks an integer original_max"),
+    # (without original_max_position_embeddings, transformers takes max_position_embeddings: accepted)
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": "64"}},
+     "rope scaling 'yarn' lacks an integer original_max"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope scaling type 'dynamic' is not supported"),
     ({"num_experts_per_tok": 6}, "MoEArgs.top_k: expected at most num_experts=5"),
 ], ids=lambda v: str(v)[:40])

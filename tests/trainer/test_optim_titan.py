@@ -76,7 +76,7 @@ def test_rules_apply_in_order_by_kind_and_glob():
 
 def test_rule_errors():
     with pytest.raises(ValueError, match="optimizer.groups: Muon needs a matrix"):
-        settings(_model(), "muon", 0.1, ["norm: optimizer=muon"])
+        settings(_model(), "muon", 0.1, ["*.weight: optimizer=muon"])  # a glob that takes the norms too
     for bad, msg in [("embedding", "SELECTOR"), ("x: lr=1", "lr_multiplier"), ("x: optimizer=sgd", "adamw, muon"),
                      ("x: weight_decay=-1", ">= 0"), ("x: lr_multiplier=abc", ">= 0")]:
         with pytest.raises(ConfigError, match=msg):

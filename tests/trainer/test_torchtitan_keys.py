@@ -17,6 +17,8 @@ from tests.trainer.helpers import config_error
 DATA = pathlib.Path(__file__).resolve().parents[1] / "data"
 TOKENIZER = DATA / "tokenizer"
 TORCHTITAN_030 = json.loads((DATA / "torchtitan_0.3.0_keys.json").read_text())["keys"]
+# Every key of the releases 0.1.0 .. 0.2.2 (scripts/torchtitan_keys.py on each wheel), with its releases.
+TORCHTITAN_EARLIER = json.loads((DATA / "torchtitan_earlier_keys.json").read_text())["keys"]
 # Keys of torchtitan's earlier JobConfig that a torchtitan user's command line or TOML file may hold.
 EARLIER = ("job.config_file", "model.converters", "model.hf_assets_path", "model.tokenizer_path", "model.name",
            "model.flavor", "job.dump_folder", "job.print_config", "float8.recipe_name", "float8.filter_fqns",
@@ -32,7 +34,7 @@ def test_the_key_list_is_torchtitan_0_3_0s():
     assert len(TORCHTITAN_030) >= 100
 
 
-@pytest.mark.parametrize("name", sorted(TORCHTITAN_030) + list(EARLIER))
+@pytest.mark.parametrize("name", sorted(set(TORCHTITAN_030) | set(EARLIER) | set(TORCHTITAN_EARLIER)))
 def test_every_torchtitan_key_is_known_aliased_or_refused_with_a_reason(name):
     if name == tk.CONFIG_FILE_KEY:
         return  # the TOML file itself: test_job_config_file_reads_the_toml_file
@@ -54,7 +56,7 @@ def test_every_torchtitan_key_is_known_aliased_or_refused_with_a_reason(name):
 
 
 def test_the_tables_name_only_torchtitan_keys_and_ours():
-    known = set(TORCHTITAN_030) | set(EARLIER)
+    known = set(TORCHTITAN_030) | set(EARLIER) | set(TORCHTITAN_EARLIER)
     ours = set(all_keys())
     for table in (tk.ALIASES, tk.NEGATED, tk.REFUSED):
         assert set(table) <= known, set(table) - known
@@ -66,7 +68,7 @@ def test_the_tables_name_only_torchtitan_keys_and_ours():
 def test_aliases_set_our_key_on_the_command_line():
     c = parse_args(["--debug.seed", "3", "--debug.deterministic", "--dump_folder", "/tmp/tt-out",
                     "--metrics.disable_color_printing", "--profiler.profile_freq", "7",
-                    "--validator.enable", "--validator.steps", "5", "--checkpoint.last_save_model_only",
+                    "--validator.enable", "--validator.steps", "5", "--checkpoint.enable", "--checkpoint.last_save_model_only",
                     "--compile.enable_async_tensor_parallel", "false"])
     assert (c.training.seed, c.training.deterministic, c.job.dump_folder) == (3, True, "/tmp/tt-out")
     assert c.metrics.enable_color is False
@@ -123,7 +125,7 @@ def test_model_converters_float8_turns_on_float8():
     c = parse_args(["--model.converters", "float8"])
     assert c.model.converters == ["float8"] and c.float8.enable is True
     assert config_error(["--model.converters", "float8,mx"]) == (
-        "--model.converters: unknown converter 'mx'; known: float8")
+        "--model.converters: unknown converter 'mx'; known: float8, quantize.linear.float8")
 
 
 def test_hf_assets_path_gives_the_tokenizer_and_the_weights_folder(tmp_path):
@@ -177,12 +179,12 @@ def test_fsdp_reshard_after_forward_maps_to_fully_shard(monkeypatch):
 def test_did_you_mean_suggests_only_close_meanings():
     # torchtitan's names of other versions: the key of the same meaning, not the nearest spelling.
     assert config_error(["--metrics.enable_color_printing"]).endswith("did you mean --metrics.enable_color?")
-    assert config_error(["--training.compile"]).endswith("did you mean --compile.enable?")
+    assert config_error(["--training.enable_float8_linear"]).endswith("did you mean --float8.enable?")
     # Misspelled torchtitan keys suggest the torchtitan key, which works.
     assert config_error(["--debug.seeed", "1"]).endswith("did you mean --debug.seed?")
     assert config_error(["--model.converter", "float8"]).endswith("did you mean --model.converters?")
     # A key that means nothing close is not matched on a similar-looking one.
-    for argv in (["--model.norm_type", "rms"], ["--memory_estimation.enabled"], ["--training.gc_debugging"]):
+    for argv in (["--model.norm_type", "rms"], ["--memory_estimation.verbose"], ["--training.gc_debugging"]):
         assert config_error(argv).endswith("see --help for the list of options"), argv
     # Values are matched whole: '70B' is not '1.7B' (a dot in a value is no section).
     assert "did you mean" not in config_error(["--model.name", "qwen3", "--flavor", "70B"])
@@ -224,3 +226,57 @@ def test_hf_assets_path_describes_a_custom_flavor(tmp_path):
     assert c.checkpoint.initial_load_path == str(tmp_path) and c.model.tokenizer_path == str(tmp_path)
     assert "custom builds the model a Hugging Face folder describes" in config_error(
         ["--flavor", "custom", "--model.hf_assets_path", str(tmp_path)])
+
+
+def test_a_toml_reports_every_error_at_once(tmp_path):
+    path = tmp_path / "tt.toml"
+    # A torchtitan 0.2 file with four problems: an unknown section, a refused key, a wrong type, a bad value.
+    path.write_text('[job]\ndump_folder = "x"\n[memory_estimationx]\nenable = true\n'
+                    '[float8]\nprecompute_float8_dynamic_scale_for_fsdp = true\n'
+                    '[training]\nsteps = 0\nlocal_batch_size = "8"\n[optimizer]\nlr = -1.0\n')
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path)])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "5 configuration errors:", lines
+    body = "\n".join(lines[1:])
+    for part in ("tt.toml: unknown section [memory_estimationx]",
+                 "tt.toml: --float8.precompute_float8_dynamic_scale_for_fsdp: not applicable here: ",
+                 "tt.toml: training.local_batch_size: expected an integer, got '8'",
+                 "--training.steps: expected an integer >= 1, got 0", "--optimizer.lr: expected a finite value > 0"):
+        assert part in body, (part, body)
+    # The command line's errors come together with the file's.
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--config", str(path), "--training.stpes", "5", "--comm.trace_buf_size", "0"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "7 configuration errors:" and "did you mean --training.steps?" in str(info.value), lines
+    # A folder given as the file is one line.
+    assert config_error(["--job.config_file", str(tmp_path)]) == (
+        f"--config: expected a TOML file, got the folder {str(tmp_path)!r}")
+
+
+def test_earlier_releases_keys_and_tables_are_read(tmp_path):
+    path = tmp_path / "tt.toml"
+    # torchtitan 0.1 / 0.2 spellings of our keys, and the 0.2 converter name.
+    path.write_text('[checkpoint]\nenable_checkpoint = true\nlast_save_model_weights_only = true\n'
+                    '[training]\ncompile = true\n[lr_scheduler]\nlr_min = 0.2\n'
+                    '[model]\nconverters = ["quantize.linear.float8"]\n'
+                    '[quantize.linear.float8]\nrecipe_name = "rowwise"\n')
+    c = parse_args(["--config", str(path)])
+    assert c.checkpoint.enable and c.checkpoint.model_weights_only and c.compile.enable
+    assert c.lr_scheduler.min_lr_factor == 0.2 and c.float8.enable and c.float8.recipe == "rowwise"
+    path.write_text("[validation.dataloader]\nnum_workers = 2\n")
+    assert config_error(["--config", str(path)]).startswith(
+        "tt.toml: --validation.dataloader.num_workers: not applicable here: the data loader reads in the training")
+    assert {"0.1.0", "0.2.2"} <= {v for vs in TORCHTITAN_EARLIER.values() for v in vs}
+    assert TORCHTITAN_EARLIER["float8.precompute_float8_dynamic_scale_for_fsdp"] == ["0.1.0"]
+
+
+def test_c4_test_is_the_sample_we_ship():
+    from trainer.data.datasets import SAMPLES, build_source
+
+    source = build_source("c4_test")
+    docs = list(source.iter_from(0))
+    assert len(docs) == 100 and all(len(d) >= 1000 for d in docs)
+    assert docs[0].startswith("First Citizen:")  # public-domain text (tests/data/tinyshakespeare.txt)
+    assert SAMPLES["c4_test"].stat().st_size < 200_000
+    assert parse_args(["--training.dataset", "c4_test"]).training.dataset == "c4_test"

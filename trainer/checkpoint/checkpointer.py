@@ -36,7 +36,9 @@ that fails is one line with its ``.partial`` removed (``trainer.checkpoint.publi
 Verification. A resume checks the checkpoint against its manifest first (the ranks share the
 files). A damaged, truncated, unreadable or unverifiable newest checkpoint is reported in one
 line naming the file, moved to ``damaged/`` and the run falls back to the newest intact one
-(``strict_verify``: an error instead). An explicit ``load_step`` never falls back.
+(``strict_verify``: an error instead). An explicit ``load_step`` never falls back. Damage is decided by
+the manifest alone: a verified checkpoint that does not load into this run (another optimizer or state
+dtype, ``trainer.checkpoint.compatibility``) is an error that says what differs, and it stays in place.
 
 Lineage and retention (``trainer.checkpoint.lineage``): a run resumed with a ``load_step`` below
 the newest step moves the later steps aside into ``abandoned-after-step-<L>-<time>/``; retention
@@ -68,6 +70,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from trainer.run import signals
+from trainer.checkpoint.compatibility import optimizer_mismatch, state_dtype_change
 from trainer.checkpoint.folder import (
     CheckpointError,
     complete_steps,
@@ -187,6 +190,7 @@ class Checkpointer:
         self.tokenizer_path = tokenizer_path
         self.rank = _rank()
         self.failed_saves = 0
+        self._verified = False  # the checkpoint being loaded matched its manifest (messages say "intact")
         self.loaded_from: str | None = None  # what load() / initial_load() read, for the non-finite message
         self._pg = None
         if async_mode == "async" and dist.is_available() and dist.is_initialized():
@@ -296,8 +300,10 @@ class Checkpointer:
         return self._writer.write(state, name, force_sync, after_publish=lambda final: self._published(final, purge))
 
     def _published(self, final: Path, purge: bool) -> None:
-        """Rank 0, after the rename: log, and drop the oldest checkpoints of this lineage beyond keep_latest_k."""
-        logger.info("saved checkpoint %s", final)
+        """Rank 0, after the rename: log, and drop the oldest checkpoints of this lineage beyond keep_latest_k.
+        A dot name (the temporary export a Hugging Face save streams from) is removed again: not logged."""
+        if not final.name.startswith("."):
+            logger.info("saved checkpoint %s", final)
         m = _STEP_RE.match(final.name)
         if m:
             signals.set_last_good(f"the last good checkpoint is {final.name} in {self.folder}")
@@ -353,9 +359,11 @@ class Checkpointer:
         moved to ``damaged/``, and the next older one is tried (the module docstring). A
         ``load_step`` below the newest step forks the lineage (``trainer.checkpoint.lineage.fork``).
 
-        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), the data
-        loader states cannot be resharded or belong to another dataset, tokenizer or seq_len, the
-        model does not match, or no checkpoint is intact (or, with strict_verify or an explicit
+        Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), its
+        optimizer state does not fit this run's optimizer (another optimizer or implementation: the
+        message says what differs and the ways on; never "damaged", the checkpoint stays in place),
+        the data loader states cannot be resharded or belong to another dataset, tokenizer or seq_len,
+        the model does not match, or no checkpoint is intact (or, with strict_verify or an explicit
         load_step, the chosen one is not).
         """
         step = self.resolve_load_step()
@@ -371,27 +379,43 @@ class Checkpointer:
             logger.warning("checkpoints in %s have no manifest (written by an older version): loading step-%d "
                            "unverified", self.folder, step)
         damaged: list[int] = []
+        skipped: list[int] = []
         for s in candidates:
             path = self.folder / f"step-{s}"
             problem = None if legacy else self._verify(path)
+            self._verified = not legacy
             if problem is None:
                 try:
                     result = self._load_step(path, s)
-                except _Unreadable as exc:
-                    problem = str(exc)
-                except CheckpointError:
-                    raise
+                except CheckpointError as exc:
+                    if legacy and isinstance(exc, _Unreadable):
+                        problem = str(exc)
+                    else:
+                        raise
                 except _READ_ERRORS as exc:
+                    if not legacy:  # the manifest verified every file: intact, so it does not fit this run
+                        raise CheckpointError(
+                            f"checkpoint {path} is intact (its manifest verifies) but cannot be loaded into this run "
+                            f"({_error_line(exc)}); it is left in place. Resume it with the settings it was saved "
+                            f"with, or start from its weights: --checkpoint.initial_load_path {path} "
+                            f"--checkpoint.initial_load_model_only with another --checkpoint.folder") from None
                     problem = f"{path}: unreadable ({_error_line(exc)})"
                 else:
                     self._after_load(s, damaged)
                     return result
+            # Without a manifest a load error proves no damage: such a step is skipped, never set aside.
+            what = "cannot be loaded (no manifest tells damage from a mismatch)" if legacy else "is damaged"
             if self.strict_verify or self.load_step >= 0:
                 why = "--checkpoint.strict_verify" if self.strict_verify else f"--checkpoint.load_step {s}"
-                raise CheckpointError(f"checkpoint step-{s} is damaged: {problem} ({why}: not falling back to an "
+                raise CheckpointError(f"checkpoint step-{s} {what}: {problem} ({why}: not falling back to an "
                                       f"older checkpoint)")
-            logger.warning("checkpoint step-%d is damaged: %s; falling back to the previous checkpoint", s, problem)
-            damaged.append(s)
+            logger.warning("checkpoint step-%d %s: %s; falling back to the previous checkpoint", s, what, problem)
+            (skipped if legacy else damaged).append(s)
+        if skipped:
+            raise CheckpointError(f"no checkpoint in {self.folder} loads into this run: "
+                                  f"{', '.join(f'step-{s}' for s in skipped)} (see above; written before manifests, "
+                                  f"so not verifiable); resume with the settings they were saved with, or start "
+                                  f"afresh with another --checkpoint.folder")
         raise CheckpointError(f"no intact checkpoint to resume from in {self.folder}: "
                               f"{', '.join(f'step-{s}' for s in damaged)} failed verification (see above); move "
                               f"them away to start afresh")
@@ -484,7 +508,8 @@ class Checkpointer:
             return 0, 0
         step_dir = resolve_step_folder(path)
         self.loaded_from = f"the checkpoint {step_dir}"
-        if (step_dir / "manifest.json").exists() or self.strict_verify:
+        self._verified = (step_dir / "manifest.json").exists() or self.strict_verify
+        if self._verified:
             problem = self._verify(step_dir)
             if problem is not None:
                 raise CheckpointError(f"checkpoint.initial_load_path: {problem}")
@@ -502,6 +527,27 @@ class Checkpointer:
         logger.info("started from checkpoint %s (step %d)", step_dir, step)
         return step, tokens
 
+    def _check_optimizer_fits(self, path: Path, optim_state: dict[str, Any]) -> None:
+        """Raise CheckpointError, saying what differs and the ways on, when the optimizer state of the
+        checkpoint ``path`` does not fit this run's optimizer (``trainer.checkpoint.compatibility``)."""
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        except _READ_ERRORS as exc:
+            raise _Unreadable(f"{path}/.metadata: unreadable ({_error_line(exc)})") from None
+        found = optimizer_mismatch(metadata, optim_state)
+        if found is None:
+            change = state_dtype_change(metadata, optim_state)
+            if change is not None:
+                logger.info("the optimizer states of %s are %s; loaded as %s (--optimizer.state_dtype)", path, *change)
+            return
+        what, how = found
+        state = "is intact but holds an" if self._verified else "(unverified: no manifest) holds an"
+        raise CheckpointError(
+            f"checkpoint {path} {state} optimizer state that does not fit this run: {what}. Either resume "
+            f"it with the optimizer it was saved with ({how}), or start a new optimizer from its weights: "
+            f"--checkpoint.initial_load_path {path} --checkpoint.initial_load_model_only with another "
+            f"--checkpoint.folder (this one resumes its newest step)")
+
     def _load_all(self, path: Path, keys: set[str]) -> tuple[int, int]:
         """Model, optimizer, scheduler, loader and train state from the full checkpoint ``path``."""
         state = self._full_state(0, 0)
@@ -513,6 +559,8 @@ class Checkpointer:
             saved = sorted((k.split(".", 1)[1] for k in keys if k.startswith("dataloader.")),
                            key=lambda k: int(k.rsplit("_", 1)[1]))
             state["dataloader"] = dict.fromkeys(saved, "")
+        if self.optimizer is not None:
+            self._check_optimizer_fits(path, state["optimizer"])
         dcp.load(state, checkpoint_id=str(path))
         set_model_state_dict(self.model, state["model"])
         if self.optimizer is not None:

@@ -5,7 +5,8 @@ A save writes ``manifest.json`` into the ``.step-<N>.partial`` folder after DCP 
 folder always has one. It maps each file name to ``{"size": bytes, "xxh3_64": hex digest}``
 (xxHash's XXH3, 64 bits: about 10 GB/s per core from memory, so checking costs a pass over the
 files in the page cache, not a computation). Loading checks every file against it: missing, truncated, grown,
-changed bytes (zeros, random bytes), or a manifest that is itself unreadable. Files are hashed in
+changed bytes (zeros, random bytes), a file the manifest does not list, or a manifest that is
+itself unreadable. Files are hashed in
 parallel, by the ranks (each takes every world_size-th file) and by a few threads per rank.
 
 Errors are one line naming the file: :class:`ManifestError`. A step folder without a manifest
@@ -121,9 +122,19 @@ def manifest_bytes(folder: Path) -> int | None:
 
 
 def verify_files(folder: Path, record: dict, rank: int = 0, world_size: int = 1) -> str | None:
-    """Check this rank's share of the files of ``record`` (every ``world_size``-th, from ``rank``):
-    size first (a stat), then the checksum. Returns None when they match, else one line naming the
-    first bad file and what is wrong with it."""
+    """Check that ``folder`` holds nothing the manifest ``record`` does not list, then this rank's
+    share of the files of ``record`` (every ``world_size``-th, from ``rank``): size first (a stat),
+    then the checksum. Returns None when they match, else one line naming the first bad file and
+    what is wrong with it (an unlisted file or folder: "not in the manifest")."""
+    # Every entry of the folder is covered: a file the manifest does not list (a shard copied in, a
+    # stray write) would be loaded unverified, so it makes the step damaged. Cheap: one listing.
+    try:
+        unlisted = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST_NAME and p.name not in record["files"])
+    except OSError as exc:
+        return f"{folder}: cannot be listed ({exc.strerror or exc})"
+    if unlisted:
+        more = f" (and {len(unlisted) - 1} more)" if len(unlisted) > 1 else ""
+        return f"{folder / unlisted[0]}: not in the manifest{more} (a file the save did not write)"
     names = sorted(record["files"])[rank::world_size]
     for name in names:  # cheap checks first: a missing or truncated file needs no read
         want = record["files"][name]["size"]

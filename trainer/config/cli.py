@@ -11,8 +11,10 @@ nothing in the package imports it.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
+import re
 import pathlib
 import sys
 import typing
@@ -75,48 +77,82 @@ def resolve_key(name: str, where: str = "") -> tuple[str, str, bool]:
 
 
 
-def apply_toml(config: JobConfig, path: str | pathlib.Path) -> JobConfig:
+def apply_toml(config: JobConfig, path: str | pathlib.Path, errors: list[str] | None = None) -> JobConfig:
     """Override ``config`` in place with the values of the TOML file ``path``; returns ``config``.
+
+    ``errors``: a list that collects the error lines of the file's keys instead (the caller reports
+    them with the rest); None = raise them, all at once.
 
     Raises:
         ConfigError: a missing file, text that is not TOML, an unknown section or key (with a
-            did-you-mean suggestion) or a value of the wrong type; the message names the file and key.
+            did-you-mean suggestion) or a value of the wrong type; the message names the file and key,
+            one line per error.
     """
     path = pathlib.Path(path)
     where = f"{path.name}: "
+    if path.is_dir():
+        raise ConfigError(f"--config: expected a TOML file, got the folder {str(path)!r}")
     try:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"--config: file not found: {str(path)!r}") from None
+    except OSError as exc:  # unreadable: permissions, a device, a folder named by a link
+        raise ConfigError(f"--config: cannot read {str(path)!r} ({exc.strerror or exc})") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{where}not valid TOML: {str(exc).splitlines()[0]}") from None
-    for name, value in _flatten(data, where):
-        if name == CONFIG_FILE_KEY:
-            raise ConfigError(f"{where}{name}: the TOML file is given on the command line (--config or --{name})")
-        section, key, negated = resolve_key(name, where)
-        value = check_value(name, value, _HINTS[section][key], where)
+    # Every key of the file is checked before any error is raised: all of the file's errors at once.
+    collect = errors is not None
+    errors = [] if errors is None else errors
+    for name, value in _flatten(data, where, errors):
+        try:
+            if name == CONFIG_FILE_KEY:
+                raise ConfigError(f"{where}{name}: the TOML file is given on the command line (--config or --{name})")
+            section, key, negated = resolve_key(name, where)
+            value = check_value(name, value, _HINTS[section][key], where)
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         setattr(getattr(config, section), key, (not value) if negated else value)
+    if not collect:
+        raise_all(errors)
     return config
 
 
-def _flatten(data: dict[str, Any], where: str, prefix: str = "") -> list[tuple[str, Any]]:
+def raise_all(errors: list[str]) -> None:
+    """Raise one ConfigError for ``errors`` (configuration error lines): the line itself for one,
+    a count and one indented line per error for several (each once); nothing for none."""
+    errors = list(dict.fromkeys(errors))
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} configuration errors:\n" + "\n".join(f"  {e}" for e in errors))
+
+
+def _flatten(data: dict[str, Any], where: str, errors: list[str], prefix: str = "") -> list[tuple[str, Any]]:
     """``(section.key, value)`` of a TOML document. A table of one of our sections is one level
     (a table value there is the key's own, e.g. ``[optimizer.groups]``); a table of torchtitan's
-    (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names."""
+    (``[debug]``, ``[validator.dataloader]``) is walked down to dotted names. A table that is none of
+    these appends its error line to ``errors`` and is skipped."""
     out: list[tuple[str, Any]] = []
-    torchtitan_tables = {n.rsplit(".", 1)[0] for n in alias_names() + list(REFUSED) if "." in n}
+    # every table above a torchtitan key: quantize, quantize.linear, quantize.linear.float8
+    torchtitan_tables = {n.rsplit(".", i)[0] for n in alias_names() + list(REFUSED) for i in range(1, n.count(".") + 1)}
     for name, value in data.items():
         full = prefix + name
         if not prefix and full in _SECTIONS:
             if not isinstance(value, dict):
-                raise ConfigError(f"{where}{full}: expected a [{full}] table, got {value!r}")
-            out += [(f"{full}.{key}", v) for key, v in value.items()]
+                errors.append(f"{where}{full}: expected a [{full}] table, got {value!r}")
+                continue
+            for key, v in value.items():
+                if isinstance(v, dict) and f"{full}.{key}" in torchtitan_tables:  # e.g. [validation.dataloader]
+                    out += _flatten(v, where, errors, f"{full}.{key}.")
+                else:
+                    out.append((f"{full}.{key}", v))
         elif isinstance(value, dict) and full in torchtitan_tables:
-            out += _flatten(value, where, full + ".")
+            out += _flatten(value, where, errors, full + ".")
         elif isinstance(value, dict) and not prefix:
             hint = suggest(full, _SECTIONS)
-            raise ConfigError(f"{where}unknown section [{full}]" + (f"; did you mean [{hint}]?" if hint else ""))
+            errors.append(f"{where}unknown section [{full}]" + (f"; did you mean [{hint}]?" if hint else ""))
         else:
             out.append((full, value))
     return out
@@ -130,8 +166,9 @@ def _flatten(data: dict[str, Any], where: str, prefix: str = "") -> list[tuple[s
 _Item = tuple[str, str, "str | None", bool]
 
 
-def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[_Item]]:
-    """Split argv into (config file, flavor, the options as :data:`_Item`)."""
+def _split_argv(argv: list[str], errors: list[str]) -> tuple[str | None, str | None, list[_Item]]:
+    """Split argv into (config file, flavor, the options as :data:`_Item`); unknown or refused options
+    append their error line to ``errors`` and are left out."""
     config_file: str | None = None
     flavor: str | None = None
     items: list[_Item] = []
@@ -155,7 +192,13 @@ def _split_argv(argv: list[str]) -> tuple[str | None, str | None, list[_Item]]:
             else:
                 flavor = value
             continue
-        section, key, negated = resolve_key(name)
+        try:
+            section, key, negated = resolve_key(name)
+        except ConfigError as exc:  # reported with the others; its value, if any, is skipped
+            errors.append(str(exc))
+            if not eq and i < len(argv) and not argv[i].startswith("--"):
+                i += 1
+            continue
         hint = _HINTS[section][key]
         if value is None:
             nxt = argv[i] if i < len(argv) else None
@@ -199,10 +242,13 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
     wants_help = any(a in ("--help", "-h") for a in argv)
     if wants_help:
         argv = [a for a in argv if a not in ("--help", "-h")]
-    config_file, flavor, items = _split_argv(argv)
+    argv_errors: list[str] = []
+    config_file, flavor, items = _split_argv(argv, argv_errors)
     # The family picks the flavor's file (configs/<family>/<flavor>.toml), so it is read before the TOML layer.
     name = next((raw for key, _, raw, _ in items if key == "model.name" and raw is not None), None)
-    config = _base_config(config_file, flavor, name)
+    errors: list[str] = []
+    config = _base_config(config_file, flavor, name, errors)
+    errors += argv_errors
     if wants_help:
         try:
             print(help_text(config), flush=True)
@@ -211,23 +257,58 @@ def parse_args(argv: list[str] | None = None) -> JobConfig:
         raise SystemExit(0)
     for target, given, raw, negated in items:
         section, _, key = target.partition(".")
-        value = True if raw is None else parse_str(given, raw, _HINTS[section][key])
+        try:
+            value = True if raw is None else parse_str(given, raw, _HINTS[section][key])
+        except ConfigError as exc:
+            errors.append(str(exc))
+            continue
         setattr(getattr(config, section), key, (not value) if negated else value)
+    raise_all(errors + value_errors(config))
     apply_model_keys(config)
-    validate_config(config)
     return config
 
 
-def _base_config(config_file: str | None, flavor: str | None, model_name: str | None = None) -> JobConfig:
+def value_errors(config: JobConfig, limit: int = 32) -> list[str]:
+    """Every error :func:`validate_config` finds in ``config`` (before :func:`apply_model_keys`, which
+    each check applies to a copy), not only the first: after each error the key it names is put back
+    to its default and the check runs again, until the configuration passes, an error names no key,
+    or ``limit`` errors. Returns the error lines."""
+    config = copy.deepcopy(config)
+    defaults = JobConfig()
+    errors: list[str] = []
+    while len(errors) < limit:
+        try:
+            derived = copy.deepcopy(config)
+            apply_model_keys(derived)
+            validate_config(derived)
+            break
+        except ConfigError as exc:
+            line = str(exc)
+        if line in errors:  # putting the key back did not clear it: a relation of other keys
+            break
+        errors.append(line)
+        m = re.match(r"^(?:[^:]*: )?--([a-z_0-9]+)\.([a-z_0-9]+)[:\s]", line)
+        if m is None or m.group(1) not in _HINTS or m.group(2) not in _HINTS[m.group(1)]:
+            break
+        section, key = m.groups()
+        if getattr(getattr(config, section), key) == getattr(getattr(defaults, section), key):
+            break
+        setattr(getattr(config, section), key, copy.deepcopy(getattr(getattr(defaults, section), key)))
+    return errors
+
+
+def _base_config(config_file: str | None, flavor: str | None, model_name: str | None = None,
+                 errors: list[str] | None = None) -> JobConfig:
     """Defaults overridden by the TOML layer: ``config_file``, else the flavor's own file (of the
-    family ``model_name``, default llama3)."""
+    family ``model_name``, default llama3). ``errors``: collects the file's key errors (see
+    :func:`apply_toml`)."""
     config = JobConfig()
     if config_file is not None:
-        apply_toml(config, config_file)
+        apply_toml(config, config_file, errors)
     else:
         path = flavor_config_path(flavor or config.model.flavor, model_name or config.model.name)
         if path.is_file():
-            apply_toml(config, path)
+            apply_toml(config, path, errors)
         # A flavor without a file is reported by validate_config() with the list of known flavors.
     if flavor is not None:
         config.model.flavor = flavor

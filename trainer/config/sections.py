@@ -97,7 +97,8 @@ class Training:
     max_norm: float = _opt(1.0, "Clip the global gradient norm to this value.")
     dataset: str = _opt(
         "pydoc",
-        "Dataset name: 'pydoc' = the embedded English corpus shipped with Python (offline); "
+        "Dataset name: 'pydoc' = the embedded English corpus shipped with Python (offline); 'c4_test' = a small "
+        "sample in C4's layout shipped with the trainer (torchtitan's debug dataset name; public-domain text); "
         "'c4' or another Hugging Face dataset name (needs the network and the 'datasets' package).",
     )
     dataset_path: str = _opt(
@@ -439,3 +440,6 @@ class FaultTolerance:
     min_replica_size: int = _opt(1, "The fewest replica groups that may commit a step.")
     process_group: str = _opt("gloo", "Backend between the replica groups.", choices=("gloo", "nccl"))
     process_group_timeout_ms: int = _opt(10000, "Timeout of a collective between replica groups, in milliseconds.")
+    lighthouse_timeout_seconds: float = _opt(
+        30.0, "How long to wait for the Lighthouse (TORCHFT_LIGHTHOUSE) to answer at start-up before the run stops "
+        "with one line naming its address.")

@@ -6,7 +6,9 @@ The names are those of torchtitan 0.3.0's ``Trainer.Config`` (sections ``profile
 ``dataloader``, ``debug``... and the top-level ``dump_folder``, ``hf_assets_path``) and of the earlier
 ``JobConfig`` a torchtitan TOML file may still use (``job.config_file``, ``model.converters``,
 ``model.hf_assets_path``). tests/trainer/test_torchtitan_keys.py checks every 0.3.0 key against these
-tables (the list is tests/data/torchtitan_0.3.0_keys.json).
+tables (the list is tests/data/torchtitan_0.3.0_keys.json), and every key of the releases 0.1.0 to
+0.2.2 (tests/data/torchtitan_earlier_keys.json: e.g. ``float8.precompute_float8_dynamic_scale_for_fsdp``,
+``quantize.linear.float8.*``, ``checkpoint.enable_checkpoint``).
 
 Imports only :mod:`trainer.config.sections` of the package; :mod:`trainer.config.cli` uses it.
 """
@@ -20,7 +22,7 @@ from trainer.errors import ConfigError
 CONFIG_FILE_KEY = "job.config_file"
 
 # The model converters of --model.converters: name -> what it turns on.
-CONVERTERS: dict[str, str] = {"float8": "float8.enable"}
+CONVERTERS: dict[str, str] = {"float8": "float8.enable", "quantize.linear.float8": "float8.enable"}
 
 # torchtitan key -> our key of the same meaning.
 ALIASES: dict[str, str] = {
@@ -46,6 +48,16 @@ ALIASES: dict[str, str] = {
     "profiler.save_traces_folder": "profiling.save_traces_folder",
     "profiler.enable_memory_snapshot": "profiling.enable_memory_snapshot",
     "profiler.save_memory_snapshot_folder": "profiling.save_memory_snapshot_folder",
+    # earlier releases (tests/data/torchtitan_earlier_keys.json)
+    "checkpoint.enable_checkpoint": "checkpoint.enable",
+    "checkpoint.initial_load_model_weights_only": "checkpoint.initial_load_model_only",
+    "checkpoint.last_save_model_weights_only": "checkpoint.model_weights_only",
+    "training.compile": "compile.enable",
+    "job.print_args": "job.print_config",
+    "lr_scheduler.lr_min": "lr_scheduler.min_lr_factor",
+    "quantize.linear.float8.recipe_name": "float8.recipe",
+    "quantize.linear.float8.filter_fqns": "float8.filter_fqns",
+    "quantize.linear.float8.enable_fsdp_float8_all_gather": "float8.enable_fsdp_float8_all_gather",
 }
 
 # torchtitan boolean key -> our boolean key of the opposite meaning.
@@ -55,7 +67,6 @@ NEGATED: dict[str, str] = {"metrics.disable_color_printing": "metrics.enable_col
 # the same meaning that "did you mean" names instead of the nearest spelling.
 NEAR: dict[str, str] = {
     "metrics.enable_color_printing": "metrics.enable_color",
-    "training.compile": "compile.enable",
     "training.enable_float8_linear": "float8.enable",
     "float8.enable_float8_linear": "float8.enable",
     "model.quantize": "model.converters",
@@ -70,6 +81,13 @@ _PROFILER = "the profiler's schedule here is profile_freq, profiler_warmup and p
 _AC = "activation checkpointing here is --activation_checkpoint.mode and selective_ac_option"
 _CP = "ring attention always uses the zigzag (head-tail) split of each sequence"
 _FR = "the NCCL flight recorder is not configured by the trainer (set TORCH_NCCL_TRACE_BUFFER_SIZE)"
+_MX = "MX (microscaling) formats are not supported; float8 is --float8.enable with --float8.recipe"
+_F8 = "not configurable here: float8 training is --float8.enable, --float8.recipe and --float8.filter_fqns"
+_IMPORT = "the trainer imports no extension modules; a model family registers in trainer/registry.py"
+_FT = "replica groups here synchronise every step (no semi-synchronous DiLoCo / local SGD)"
+_LOADER = "the data loader reads in the training process; there are no worker processes to configure"
+_MEM = "every run checks that it fits this machine before it builds the model; python -m trainer.estimate.memory " \
+       "prints the estimate alone"
 
 # torchtitan key -> why it has no meaning here (the error says "not applicable here: <reason>").
 REFUSED: dict[str, str] = {
@@ -119,6 +137,60 @@ REFUSED: dict[str, str] = {
     "training.disable_cuda_graphs": "the step is never captured as a CUDA graph",
     "training.enable_cpu_offload": "FSDP2 CPU offload is not supported",
     "training.gc_debug": "garbage collection runs every --training.gc_freq steps",
+    # earlier releases (tests/data/torchtitan_earlier_keys.json)
+    "activation_checkpoint.early_stop": _AC,
+    "activation_checkpoint.memory_budget": _AC,
+    "activation_checkpoint.per_op_sac_force_recompute_mm_shapes_by_fqns": _AC,
+    "activation_checkpoint.visualize_memory_budget_pareto": _AC,
+    "checkpoint.enable_ft_dataloader_checkpoints": "a replica group's checkpoints always hold its data loader's state",
+    "experimental.custom_args_module": _IMPORT,
+    "experimental.custom_import": _IMPORT,
+    "job.custom_config_module": _IMPORT,
+    "fault_tolerance.fragment_sync_delay": _FT,
+    "fault_tolerance.fragment_update_alpha": _FT,
+    "fault_tolerance.semi_sync_method": _FT,
+    "fault_tolerance.should_quantize": _FT,
+    "fault_tolerance.sync_steps": _FT,
+    "float8.emulate": _F8,
+    "float8.force_recompute_fp8_weight_in_bwd": _F8,
+    "float8.precompute_float8_dynamic_scale_for_fsdp": "the float8 all-gather (--float8.enable_fsdp_float8_all_gather) "
+                                                       "computes its tensorwise scales itself; there is no precompute step",
+    "quantize.linear.float8.emulate": _F8,
+    "quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp": "the float8 all-gather computes its tensorwise "
+                                                                       "scales itself; there is no precompute step",
+    "quantize.grouped_mm.float8.fqns": "the experts' grouped GEMMs follow --float8.enable, not module names",
+    "job.save_config_file": "--job.print_config prints the resolved configuration as TOML",
+    "job.use_for_integration_test": "there is no integration-test mode; tests/ runs the trainer directly",
+    "memory_estimation.disable_fake_mode": _MEM,
+    "memory_estimation.enable": _MEM,
+    "memory_estimation.enabled": _MEM,
+    "model.print_after_conversion": "the start-up log describes the model after its conversion",
+    "mx.filter_fqns": _MX,
+    "mx.recipe_name": _MX,
+    "mx.use_fp8_dim1_cast_triton_kernel": _MX,
+    "quantize.grouped_mm.mx.fqns": _MX,
+    "quantize.grouped_mm.mx.recipe_name": _MX,
+    "quantize.linear.mx.filter_fqns": _MX,
+    "quantize.linear.mx.mxfp8_dim1_cast_kernel_choice": _MX,
+    "quantize.linear.mx.recipe_name": _MX,
+    "optimizer.early_step_in_backward": "the optimizer steps after the whole backward (the gradient norm is clipped "
+                                        "over all parameters first)",
+    "parallelism.context_parallel_rotate_method": _CP + "; its key and value blocks pass from rank to rank",
+    "parallelism.enable_compiled_autograd": "compiled autograd is not used; --compile.enable compiles the blocks",
+    "parallelism.expert_parallel_comm_backend": "expert parallel uses the process group's all-to-all",
+    "parallelism.expert_tensor_parallel_degree": "there is no separate expert tensor-parallel degree (see "
+                                                 "--parallelism.expert_parallel_degree)",
+    "parallelism.pipeline_parallel_expert_parallel_overlap": "pipeline stages do not overlap the expert-parallel "
+                                                             "all-to-all",
+    "training.dataloader.num_workers": _LOADER,
+    "training.dataloader.persistent_workers": _LOADER,
+    "training.dataloader.pin_memory": _LOADER,
+    "training.dataloader.prefetch_factor": _LOADER,
+    "validation.dataloader.num_workers": _LOADER,
+    "validation.dataloader.persistent_workers": _LOADER,
+    "validation.dataloader.pin_memory": _LOADER,
+    "validation.dataloader.prefetch_factor": _LOADER,
+    "training.debug_moe_force_load_balance": "MoE balancing is --model.moe_load_balance",
 }
 
 

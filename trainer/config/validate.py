@@ -26,6 +26,8 @@ COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
 GROUP_KINDS = ("embedding", "output", "norm", "bias", "router", "expert", "hidden", "other")
 GROUP_KEYS = ("optimizer", "lr_multiplier", "weight_decay")
+# The kinds whose parameters are vectors (or scalars): never Muon's (trainer/optim/groups.py param_kind).
+VECTOR_KINDS = ("norm", "bias", "other")
 GROUP_OPTIMIZERS = ("adamw", "muon")
 
 
@@ -76,6 +78,9 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(t.mtp_loss_weight) and t.mtp_loss_weight >= 0, "training.mtp_loss_weight", t.mtp_loss_weight,
          "a finite value >= 0")
     need(config.model.mtp_layers >= -1, "model.mtp_layers", config.model.mtp_layers, "-1 (the flavor's) or an integer >= 0")
+    for key in ("moe_bias_update_rate", "moe_aux_loss_coeff"):
+        value = getattr(config.model, key)
+        need(math.isfinite(value) and value >= 0, f"model.{key}", value, "a finite value >= 0")
     for name in config.model.converters:
         if name not in CONVERTERS:
             raise ConfigError(f"--model.converters: unknown converter {name!r}; known: {', '.join(CONVERTERS)}")
@@ -93,6 +98,9 @@ def validate_config(config: JobConfig) -> None:
     need(math.isfinite(o.weight_decay) and o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay,
          "a finite value >= 0")
     _validate_optimizer(o)
+    need(o.qk_clip_threshold is None or p.context_parallel_degree == 1, "optimizer.qk_clip_threshold",
+         o.qk_clip_threshold, "none with parallelism.context_parallel_degree > 1 (ring attention records no "
+         "per-head max logit)")
     need(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "an integer >= 0")
     need(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
          "none or a value in [0, 1]")
@@ -106,6 +114,9 @@ def validate_config(config: JobConfig) -> None:
     need(c.keep_latest_k >= 0, "checkpoint.keep_latest_k", c.keep_latest_k, "an integer >= 0 (0 = keep all)")
     need(c.load_step >= -1, "checkpoint.load_step", c.load_step, "-1 (newest) or a step >= 0")
     need(bool(c.folder), "checkpoint.folder", c.folder, "a folder name")
+    need(not c.model_weights_only or (c.enable and not c.last_save_in_hf), "checkpoint.model_weights_only",
+         c.model_weights_only, "false without --checkpoint.enable or with --checkpoint.last_save_in_hf (the last save "
+         "is then none, or the Hugging Face folder)")
     if c.initial_load_path and not pathlib.Path(c.initial_load_path).expanduser().is_dir():
         raise ConfigError(f"--checkpoint.initial_load_path: no such folder: {c.initial_load_path!r}")
     need(not c.initial_load_in_hf or bool(c.initial_load_path), "checkpoint.initial_load_in_hf",
@@ -127,7 +138,25 @@ def validate_config(config: JobConfig) -> None:
     need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
          "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
          f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
+    if flavors and config.model.flavor in flavors:  # last: the values themselves are checked above
+        _validate_model_options(config)
 
+
+
+def _validate_model_options(config: JobConfig) -> None:
+    """Options the flavor's model does not use (``trainer.models.common.options``) are refused, not ignored.
+    A custom flavor's model is known from its config.json only: the trainer checks it then."""
+    from trainer import registry
+    from trainer.models.common.options import unused_option_errors
+
+    try:
+        args = registry.get(config.model.name).flavor_args(config.model.flavor).configure(config.model)
+    except ValueError as exc:  # the [model] options give args the model refuses
+        raise ConfigError(f"--model.flavor: {config.model.name} {config.model.flavor} with these [model] options: "
+                          f"{exc}") from None
+    errors = unused_option_errors(config, args)
+    if errors:
+        raise ConfigError(errors[0])
 
 
 def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
@@ -199,6 +228,9 @@ def _validate_resilience(config: JobConfig) -> None:
     if ft.process_group_timeout_ms < 1:
         raise ConfigError(f"--fault_tolerance.process_group_timeout_ms: expected an integer >= 1, got "
                           f"{ft.process_group_timeout_ms!r}")
+    if not (math.isfinite(ft.lighthouse_timeout_seconds) and ft.lighthouse_timeout_seconds > 0):
+        raise ConfigError(f"--fault_tolerance.lighthouse_timeout_seconds: expected a finite value > 0, got "
+                          f"{ft.lighthouse_timeout_seconds!r}")
     if config.parallelism.data_parallel_replicate_degree != 1:
         raise ConfigError("--parallelism.data_parallel_replicate_degree: expected 1 with --fault_tolerance.enable "
                           "(the replica groups are the replicate dimension)")
@@ -297,6 +329,9 @@ def parse_group_rules(rules: list[str]) -> list[tuple[str, dict]]:
                 if value.lower() not in GROUP_OPTIMIZERS:
                     raise ConfigError(f"--optimizer.groups: optimizer expected one of {', '.join(GROUP_OPTIMIZERS)}, "
                                       f"got {value!r} in rule {rule!r}")
+                if value.lower() == "muon" and sel in VECTOR_KINDS:
+                    raise ConfigError(f"--optimizer.groups: Muon orthogonalises matrices; the {sel} parameters are "
+                                      f"vectors (1 dim) in rule {rule!r}; give them adamw")
                 settings[key] = value.lower()
                 continue
             try:

@@ -38,6 +38,9 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".parquet")
 
 # Short names for Hugging Face datasets: name -> (path, config).
 HF_ALIASES = {"c4": ("allenai/c4", "en")}
+# Names of sample data shipped with the trainer (torchtitan's debug dataset c4_test: C4's layout, public-domain
+# text; scripts/make_c4_test.py writes it).
+SAMPLES = {"c4_test": pathlib.Path(__file__).resolve().parent / "samples" / "c4_test.jsonl"}
 
 
 class DocumentSource:
@@ -344,9 +347,11 @@ def build_source(dataset: str, dataset_path: str = "", section: str = "training"
         return LocalFiles(dataset_path, key=f"{section}.dataset_path")
     if dataset == "pydoc":
         return EmbeddedCorpus()
+    if dataset in SAMPLES:
+        return LocalFiles(SAMPLES[dataset], key=f"{section}.dataset")
     if dataset in HF_ALIASES or "/" in dataset:
         return HuggingFaceDataset(dataset)
-    known = ["pydoc", *HF_ALIASES]
+    known = ["pydoc", *SAMPLES, *HF_ALIASES]
     hint = difflib.get_close_matches(dataset, known, n=1)
     raise ValueError(
         f"{section}.dataset: unknown dataset {dataset!r}; expected one of {', '.join(known)} or a Hugging Face "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from trainer.hf.common import CONFIG, HFCheckpointError, model_types
+from trainer.hf.defaults import complete_config
 from trainer import registry
 
 # ------------------------------------------------------------------------------------------------
@@ -35,6 +36,9 @@ def args_from_hf_config(cfg: dict, where: str = CONFIG):
     """Our model args for a Hugging Face ``config.json`` dict, and the flavor they match ("custom" if
     none), from the family whose adapter reads its ``model_type``.
 
+    Fields the config leaves out take transformers' defaults for its model_type, and a value of the
+    wrong type is refused naming the field (``trainer.hf.defaults.complete_config``).
+
     Raises HFCheckpointError for a model_type no family reads, or options the family does not have.
     """
     model_type = cfg.get("model_type")
@@ -43,7 +47,7 @@ def args_from_hf_config(cfg: dict, where: str = CONFIG):
         archs = cfg.get("architectures") or []
         raise HFCheckpointError(f"{where}: not a checkpoint of a family we train (model_type {model_type!r}, "
                                 f"architectures {archs}; supported: {', '.join(model_types())})")
-    return spec.adapter().args_from_config(cfg, where)
+    return spec.adapter().args_from_config(complete_config(cfg, where), where)
 
 
 # ------------------------------------------------------------------------------------------------

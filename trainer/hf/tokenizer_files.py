@@ -119,6 +119,13 @@ def _source_files(path: Path) -> tuple[Path, list[Path]]:
     return main, [folder / n for n in TOKENIZER_FILES if (folder / n).is_file()]
 
 
+def _final_name(out: Path) -> Path:
+    """The folder a message names: a ``.<name>.partial`` folder being written is published as ``<name>``."""
+    if out.name.startswith(".") and out.name.endswith(".partial"):
+        return out.with_name(out.name[1:-len(".partial")])
+    return out
+
+
 def write_tokenizer_files(out: str | Path, tokenizer_path: str) -> list[str]:
     """Put the tokenizer of ``tokenizer_path`` (as ``--model.tokenizer_path``: "" = the byte-level one)
     beside the weights in the Hugging Face folder ``out``, set its BOS/EOS ids in config.json and
@@ -135,7 +142,8 @@ def write_tokenizer_files(out: str | Path, tokenizer_path: str) -> list[str]:
         byte_tokenizer_json().save(str(out / "tokenizer.json"))
         written.append("tokenizer.json")
         names = (BYTE_BOS, BYTE_EOS)
-        logger.info("%s: the byte-level tokenizer written as tokenizer.json (one token per UTF-8 byte)", out)
+        logger.info("%s: the byte-level tokenizer written as tokenizer.json (one token per UTF-8 byte)",
+                    _final_name(out))
     else:
         main, files = _source_files(Path(tokenizer_path).expanduser())
         targets = {f: f.name for f in files}

@@ -49,7 +49,7 @@ def log_outputs(config: JobConfig) -> None:
     parts = [f"metrics {dump / 'metrics.jsonl'}"]
     parts.append(f"TensorBoard {dump / m.save_tb_folder}" if m.enable_tensorboard
                  else "TensorBoard off (--metrics.enable_tensorboard)")
-    parts.append(f"checkpoints {dump / c.folder}" if c.enable else "checkpoints off (--checkpoint.enable)")
+    parts.append(checkpoint_outputs(config))
     if m.save_plot:
         parts.append(f"plot {dump / 'metrics.png'} at the end")
     if pr.enable_profiling:
@@ -57,6 +57,23 @@ def log_outputs(config: JobConfig) -> None:
     if pr.enable_memory_snapshot:
         parts.append(f"memory snapshots {dump / pr.save_memory_snapshot_folder}")
     logger.info("outputs: %s", "; ".join(parts))
+
+
+def checkpoint_outputs(config: JobConfig) -> str:
+    """What the run will save, and where (the folders that will exist at the end): training checkpoints
+    every interval steps, the last step's save as a weights-only export or a Hugging Face folder."""
+    c, steps = config.checkpoint, config.training.steps
+    folder = Path(config.job.dump_folder) / c.folder
+    last = None
+    if c.last_save_in_hf:
+        last = f"step {steps} as the Hugging Face folder {folder / f'hf-step-{steps}'}"
+    elif c.enable and c.model_weights_only:
+        last = f"step {steps} as the weights-only export {folder / f'weights-step-{steps}'}"
+    if not c.enable:
+        return f"no checkpoints to resume from (--checkpoint.enable), {last} at the end" if last else \
+            "checkpoints off (--checkpoint.enable)"
+    text = f"checkpoints {folder / 'step-<N>'} every {c.interval} steps"
+    return text + (f", {last} at the end" if last else f" and at step {steps}")
 
 
 def save_plot(dump_folder: str) -> None:

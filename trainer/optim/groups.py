@@ -3,7 +3,7 @@
 Every trainable parameter has a kind, from its name and module (names as in
 ``trainer.models.blocks``):
   embedding  tok_embeddings.*            output  output.* (a tied output is the embedding)
-  bias       *.bias                      norm    weights of normalization layers (RMSNorm, ...)
+  bias       *.bias, *_bias              norm    weights of normalization layers (RMSNorm, ...)
   router     MoE routers (*.router.*)    expert  routed experts, 3-D (n_experts, in, out)
   hidden     every other 2-D weight      other   every other parameter (1-D, scalars)
 Defaults: with ``optimizer.name muon`` the hidden and expert weights take Muon (experts per expert),
@@ -36,7 +36,7 @@ def param_kind(name: str, param: nn.Parameter, module: nn.Module | None) -> str:
         return "embedding"
     if parts[0] == "output":
         return "output"
-    if parts[-1] == "bias":
+    if parts[-1] == "bias" or parts[-1].endswith("_bias"):  # GPT-OSS's experts.w1_bias (E, hidden) too
         return "bias"
     if module is not None and "norm" in type(module).__name__.lower():
         return "norm"
@@ -111,3 +111,17 @@ def param_groups(model: nn.Module, name: str, lr: float, weight_decay: float, ru
         g["label"] = f"{g['optimizer']}[{','.join(g['kinds'])}]"
         del g["kinds"]
     return out
+
+
+def rule_errors(args, optimizer_name: str, weight_decay: float, rules: list[str]) -> list[str]:
+    """The ``optimizer.groups`` rules that give Muon a vector in the model of ``args`` (its parameters'
+    names and shapes from the model built on the meta device: no memory), as error lines; checked
+    before the model is built, so that a glob such as ``'layers.*: optimizer=muon'`` (which takes the
+    norms too) is a configuration error, not a failure after the build."""
+    from trainer.registry import build_model
+
+    try:
+        settings(build_model(args, "meta"), optimizer_name, weight_decay, rules)
+    except ValueError as exc:
+        return [f"--{exc}"]
+    return []

@@ -31,6 +31,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
@@ -70,6 +71,51 @@ def _like(template: Any, obj: Any) -> Any:
     return obj
 
 
+def wait_for_lighthouse(address: str, timeout_seconds: float) -> None:
+    """Return once the torchft Lighthouse at ``address`` (``http://HOST:PORT``) answers, asking every
+    half second (it may be starting): it serves its dashboard over HTTP on its one port, so a GET of
+    "/" that returns the dashboard is the answer; something else listening there (a port that accepts
+    and never replies, another HTTP server) is not. After ``timeout_seconds`` raise TrainingError, one
+    line naming the address and the last error. Also a TrainingError: an empty address, or one without
+    a host and port."""
+    from urllib.error import HTTPError, URLError
+    from urllib.parse import urlsplit
+    from urllib.request import urlopen
+
+    if not address:
+        raise TrainingError("--fault_tolerance.enable: set TORCHFT_LIGHTHOUSE to the Lighthouse's address "
+                            "(e.g. http://HOST:29510, started with torchft_lighthouse --min_replicas 1)")
+    try:
+        parts = urlsplit(address if "://" in address else f"http://{address}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host = port = None
+    if not host or not port:
+        raise TrainingError(f"--fault_tolerance.enable: TORCHFT_LIGHTHOUSE={address!r} is not an address "
+                            f"http://HOST:PORT")
+    url = f"http://{host if ':' not in host else f'[{host}]'}:{port}/"
+    logger.info("fault tolerance: waiting for the Lighthouse at %s (up to %gs, "
+                "--fault_tolerance.lighthouse_timeout_seconds)", address, timeout_seconds)
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            with urlopen(url, timeout=max(0.1, min(2.0, left))) as reply:
+                if b"Lighthouse" in reply.read(4096):
+                    return
+                why = "it answers, but not as a torchft Lighthouse"
+        except HTTPError as exc:
+            why = f"it answers HTTP {exc.code}, not as a torchft Lighthouse"
+        except (URLError, OSError, ValueError) as exc:  # refused, unreachable, silent (timeout), not HTTP
+            reason = getattr(exc, "reason", exc)
+            why = getattr(reason, "strerror", None) or str(reason) or type(exc).__name__
+        if time.monotonic() + 0.5 >= deadline:
+            raise TrainingError(f"--fault_tolerance.enable: no Lighthouse answers at {address} (TORCHFT_LIGHTHOUSE) "
+                                f"within {timeout_seconds:g}s (--fault_tolerance.lighthouse_timeout_seconds): {why}; "
+                                f"start one (torchft_lighthouse --min_replicas 1) or fix the address")
+        time.sleep(0.5)
+
+
 class ReplicaGroups:
     """This replica group's torchft Manager and the per-step protocol (module docstring).
 
@@ -92,6 +138,7 @@ class ReplicaGroups:
         if not lighthouse:
             raise TrainingError("--fault_tolerance.enable: set TORCHFT_LIGHTHOUSE to the Lighthouse's address "
                                 "(e.g. http://HOST:29510, started with torchft_lighthouse --min_replicas 1)")
+        wait_for_lighthouse(lighthouse, cfg.lighthouse_timeout_seconds)
         self.trainer = trainer
         self.dp_local, self.dp_rank_local = trainer.dims.dp_size, trainer.dp_rank
         per_group = t.local_batch_size * self.dp_local
@@ -109,12 +156,18 @@ class ReplicaGroups:
         timeout = timedelta(milliseconds=cfg.process_group_timeout_ms)
         pg = (torchft.ProcessGroupGloo(timeout=timeout) if cfg.process_group == "gloo"
               else torchft.ProcessGroupNCCL(timeout=timeout))
-        self.manager = torchft.Manager(
-            pg=pg, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
-            min_replica_size=cfg.min_replica_size, use_async_quorum=False, replica_id=f"titan_ft_{cfg.replica_id}",
-            rank=trainer.rank, world_size=trainer.world_size, lighthouse_addr=lighthouse, hostname=socket.gethostname(),
-            timeout=timeout, quorum_timeout=timedelta(seconds=trainer.config.comm.init_timeout_seconds),
-            connect_timeout=timedelta(seconds=60))
+        try:
+            self.manager = torchft.Manager(
+                pg=pg, load_state_dict=self._load_state_dict, state_dict=self._state_dict,
+                min_replica_size=cfg.min_replica_size, use_async_quorum=False,
+                replica_id=f"titan_ft_{cfg.replica_id}", rank=trainer.rank, world_size=trainer.world_size,
+                lighthouse_addr=lighthouse, hostname=socket.gethostname(), timeout=timeout,
+                quorum_timeout=timedelta(seconds=trainer.config.comm.init_timeout_seconds),
+                connect_timeout=timedelta(seconds=cfg.lighthouse_timeout_seconds))
+        except RuntimeError as exc:  # the Lighthouse went away after answering the probe, or refused us
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise TrainingError(f"--fault_tolerance.enable: the Lighthouse at {lighthouse} (TORCHFT_LIGHTHOUSE): "
+                                f"{first[:300]}") from None
         self.manager.load_state_dict({"step": trainer.step, "batches_committed": 0})  # after a resume
         self.participants = 1
         logger.info("fault tolerance: replica group %d of %d (at least %d commit a step), Lighthouse %s",

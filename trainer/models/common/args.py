@@ -102,9 +102,40 @@ class ModelArgs:
     IGNORED_FIELDS: ClassVar[tuple[str, ...]] = ("max_seq_len", "init_std", "depth_init", "moe.load_balance",
                                                  "moe.bias_update_rate", "moe.aux_loss_coeff")
 
+    # Options of a run's configuration that only some models use: "section.key" -> (whether this model
+    # uses it, why not when it does not). An option given (not at its default) to a model that does not
+    # use it is refused (``unused_options``), never ignored. A family extends the table.
+    OPTIONS: ClassVar[dict] = {
+        "model.moe_load_balance": (lambda a: a.moe is not None, "has no mixture of experts"),
+        "model.moe_bias_update_rate": (lambda a: a.moe is not None and a.moe.load_balance == "bias",
+                                       "balances no experts by a routing bias (--model.moe_load_balance bias)"),
+        "model.moe_aux_loss_coeff": (lambda a: a.moe is not None and a.moe.load_balance == "aux_loss",
+                                     "balances no experts by an auxiliary loss (--model.moe_load_balance aux_loss)"),
+        "parallelism.expert_parallel_degree": (lambda a: a.moe is not None, "has no experts to split"),
+        "model.mtp_layers": (lambda a: False, "has no multi-token prediction modules (deepseek_v3 has)"),
+        "training.mtp_loss_weight": (lambda a: getattr(a, "num_mtp_layers", 0) > 0,
+                                     "has no multi-token prediction modules to weigh"),
+        "optimizer.qk_clip_threshold": (lambda a: not a.qk_norm, "has QK-norm: its attention logits do not scale "
+                                        "with W_q/W_k, so QK-clip cannot bound them"),
+    }
+
+    def unused_options(self, config) -> list[tuple[str, str]]:
+        """``(key, why this model does not use it)`` for each option of ``OPTIONS`` that ``config`` (a
+        ``trainer.config.JobConfig``) sets away from its default."""
+        defaults = type(config)()
+        out = []
+        for key, (uses, why) in self.OPTIONS.items():
+            section, _, name = key.partition(".")
+            if getattr(getattr(config, section), name) != getattr(getattr(defaults, section), name) and not uses(self):
+                out.append((key, why))
+        return out
+
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # read back from a checkpoint's JSON record
-            object.__setattr__(self, "moe", MoEArgs(**self.moe))
+            moe = dict(self.moe)
+            if moe.get("swiglu_limit") == 0.0 and not moe.get("swiglu_up_offset"):
+                moe["swiglu_limit"] = None  # records before None existed wrote 0 for a plain SwiGLU's "no clamp"
+            object.__setattr__(self, "moe", MoEArgs(**moe))
         if isinstance(self.layer_types, list):
             object.__setattr__(self, "layer_types", tuple(self.layer_types))
         name = type(self).__name__

@@ -105,8 +105,19 @@ def run_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: tor
     if biases is not None:
         b1, b2, b3 = (_rows(b.to(x.dtype), counts, x.shape[0]) for b in biases)
         h1, h3 = h1 + b1, h3 + b3
-    out = grouped_mm(titan_kernels.swiglu(h1, h3, **(activation or {})), w2, offsets, float8)
+    out = grouped_mm(_swiglu(h1, h3, activation), w2, offsets, float8)
     return out if biases is None else out + b2
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor, activation: dict | None) -> torch.Tensor:
+    """``titan_kernels.swiglu`` with ``activation``'s keywords; a clamp at 0 (transformers' meaning of
+    GPT-OSS's ``swiglu_limit: 0``, which the kernels refuse as degenerate: the up projection is clamped
+    to 0, so every expert gives up_offset * sw(min(gate, 0))) is computed here with torch's clamps."""
+    if activation is not None and activation.get("limit") == 0.0:
+        g = gate.clamp(max=0.0)
+        u = up.clamp(min=-0.0, max=0.0)
+        return (u + activation["up_offset"]) * g * torch.sigmoid(activation["alpha"] * g)
+    return titan_kernels.swiglu(gate, up, **(activation or {}))
 
 
 def _rows(b: torch.Tensor, counts: torch.Tensor, n: int) -> torch.Tensor:
@@ -256,8 +267,8 @@ class MoE(nn.Module):
         self.args = args
         self.router = Router(dim, args)
         activation = None
-        if args.swiglu_limit or args.swiglu_alpha != 1.0 or args.swiglu_up_offset:
-            activation = dict(alpha=args.swiglu_alpha, limit=args.swiglu_limit or None, up_offset=args.swiglu_up_offset)
+        if args.swiglu_limit is not None or args.swiglu_alpha != 1.0 or args.swiglu_up_offset:
+            activation = dict(alpha=args.swiglu_alpha, limit=args.swiglu_limit, up_offset=args.swiglu_up_offset)
         self.experts = GroupedExperts(dim, args.hidden_dim, args.num_experts, bias=args.expert_proj_bias,
                                       activation=activation)
         if args.num_shared_experts:

@@ -29,7 +29,7 @@ class MoEArgs:
     GPT-OSS's experts: ``router_bias`` (a learned bias on the router's logits), ``expert_proj_bias``
     (biases on the experts' projections), and the clamped SwiGLU ``(clamp(up, +-limit) + up_offset) *
     g sigmoid(alpha g)`` with g = min(gate, limit) (``swiglu_alpha`` 1.702, ``swiglu_limit`` 7,
-    ``swiglu_up_offset`` 1; limit 0 = none: the plain SwiGLU).
+    ``swiglu_up_offset`` 1; limit None = no clamp; 0 clamps at 0, as transformers reads it).
 
     ``score_before_experts`` (Llama 4): each routed row is multiplied by its weight on the way *into*
     its expert, and the expert outputs are summed unweighted (by default the weights scale the
@@ -54,7 +54,7 @@ class MoEArgs:
     router_bias: bool = False
     expert_proj_bias: bool = False
     swiglu_alpha: float = 1.0
-    swiglu_limit: float = 0.0
+    swiglu_limit: float | None = None
     swiglu_up_offset: float = 0.0
     score_before_experts: bool = False
     load_balance: str = "bias"
@@ -86,9 +86,9 @@ class MoEArgs:
         if self.n_group > 1 and self.num_experts // self.n_group < 2:
             raise ValueError(f"MoEArgs.n_group: group-limited routing scores a group by its two best experts; "
                              f"{self.num_experts} experts in {self.n_group} groups leave fewer than 2 per group")
-        if not (self.swiglu_alpha > 0 and self.swiglu_limit >= 0):
-            raise ValueError(f"MoEArgs: swiglu_alpha must be > 0 and swiglu_limit >= 0 (0 = none), got "
-                             f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}")
+        if not (self.swiglu_alpha > 0 and (self.swiglu_limit is None or 0 <= self.swiglu_limit < float("inf"))):
+            raise ValueError(f"MoEArgs: swiglu_alpha must be > 0 and swiglu_limit None (no clamp) or a finite value "
+                             f">= 0, got {self.swiglu_alpha!r}, {self.swiglu_limit!r}")
         if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(f"MoEArgs.top_k: {self.top_k} experts do not fit in topk_group={self.topk_group} groups "
                              f"of {self.num_experts // self.n_group}")

@@ -46,6 +46,7 @@ class DeepSeekV3Args(ModelArgs):
 
     ACTIVE_INCLUDES_EMBEDDING: ClassVar[bool] = False  # the publisher counts without the lookup
     EXTRA_NAME: ClassVar[str] = "MTP"
+    OPTIONS: ClassVar[dict] = {**ModelArgs.OPTIONS, "model.mtp_layers": (lambda a: True, "")}
     SHAPE_FIELDS: ClassVar[tuple[str, ...]] = ModelArgs.SHAPE_FIELDS + (
         "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "num_mtp_layers")
 

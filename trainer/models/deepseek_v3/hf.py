@@ -148,6 +148,8 @@ class DeepSeekV3Adapter(HFAdapter):
             refuse("rope_interleave", "true (the published configs' layout)")
         if get("scoring_func", "sigmoid") != "sigmoid":
             refuse("scoring_func", "'sigmoid' (DeepseekV3ForCausalLM scores with a sigmoid)")
+        if cfg.get("q_lora_rank") == 0:  # transformers' None means one plain q projection; 0 a rank-0 latent
+            refuse("q_lora_rank", "null (one plain q projection) or an integer >= 1")
         if get("moe_layer_freq", 1) != 1:
             refuse("moe_layer_freq", "1 (every layer after first_k_dense_replace is a MoE layer)")
         norm, top_k = bool(get("norm_topk_prob", True)), get("num_experts_per_tok", 8)

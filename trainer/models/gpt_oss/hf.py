@@ -117,7 +117,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
             ("chunked attention layers", "chunked_attention" not in args.layer_types),
             ("shared experts", not moe.num_shared_experts), ("sigmoid routing", moe.score_func == "softmax"),
             ("group-limited routing", moe.n_group == 1), ("a route scale", moe.route_scale == 1.0),
-            ("dense layers", not args.n_dense_layers), ("QK-norm", not args.qk_norm)) if not ok]
+            ("dense layers", not args.n_dense_layers), ("QK-norm", not args.qk_norm),
+            ("an unclamped SwiGLU (swiglu_limit none)", moe.swiglu_limit is not None)) if not ok]
         if bad:
             raise HFCheckpointError(f"cannot write a Hugging Face GPT-OSS config: this model has {', '.join(bad)}")
         return {
@@ -130,14 +131,18 @@ class GptOssAdapter(RotaryPermutingAdapter):
             "max_position_embeddings": args.max_seq_len, "tie_word_embeddings": args.tie_word_embeddings,
             "attention_bias": args.attention_bias, "swiglu_limit": moe.swiglu_limit, "swiglu_alpha": moe.swiglu_alpha,
             "hidden_act": "silu", "attention_dropout": 0.0, "torch_dtype": DTYPE_NAMES.get(dtype, "float32"),
-            **rope_to_config(args.rope_theta, args.rope_scaling),
+            # No scaling is the type "default", not null: transformers reads a null as GptOssConfig's YaRN x32.
+            **rope_to_config(args.rope_theta, args.rope_scaling or {"rope_type": "default"}),
         }
 
     def args_from_config(self, cfg: dict, where: str) -> tuple[GptOssArgs, str]:
-        """GptOssArgs of a GPT-OSS config (transformers' defaults for absent fields: alternating layer
-        types from sliding, window 128, alpha 1.702, limit 7). Raises HFCheckpointError, naming the
-        field, for what we cannot reproduce: another activation, no attention bias, MXFP4 quantization,
-        layer types other than sliding / full."""
+        """GptOssArgs of a GPT-OSS config (``cfg`` completed by ``trainer.hf.defaults.complete_config``:
+        transformers' defaults for absent fields, e.g. YaRN x32 at theta 150000, window 128, alpha 1.702,
+        limit 7; alternating layer types from sliding). Every field means what it means to transformers
+        (``swiglu_limit: 0`` clamps at 0). Raises HFCheckpointError, naming the field, for what we cannot
+        reproduce (another activation, no attention bias, MXFP4 quantization, layer types other than
+        sliding / full) and for values whose meaning differs between GPT-OSS's reference and
+        transformers (``_refuse_reference_differences``)."""
         _int_fields(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"), "GPT-OSS", where)
 
         def get(key, default):
@@ -158,6 +163,7 @@ class GptOssAdapter(RotaryPermutingAdapter):
         if bad or (types and len(types) != n_layers):
             raise HFCheckpointError(f"{where}: layer_types {list(types)} is not supported (expected sliding_attention / "
                                     f"full_attention for each of {n_layers} layers)")
+        _refuse_reference_differences(cfg, types, where)
         theta, scaling = _rope_from_config(cfg, where, ("yarn",))
         hidden = get("intermediate_size", 2880)
         with config_errors(where):  # the args' own checks
@@ -175,6 +181,33 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 tie_word_embeddings=bool(get("tie_word_embeddings", False)), sliding_window=get("sliding_window", 128),
                 layer_types=types, moe=moe)
         return args, matching_flavor(args, GPT_OSS_FLAVORS)
+
+
+def _refuse_reference_differences(cfg: dict, types: tuple[str, ...], where: str) -> None:
+    """Refuse, naming the field, a GPT-OSS config.json value that OpenAI's reference implementation
+    (gpt_oss/torch/model.py) and transformers' ``GptOssForCausalLM`` would run differently:
+
+    - ``swiglu_limit`` < 0 or not finite: clamp(up, -limit, limit) is an empty range (torch.clamp then
+      gives every value the bound), a clamp neither defines;
+    - ``sliding_window`` 0 or null on sliding layers: the reference reads 0 as "no window" (full
+      attention), transformers as a window of no key;
+    - YaRN without ``truncate``: transformers rounds the ramp's bounds unless told ``truncate: false``;
+      the reference never rounds them (the published configs say false)."""
+    limit = cfg.get("swiglu_limit")
+    if limit is None or not 0 <= float(limit) < float("inf"):
+        raise HFCheckpointError(f"{where}: swiglu_limit {limit!r} is not supported (expected a finite value >= 0: "
+                                f"the clamp of the experts' SwiGLU; a negative one is an empty clamp range)")
+    sliding = not types or "sliding_attention" in types
+    window = cfg.get("sliding_window")
+    if sliding and (window is None or window < 1):
+        raise HFCheckpointError(f"{where}: sliding_window {window!r} is not supported on sliding_attention layers "
+                                f"(expected an integer >= 1: GPT-OSS's reference reads 0 as no window, transformers as "
+                                f"a window of no key)")
+    params = cfg.get("rope_parameters") or {}
+    if params.get("rope_type", params.get("type")) == "yarn" and "truncate" not in params:
+        raise HFCheckpointError(f"{where}: rope_scaling 'yarn' without truncate is not supported (transformers "
+                                f"rounds the YaRN ramp's bounds unless truncate is false, GPT-OSS's reference never "
+                                f"does; say truncate: false as the published configs do, or true)")
 
 
 ADAPTER = GptOssAdapter()
