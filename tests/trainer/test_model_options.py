@@ -10,7 +10,7 @@ from trainer.config import ConfigError, JobConfig, parse_args
 from trainer.hf import args_from_hf_config
 from trainer import registry
 from trainer.models.common.args import ModelArgs
-from trainer.models.common.options import unused_option_errors
+from trainer.config.model_options import unused_option_errors
 from trainer.optim.groups import settings
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")

@@ -144,10 +144,10 @@ def validate_config(config: JobConfig) -> None:
 
 
 def _validate_model_options(config: JobConfig) -> None:
-    """Options the flavor's model does not use (``trainer.models.common.options``) are refused, not ignored.
+    """Options the flavor's model does not use (``trainer.config.model_options``) are refused, not ignored.
     A custom flavor's model is known from its config.json only: the trainer checks it then."""
     from trainer import registry
-    from trainer.models.common.options import unused_option_errors
+    from trainer.config.model_options import unused_option_errors
 
     try:
         args = registry.get(config.model.name).flavor_args(config.model.flavor).configure(config.model)

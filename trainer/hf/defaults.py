@@ -97,9 +97,25 @@ TABLE: dict[str, dict[str, Any]] = {
                             "original_max_position_embeddings": 4096},
         "aliases": {"num_experts": "num_local_experts"},
     },
+    "llama4_text": {
+        "fields": {
+            "attention_bias": (False, "bool"), "attention_chunk_size": (8192, "int|None"), "attn_scale": (0.1, "float"),
+            "attn_temperature_tuning": (True, "bool"), "floor_scale": (8192, "int"), "head_dim": (128, "int"),
+            "hidden_act": ("silu", "str"), "hidden_size": (5120, "int"), "interleave_moe_layer_step": (1, "int"),
+            "intermediate_size": (8192, "int"), "intermediate_size_mlp": (16384, "int"),
+            "layer_types": (None, "list|None"), "max_position_embeddings": (131072, "int"),
+            "moe_layers": (None, "list|None"), "no_rope_layers": (None, "list|None"),
+            "num_attention_heads": (40, "int"), "num_experts_per_tok": (1, "int"), "num_hidden_layers": (48, "int"),
+            "num_key_value_heads": (8, "int"), "num_local_experts": (16, "int"), "rms_norm_eps": (1e-05, "float"),
+            "tie_word_embeddings": (False, "bool"), "use_qk_norm": (True, "bool"), "vocab_size": (202048, "int"),
+        },
+        "default_theta": 500000.0, "rope_parameters": None, "aliases": {},
+    },
 }
 # Model types transformers has no class for, read with another's (Kimi K2 ships DeepSeek-V3's code).
 SAME_AS = {"kimi_k2": "deepseek_v3"}
+# Model types a family names only to refuse them in one line (its adapter says why): no defaults needed.
+REFUSED = {"llama4": "the multimodal Llama 4 (a vision tower); the text model is llama4_text"}
 _SCALED = ("llama3", "yarn", "longrope")
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "dict": dict, "None": type(None)}
 

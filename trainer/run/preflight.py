@@ -2,7 +2,7 @@
 built (``Trainer.setup`` calls :func:`preflight` once the args are known, from the flavor or from a
 Hugging Face config.json): each failure is one line, all of them at once.
 
-- options of the configuration the model does not use (``trainer.models.common.options``);
+- options of the configuration the model does not use (``trainer.config.model_options``);
 - ``--optimizer.groups`` rules that give Muon a vector (``trainer.optim.groups.rule_errors``: the
   parameter names and shapes of the model on the meta device);
 - with ``--fault_tolerance.enable``, a Lighthouse that answers (``trainer.run.fault_tolerance``).
@@ -13,7 +13,7 @@ import os
 
 from trainer.config.cli import raise_all
 from trainer.run.fault_tolerance import wait_for_lighthouse
-from trainer.models.common.options import unused_option_errors
+from trainer.config.model_options import unused_option_errors
 from trainer.optim.groups import rule_errors
 
 
