@@ -117,7 +117,6 @@ REFUSED: dict[str, str] = {
     "profiler.profiler_skip_first": _PROFILER,
     "profiler.profiler_skip_first_wait": _PROFILER,
     "training.disable_cuda_graphs": "the step is never captured as a CUDA graph",
-    "training.enable_cpu_offload": "FSDP2 CPU offload is not supported",
     "training.gc_debug": "garbage collection runs every --training.gc_freq steps",
 }
 
