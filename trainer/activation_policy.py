@@ -106,8 +106,9 @@ def budget_modes(n_layers: int, budget_bytes: float, c: BlockCosts) -> list[str]
     """The per-layer modes that fit ``budget_bytes`` of activations at the least time (module docstring).
 
     Each block not kept is offloaded when that costs less time than recomputing it
-    (``BlockCosts.cheaper_to_offload``), else recomputed; then blocks are kept from the last one
-    backwards while :func:`memory_of` stays within the budget.
+    (``BlockCosts.cheaper_to_offload``), else recomputed; the most blocks are kept, from the last one
+    backwards, for which :func:`memory_of` stays within the budget (if offloading's staging does not
+    fit, recomputing is tried).
 
     Raises:
         ValueError: ``budget_bytes`` below what the cheapest modes need (the message gives that minimum).
@@ -115,21 +116,15 @@ def budget_modes(n_layers: int, budget_bytes: float, c: BlockCosts) -> list[str]
     if n_layers < 1:
         raise ValueError(f"n_layers: expected an integer >= 1, got {n_layers}")
     fallback = "offload" if c.cheaper_to_offload else "full"
-    modes = [fallback] * n_layers
-    least = min(memory_of(modes, c), memory_of(["full"] * n_layers, c))
-    if memory_of(modes, c) > budget_bytes:
-        if memory_of(["full"] * n_layers, c) <= budget_bytes:
-            modes = ["full"] * n_layers
-        else:
-            raise ValueError(f"--activation_checkpoint.memory_budget_gib: {budget_bytes / 2**30:.2f} GiB is below the "
-                             f"least the activations need ({least / 2**30:.2f} GiB with every block "
-                             f"{'offloaded or ' if fallback == 'offload' else ''}recomputed)")
-    for i in reversed(range(n_layers)):
-        trial = modes[:i] + ["none"] + modes[i + 1:]
-        if memory_of(trial, c) > budget_bytes:
-            break
-        modes = trial
-    return modes
+    for base in dict.fromkeys((fallback, "full")):  # offloading needs staging: recomputing may fit where it does not
+        for kept in range(n_layers, -1, -1):  # the most blocks kept that fit (staging makes it non-monotonic)
+            modes = [base] * (n_layers - kept) + ["none"] * kept
+            if memory_of(modes, c) <= budget_bytes:
+                return modes
+    least = min(memory_of([fallback] * n_layers, c), memory_of(["full"] * n_layers, c))
+    raise ValueError(f"--activation_checkpoint.memory_budget_gib: {budget_bytes / 2**30:.2f} GiB is below the "
+                     f"least the activations need ({least / 2**30:.2f} GiB with every block "
+                     f"{'offloaded or ' if fallback == 'offload' else ''}recomputed)")
 
 
 def describe(modes: list[str]) -> str:

@@ -174,7 +174,8 @@ class Trainer:
             self._save_seed_checkpoint()
             return False
         self._parallelize()
-        self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed)
+        self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
+                                         cpu_offload=config.training.enable_cpu_offload)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
@@ -249,7 +250,7 @@ class Trainer:
     def _setup_mesh(self) -> None:
         """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""
         self.mixed_precision = self.compute_dtype != torch.float32
-        self.use_fsdp = self.dims.fsdp_enabled or self.mixed_precision
+        self.use_fsdp = self.dims.fsdp_enabled or self.mixed_precision or self.config.training.enable_cpu_offload
         if self.config.parallelism.enable_async_tensor_parallel and self.device.type != "cuda":
             raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
                               f"got {self.device.type}")
@@ -409,6 +410,7 @@ class Trainer:
         else:  # replica groups: the step repeats until the quorum commits it (trainer/fault_tolerance.py)
             step, loss, data_wait = self._ft.run_step(self, self._forward_backward)
         grad_norm = numerics.clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
+        grad_norm = grad_norm.to(self.device, non_blocking=True)  # CPU offload: the norm of host gradients
         self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
         if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):

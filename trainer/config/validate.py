@@ -21,6 +21,7 @@ from trainer.config.flavors import available_flavors
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
 from trainer.config.torchtitan_keys import CONVERTERS
+from trainer.activation_policy import parse_per_layer
 
 COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
@@ -123,11 +124,43 @@ def validate_config(config: JobConfig) -> None:
     for comp in config.compile.components:
         if comp not in COMPILE_COMPONENTS:
             raise ConfigError(choice_message("compile.components", comp, COMPILE_COMPONENTS))
+    _validate_offload(config)
     f8 = config.float8
     need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
          "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
          f"false with --float8.recipe {f8.recipe} (the float8 all-gather needs tensorwise)")
 
+
+
+def _validate_offload(config: JobConfig) -> None:
+    """CPU offload and activation offload: their values, and the options they cannot combine with
+    (one line naming both)."""
+    t, ac = config.training, config.activation_checkpoint
+    if not (math.isfinite(t.pcie_bandwidth_gbps) and t.pcie_bandwidth_gbps > 0):
+        raise ConfigError(f"--training.pcie_bandwidth_gbps: expected a finite value > 0 (GB/s), got "
+                          f"{t.pcie_bandwidth_gbps!r}")
+    if not (math.isfinite(ac.memory_budget_gib) and ac.memory_budget_gib >= 0):
+        raise ConfigError(f"--activation_checkpoint.memory_budget_gib: expected a finite value >= 0, got "
+                          f"{ac.memory_budget_gib!r}")
+    if ac.mode == "budget" and ac.memory_budget_gib <= 0:
+        raise ConfigError("--activation_checkpoint.memory_budget_gib: expected a value > 0 (GiB) with "
+                          "--activation_checkpoint.mode budget, got 0")
+    try:
+        rules = parse_per_layer(list(ac.per_layer))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    offload = ac.mode in ("offload", "budget") or "offload" in rules.values()
+    if offload and config.compile.enable and "model" in config.compile.components:
+        raise ConfigError(f"--activation_checkpoint.mode {ac.mode}: activation offload does not combine with "
+                          "--compile.enable (its saved-tensor hooks wrap eager blocks; compiled blocks save inside "
+                          "their graph)")
+    if t.enable_cpu_offload and config.float8.enable_fsdp_float8_all_gather:
+        raise ConfigError("--training.enable_cpu_offload: does not combine with --float8.enable_fsdp_float8_all_gather "
+                          "(the float8 all-gather casts the device copy of each shard; offloaded shards are gathered "
+                          "in the parameter dtype)")
+    if t.enable_cpu_offload and config.fault_tolerance.enable:
+        raise ConfigError("--training.enable_cpu_offload: does not combine with --fault_tolerance.enable (a recovering "
+                          "replica group copies the live state from device to device)")
 
 
 def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:
