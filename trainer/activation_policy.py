@@ -14,8 +14,11 @@ Per-layer modes:
 ``--activation_checkpoint.per_layer '0-15:offload,16-31:full'`` sets modes by layer;
 ``--activation_checkpoint.mode budget`` derives them (:func:`budget_modes`), as torchtitan's
 keep/recompute/offload proposal does: the last blocks (the first the backward needs) are kept while the
-budget allows; the others are offloaded when the PCIe copy costs less time than recomputing them, else
-recomputed.
+budget allows; of the others, as many as PCIe can carry are offloaded (spread evenly among them) and
+the rest recomputed. Timing: a block's copy back overlaps the backward of the block after it (about
+2x its forward; prefetch one block ahead), so an offloaded block costs max(0, copy - 2 x forward),
+against a recomputed one's forward; the copies out queue behind the forward, so all the offloaded
+blocks' copies must fit the whole forward (n_offload x copy <= n_layers x forward).
 """
 from __future__ import annotations
 
@@ -81,14 +84,24 @@ class BlockCosts:
     pcie_bytes_per_s: float
 
     @property
+    def copy_s(self) -> float:
+        return self.keep_bytes / self.pcie_bytes_per_s
+
+    @property
     def offload_exposed_s(self) -> float:
-        """Time an offloaded block adds: the copy out and the copy back, each beyond the forward
-        compute it overlaps with."""
-        return 2 * max(0.0, self.keep_bytes / self.pcie_bytes_per_s - self.forward_s)
+        """Time an offloaded block adds: its copy back beyond the backward of the block after it."""
+        return max(0.0, self.copy_s - 2 * self.forward_s)
 
     @property
     def cheaper_to_offload(self) -> bool:
         return self.offload_exposed_s <= self.forward_s
+
+    def max_offloaded(self, n_layers: int) -> int:
+        """How many blocks' copies out fit behind the forward of ``n_layers`` blocks (0 when offloading
+        a block costs more than recomputing it)."""
+        if not self.cheaper_to_offload:
+            return 0
+        return n_layers if self.copy_s <= 0 else min(n_layers, int(n_layers * self.forward_s / self.copy_s))
 
 
 def memory_of(modes: list[str], c: BlockCosts, op_bytes: float = 0.0) -> float:
@@ -105,26 +118,28 @@ def memory_of(modes: list[str], c: BlockCosts, op_bytes: float = 0.0) -> float:
 def budget_modes(n_layers: int, budget_bytes: float, c: BlockCosts) -> list[str]:
     """The per-layer modes that fit ``budget_bytes`` of activations at the least time (module docstring).
 
-    Each block not kept is offloaded when that costs less time than recomputing it
-    (``BlockCosts.cheaper_to_offload``), else recomputed; the most blocks are kept, from the last one
-    backwards, for which :func:`memory_of` stays within the budget (if offloading's staging does not
-    fit, recomputing is tried).
+    The most blocks are kept, from the last one backwards, for which :func:`memory_of` stays within
+    the budget; of the others ``BlockCosts.max_offloaded`` are offloaded (evenly spread) and the rest
+    recomputed (if offloading's staging does not fit, recomputing all of them is tried).
 
     Raises:
         ValueError: ``budget_bytes`` below what the cheapest modes need (the message gives that minimum).
     """
     if n_layers < 1:
         raise ValueError(f"n_layers: expected an integer >= 1, got {n_layers}")
-    fallback = "offload" if c.cheaper_to_offload else "full"
-    for base in dict.fromkeys((fallback, "full")):  # offloading needs staging: recomputing may fit where it does not
+    max_off = c.max_offloaded(n_layers)
+    for allow_offload in (True, False):  # offloading needs staging: recomputing may fit where it does not
         for kept in range(n_layers, -1, -1):  # the most blocks kept that fit (staging makes it non-monotonic)
-            modes = [base] * (n_layers - kept) + ["none"] * kept
+            rest = n_layers - kept
+            k = min(rest, max_off) if allow_offload else 0
+            # k of the rest offloaded, spread evenly so that their copies interleave with compute
+            modes = ["offload" if (i + 1) * k // max(rest, 1) > i * k // max(rest, 1) else "full"
+                     for i in range(rest)] + ["none"] * kept
             if memory_of(modes, c) <= budget_bytes:
                 return modes
-    least = min(memory_of([fallback] * n_layers, c), memory_of(["full"] * n_layers, c))
+    least = memory_of(["full"] * n_layers, c)
     raise ValueError(f"--activation_checkpoint.memory_budget_gib: {budget_bytes / 2**30:.2f} GiB is below the "
-                     f"least the activations need ({least / 2**30:.2f} GiB with every block "
-                     f"{'offloaded or ' if fallback == 'offload' else ''}recomputed)")
+                     f"least the activations need ({least / 2**30:.2f} GiB with every block recomputed)")
 
 
 def describe(modes: list[str]) -> str:

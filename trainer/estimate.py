@@ -54,8 +54,10 @@ tests/trainer/test_plan.py measures it against the peak of live tensors on the C
 Offload (``trainer.activation_policy``, ``trainer.estimate_offload`` for the time): with CPU offload
 (``cpu_offload``) params, grads and optimizer state are host bytes (``host``), not device ones; the
 device keeps the gathered blocks plus one block's fp32 shard on its way to the all-gather; per
-micro-batch every all-gather copies its fp32 shard host-to-device (blocks twice when they reshard
-after forward, the root once) and every reduce-scatter its fp32 gradient shard back. Per-layer
+accumulation micro-batch (under PP once per step: the stage keeps its blocks gathered and
+reduce-scatters after the last micro-batch) every all-gather copies its fp32 shard host-to-device
+(blocks twice when they reshard after forward, the root once) and every reduce-scatter its fp32
+gradient shard back. Per-layer
 activation modes (``layer_modes``: none, op, full, offload; ``ac_mode`` offload = all offload):
 kept blocks as above, an offloaded block nothing on the device beyond ``OFFLOAD_STAGING_BLOCKS``
 blocks of staging, its bytes in host memory (per micro-batch in flight) and twice over PCIe.
@@ -398,8 +400,11 @@ def estimate_memory(
         blk_shard = c.gathered_block_params(layout.ep) * master_bytes / (n_shard * tp)
         root_shard = root * master_bytes / (n_shard * tp)
         gathers = 2 if reshard else 1
-        h2d = n_micro * (root_shard + gathers * layers * blk_shard) + pcie_acts
-        d2h = n_micro * state * reduce_bytes / master_bytes + pcie_acts
+        # Per accumulation micro-batch; under PP once per step (the pipeline stage keeps the blocks gathered
+        # and reduce-scatters after the last micro-batch only).
+        rounds = 1 if pp > 1 else grad_accum
+        h2d = rounds * (root_shard + gathers * layers * blk_shard) + pcie_acts
+        d2h = rounds * state * reduce_bytes / master_bytes + pcie_acts
         return MemoryEstimate(0.0, 0.0, 0.0, working + blk_shard, acts, loss, coexist, last_block, 0.0,
                               2 * state + opt + host_acts, h2d, d2h)
 

@@ -86,5 +86,9 @@ def test_budget_keeps_the_last_blocks_and_offloads_where_pcie_keeps_up():
     assert modes == ["offload"] * 5 + ["none"] * 3 and memory_of(modes, fast) == 3 * 10.0 + 2 * 10.0
     modes = budget_modes(8, 50.0, slow)  # recompute: inputs 1 each + one block recomputed at a time
     assert modes == ["full"] * 5 + ["none"] * 3 and memory_of(modes, slow) == 5 * 1.0 + 3 * 10.0 + 10.0
+    mid = BlockCosts(keep_bytes=10.0, full_bytes=1.0, forward_s=1.0, pcie_bytes_per_s=5.0)  # copy 2 s
+    assert mid.offload_exposed_s == 0.0 and mid.max_offloaded(8) == 4  # 4 copies of 2 s in 8 forwards of 1 s
+    modes = budget_modes(8, 50.0, mid)
+    assert modes[-2:] == ["none"] * 2 and modes.count("offload") == 4 and modes.count("full") == 2
     with pytest.raises(ValueError, match="below the least the activations need"):
         budget_modes(8, 5.0, fast)
