@@ -296,7 +296,7 @@ def _batch_choices(pp: int, given: int | None) -> list[int]:
 
 def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, local_batch_size: int | None = None,
            gpus_per_node: int = 8, max_global_tokens: int = MAX_GLOBAL_TOKENS, fused_loss: bool = True,
-           memory_only: bool = False, optimizer: str = "adamw", state_bytes: int = 4, offload: bool = True,
+           memory_only: bool = False, optimizer: str = "adamw", state_bytes: int = 4, offload: bool = False,
            pcie_bandwidth: float = PCIE_GEN5_X16, host_memory: float = HOST_MEMORY_GIB * GIB) -> list[Plan]:
     """Every layout of ``n_gpus`` that fits ``gpu`` (module docstring), best first; with ``offload``,
     when none fits, the layouts that fit with activation offload, else with CPU offload.
@@ -374,7 +374,9 @@ def _search_pass(args, flavor, n_gpus, gpu, seq_len, local_batch_size, gpus_per_
 
 
 def best(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, top: int = 5, **kw) -> list[Plan]:
-    """The ``top`` best distinct layouts (one per layout, its best batch/AC/schedule)."""
+    """The ``top`` best distinct layouts (one per layout, its best batch/AC/schedule); offload when
+    nothing else fits unless ``offload=False`` is given."""
+    kw.setdefault("offload", True)
     out, seen = [], set()
     for p in search(args, flavor, n_gpus, gpu, seq_len, **kw):
         key = (p.layout, p.schedule)
