@@ -25,6 +25,7 @@ import sys
 import time
 
 from bench import gpu_report
+from bench.gpu_train import _QUIET  # no plot, TensorBoard or checkpoints: the numbers go to the result files
 
 LAYERS = 4
 VOCAB = 8192
@@ -59,8 +60,8 @@ def lever_run(name: str, extra: list[str], folder: pathlib.Path, dry: bool) -> d
     steps, seq = (2, 32) if dry else (STEPS, 8192)
     config = parse_args(["--flavor", "8B", "--training.steps", str(steps), "--training.seq_len", str(seq),
                          "--training.local_batch_size", "1", "--lr_scheduler.warmup_steps", "2",
-                         "--metrics.log_freq", "1", "--metrics.enable_color", "false", "--metrics.save_plot", "false",
-                         "--job.dump_folder", str(folder / name.replace(" ", "_")), *extra])
+                         "--metrics.log_freq", "1", *_QUIET, "--job.dump_folder", str(folder / name.replace(" ", "_")),
+                         *extra])
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.empty_cache()

@@ -71,6 +71,7 @@ from trainer.models.moe import load_metrics, moe_modules, update_load_balance
 from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
 from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
+from trainer.parallel.cpu_offload import OverlappedStep
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
@@ -176,6 +177,8 @@ class Trainer:
         self._parallelize()
         self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
                                          cpu_offload=config.training.enable_cpu_offload)
+        if config.training.enable_cpu_offload and hasattr(self.optimizer, "deferred_adamw"):
+            OverlappedStep(self.model, self.optimizer)  # the CPU step overlaps the next forward
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
@@ -546,6 +549,8 @@ class Trainer:
         if self._stopped:
             return
         self._stopped = True
+        if hasattr(self.optimizer, "synchronize"):  # CPU offload: the last update, still in the background
+            self.optimizer.synchronize()
         if self._started:
             self._profiler.__exit__(exc_type, exc, tb)
         if self.checkpointer is not None:

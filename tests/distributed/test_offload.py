@@ -71,7 +71,11 @@ def test_cpu_offload_puts_the_state_on_the_host(tmp_path):
         policies = {type(m._get_fsdp_state()._fsdp_param_group.offload_policy) for m in trainer.model.modules()
                     if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group is not None}
         assert policies == {CPUOffloadPolicy}
-        trainer.train_step()
+        before = [p.to_local().clone() for p in trainer.model.parameters()]
+        trainer.train_step()  # the update runs in the background, unit by unit (OverlappedStep)
+        assert trainer.optimizer._overlap is not None and len(trainer.optimizer._overlap.units) == 7  # root + 6 blocks
+        trainer.optimizer.synchronize()
+        assert all(not torch.equal(b, p.to_local()) for b, p in zip(before, trainer.model.parameters()))
         for p in trainer.model.parameters():
             assert p.to_local().device.type == "cpu"
             assert trainer.optimizer.state[p]["exp_avg"].to_local().device.type == "cpu"

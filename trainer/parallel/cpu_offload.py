@@ -9,18 +9,25 @@ of it beside ``trainer.parallel.fsdp`` (which puts ``CPUOffloadPolicy`` on every
              float32 or bfloat16 states with stochastic rounding) and Muon's Newton-Schulz in float32
              for Muon groups (``trainer.optim.build``); the gradient clip's norm is reduced over
              the process group's CPU backend (gloo beside NCCL, ``trainer.environment``)
-  overlap    FSDP2 copies each unit's shard host-to-device from pinned memory with ``non_blocking``
-             when it all-gathers, so the next step's copies overlap the compute of the blocks
-             before them; the optimizer step itself runs between the steps (the next forward needs
-             its result)
+  overlap    the AdamW step runs in a background thread one FSDP unit at a time, in the order the next
+             forward needs them (root, then block 0, 1, ...), with the gradients and learning rate of
+             its own step (``TitanOptimizer.deferred_adamw``); each unit's forward waits for its own
+             update only (a forward pre-hook ahead of FSDP2's), so the update of the later blocks
+             overlaps the forward, and FSDP2's host-to-device copies of the earlier ones (pinned,
+             ``non_blocking``). A state_dict (checkpoints), ``TitanOptimizer.synchronize`` and the
+             end of the run wait for it. Muon groups and QK-clip need collectives over the whole
+             step: with them the step runs whole, before the next forward
   cost       ``trainer.estimate`` / ``trainer.estimate_offload``: host bytes, PCIe bytes and seconds
 """
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 logger = logging.getLogger("trainer")
 
@@ -43,3 +50,71 @@ def materialize(stage: nn.Module, device: torch.device, seed: int, cpu_offload: 
             for name, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
+
+
+class OverlappedStep:
+    """The overlapped CPU optimizer step of a CPU-offloaded model (module docstring).
+
+    Installed on ``optimizer`` (a TitanOptimizer): its ``step()`` launches the update in a thread and
+    returns; ``synchronize()`` waits for it (and raises what it raised). ``units``: the FSDP2 modules
+    in forward order, each updating the parameters it owns (not those of the units inside it).
+    """
+
+    def __init__(self, model: nn.Module, optimizer) -> None:
+        self.optimizer = optimizer
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        owner: dict[int, int] = {}
+        for i in reversed(range(len(self.units))):  # a parameter belongs to its innermost unit
+            for prm in self.units[i].parameters():
+                owner.setdefault(id(prm), i)
+        self.unit_params: list[set[int]] = [set() for _ in self.units]
+        for pid, i in owner.items():
+            self.unit_params[i].add(pid)
+        self.done = [threading.Event() for _ in self.units]
+        for e in self.done:
+            e.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        for i, unit in enumerate(self.units):  # ahead of FSDP2's own pre-forward (its all-gather)
+            unit.register_forward_pre_hook(functools.partial(self._before_forward, i), prepend=True)
+        model.register_state_dict_pre_hook(lambda *_args, **_kw: self.synchronize())
+        optimizer._overlap = self
+
+    def launch(self) -> bool:
+        """Start this step's update in the background; False when it must run whole (Muon, QK-clip)."""
+        self.synchronize()
+        run = self.optimizer.deferred_adamw()
+        if run is None:
+            return False
+        for e in self.done:
+            e.clear()
+
+        def work() -> None:
+            try:
+                for i, ids in enumerate(self.unit_params):
+                    run(ids)
+                    self.done[i].set()
+            except BaseException as exc:  # noqa: BLE001  (raised again in the training thread)
+                self._error = exc
+            finally:
+                for e in self.done:
+                    e.set()
+
+        self._thread = threading.Thread(target=work, name="cpu-offload-optimizer-step", daemon=True)
+        self._thread.start()
+        return True
+
+    def _before_forward(self, i: int, *_args) -> None:
+        self.done[i].wait()
+        self._raise()
+
+    def synchronize(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
