@@ -24,7 +24,8 @@ from tests.distributed.layouts import COMMON, STEPS, records, run_layouts
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REPO = Path(__file__).resolve().parents[2]
 RTOL = 1e-6
-TITAN = ["--training.local_batch_size", "2", "--optimizer.implementation", "titan"]
+TITAN_OPT = ["--optimizer.implementation", "titan"]
+TITAN = ["--training.local_batch_size", "2", *TITAN_OPT]
 CPU_OFFLOAD = ["--training.local_batch_size", "2", "--training.enable_cpu_offload"]
 LAYOUTS = {
     "fsdp2": TITAN,
@@ -111,3 +112,15 @@ def test_float8_with_cpu_offload_equals_without(tmp_path):
     f8 = ["--float8.enable", "--float8.auto_filter_small_kgemms", "false"]
     got = run_layouts(2, {"f8": [*TITAN, *f8], "f8_offload": [*CPU_OFFLOAD, *f8]}, tmp_path)
     assert_equal_runs(got["f8_offload"], got["f8"])
+
+
+@pytest.mark.slow  # about 40 s: TP 2 and PP 2 with the levers (FSDP 2 covers the mechanisms by default)
+def test_tensor_and_pipeline_parallel_with_offload_equal_without(tmp_path):
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+    pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
+    got = run_layouts(2, {"tp2": [*tp, *TITAN_OPT], "tp2_off": [*tp, "--training.enable_cpu_offload"],
+                          "pp2": [*pp, *TITAN_OPT],
+                          "pp2_off": [*pp, "--training.enable_cpu_offload", "--activation_checkpoint.mode", "offload"]},
+                      tmp_path)
+    assert_equal_runs(got["tp2_off"], got["tp2"])
+    assert_equal_runs(got["pp2_off"], got["pp2"])

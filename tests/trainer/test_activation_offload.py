@@ -10,6 +10,7 @@ offloads or recomputes the rest against the memory it is given.
 import pytest
 import torch
 
+from tests.trainer.helpers import config_error
 from trainer.activation_policy import BlockCosts, budget_modes, describe, memory_of, parse_per_layer
 from trainer.models.llama3.args import Llama3Args as ModelArgs
 from trainer.models.registry import build_model
@@ -92,3 +93,17 @@ def test_budget_keeps_the_last_blocks_and_offloads_where_pcie_keeps_up():
     assert modes[-2:] == ["none"] * 2 and modes.count("offload") == 4 and modes.count("full") == 2
     with pytest.raises(ValueError, match="below the least the activations need"):
         budget_modes(8, 5.0, fast)
+
+
+def test_offload_options_refused_in_one_line():
+    assert "does not combine with --compile.enable" in config_error(
+        ["--activation_checkpoint.mode", "offload", "--compile.enable"])
+    assert "does not combine with --compile.enable" in config_error(
+        ["--activation_checkpoint.per_layer", "1:offload", "--compile.enable"])
+    msg = config_error(["--training.enable_cpu_offload", "--float8.enable_fsdp_float8_all_gather"])
+    assert msg.startswith("--training.enable_cpu_offload: does not combine with --float8.enable_fsdp_float8_all_gather")
+    assert "expected a value > 0 (GiB) with --activation_checkpoint.mode budget" in config_error(
+        ["--activation_checkpoint.mode", "budget"])
+    assert "expected a mode of none, op, full, offload" in config_error(["--activation_checkpoint.per_layer", "0:x"])
+    assert "--training.pcie_bandwidth_gbps: expected a finite value > 0" in config_error(
+        ["--training.pcie_bandwidth_gbps", "0"])
