@@ -177,7 +177,7 @@ class Trainer:
         self._parallelize()
         self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
                                          cpu_offload=config.training.enable_cpu_offload)
-        if config.training.enable_cpu_offload and hasattr(self.optimizer, "deferred_adamw"):
+        if config.training.enable_cpu_offload and hasattr(self.optimizer, "deferred_adamw") and not self.dims.pp_enabled:
             OverlappedStep(self.model, self.optimizer)  # the CPU step overlaps the next forward
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()

@@ -16,7 +16,9 @@ of it beside ``trainer.parallel.fsdp`` (which puts ``CPUOffloadPolicy`` on every
              overlaps the forward, and FSDP2's host-to-device copies of the earlier ones (pinned,
              ``non_blocking``). A state_dict (checkpoints), ``TitanOptimizer.synchronize`` and the
              end of the run wait for it. Muon groups and QK-clip need collectives over the whole
-             step: with them the step runs whole, before the next forward
+             step: with them the step runs whole, before the next forward; so it does under pipeline
+             parallel, whose schedule gathers a stage's units itself before their forward hooks run
+             (measured: the overlapped step there trained on stale shards)
   cost       ``trainer.estimate`` / ``trainer.estimate_offload``: host bytes, PCIe bytes and seconds
 """
 from __future__ import annotations
