@@ -7,7 +7,7 @@ host, TitanOptimizer, the FSDP2 policy) is checked in one process below, cheaply
 
 Slow (``pytest -m slow tests/distributed/test_offload.py``): a kill -9 of one rank mid-step under
 torchrun with CPU offload and checkpoints, restarted and resumed, equal to the run without a kill;
-float8 Linear layers with CPU offload. What covers them by default: the resume path is the same DCP
+float8 Linear layers with CPU offload; TP 2, PP 2 and Muon with the levers. What covers them by default: the resume path is the same DCP
 checkpoint of FSDP2 DTensors as tests/distributed/test_fault_torchrun.py, with host-resident shards.
 """
 import os
@@ -114,13 +114,16 @@ def test_float8_with_cpu_offload_equals_without(tmp_path):
     assert_equal_runs(got["f8_offload"], got["f8"])
 
 
-@pytest.mark.slow  # about 40 s: TP 2 and PP 2 with the levers (FSDP 2 covers the mechanisms by default)
-def test_tensor_and_pipeline_parallel_with_offload_equal_without(tmp_path):
+@pytest.mark.slow  # about 60 s: TP 2, PP 2 and Muon with the levers (FSDP 2 covers the mechanisms by default)
+def test_tensor_and_pipeline_parallel_and_muon_with_offload_equal_without(tmp_path):
     tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
     pp = ["--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4"]
     got = run_layouts(2, {"tp2": [*tp, *TITAN_OPT], "tp2_off": [*tp, "--training.enable_cpu_offload"],
                           "pp2": [*pp, *TITAN_OPT],
-                          "pp2_off": [*pp, "--training.enable_cpu_offload", "--activation_checkpoint.mode", "offload"]},
+                          "pp2_off": [*pp, "--training.enable_cpu_offload", "--activation_checkpoint.mode", "offload"],
+                          "muon": ["--optimizer.name", "muon", *TITAN],
+                          "muon_off": ["--optimizer.name", "muon", *CPU_OFFLOAD]},  # Newton-Schulz on the host
                       tmp_path)
+    assert_equal_runs(got["muon_off"], got["muon"])
     assert_equal_runs(got["tp2_off"], got["tp2"])
     assert_equal_runs(got["pp2_off"], got["pp2"])
