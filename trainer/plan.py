@@ -45,7 +45,6 @@ from trainer.estimate_offload import (
     OffloadTime,
     cpu_optimizer_seconds,
     offload_time,
-    pcie_seconds,
 )
 from trainer.estimate_time import COMPUTE_EFFICIENCY, GPU, GPUS, LINK_EFFICIENCY, StepTime, link, step_time
 from trainer.models import registry

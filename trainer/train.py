@@ -71,7 +71,6 @@ from trainer.models.moe import load_metrics, moe_modules, update_load_balance
 from trainer.models.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
 from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
-from trainer.parallel.cpu_offload import OverlappedStep
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
@@ -176,9 +175,7 @@ class Trainer:
             return False
         self._parallelize()
         self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
-                                         cpu_offload=config.training.enable_cpu_offload)
-        if config.training.enable_cpu_offload and hasattr(self.optimizer, "deferred_adamw") and not self.dims.pp_enabled:
-            OverlappedStep(self.model, self.optimizer)  # the CPU step overlaps the next forward
+                                         cpu_offload=config.training.enable_cpu_offload, overlap=not self.dims.pp_enabled)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
@@ -413,7 +410,6 @@ class Trainer:
         else:  # replica groups: the step repeats until the quorum commits it (trainer/fault_tolerance.py)
             step, loss, data_wait = self._ft.run_step(self, self._forward_backward)
         grad_norm = numerics.clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
-        grad_norm = grad_norm.to(self.device, non_blocking=True)  # CPU offload: the norm of host gradients
         self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
         if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):
@@ -549,8 +545,7 @@ class Trainer:
         if self._stopped:
             return
         self._stopped = True
-        if hasattr(self.optimizer, "synchronize"):  # CPU offload: the last update, still in the background
-            self.optimizer.synchronize()
+        getattr(self.optimizer, "synchronize", lambda: None)()  # CPU offload: the last update, in the background
         if self._started:
             self._profiler.__exit__(exc_type, exc, tb)
         if self.checkpointer is not None:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainer.optim.groups import param_groups
+from trainer.parallel.cpu_offload import OverlappedStep
 from trainer.optim.optimizer import TitanOptimizer
 from trainer.optim.qk_clip import QKClip
 
@@ -49,7 +50,7 @@ def uses_titan_optimizer(cfg: "OptimizerConfig") -> bool:
 
 
 def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed: int = 0,
-                    cpu_offload: bool = False) -> torch.optim.Optimizer:
+                    cpu_offload: bool = False, overlap: bool = True) -> torch.optim.Optimizer:
     """The optimizer over ``model``'s trainable parameters (module docstring).
 
     Args:
@@ -58,7 +59,9 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
         mesh: the world DeviceMesh, or None in one process (Muon's exchange groups, QK-clip's reductions).
         seed: the stochastic rounding seed of bfloat16 states (``training.seed``).
         cpu_offload: the parameters live in host memory (``--training.enable_cpu_offload``): with
-            implementation auto the step is TitanOptimizer's, i.e. titan's native CPU ``fused_adamw_``.
+            implementation auto the step is TitanOptimizer's, i.e. titan's native CPU ``fused_adamw_``,
+            and with ``overlap`` (not under pipeline parallel) it overlaps the next forward
+            (``trainer.parallel.cpu_offload.OverlappedStep``).
 
     Raises ValueError for an unknown optimizer name or implementation, group rules that give Muon to
     a vector, or QK-clip on a model without it; RuntimeError if 'fused' was asked for parameters on
@@ -83,7 +86,10 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
                          f"bfloat16 states or QK-clip), got {cfg.implementation!r}")
     groups = param_groups(model, name, cfg.lr, cfg.weight_decay, list(cfg.groups))
     clip = QKClip(model, cfg.qk_clip_threshold, mesh) if cfg.qk_clip_threshold is not None else None
-    return TitanOptimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, state_dtype=cfg.state_dtype, seed=seed,
-                          momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
-                          rms_match=cfg.muon_rms_match, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype], mesh=mesh,
-                          after_step=clip)
+    opt = TitanOptimizer(groups, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, state_dtype=cfg.state_dtype, seed=seed,
+                         momentum=cfg.muon_momentum, nesterov=cfg.muon_nesterov, ns_steps=cfg.muon_ns_steps,
+                         rms_match=cfg.muon_rms_match, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype], mesh=mesh,
+                         after_step=clip)
+    if cpu_offload and overlap:
+        OverlappedStep(model, opt)
+    return opt
