@@ -89,12 +89,14 @@ def lever_run(name: str, extra: list[str], folder: pathlib.Path, dry: bool) -> d
 def main(argv: list[str]) -> int:
     prefix, dry = argv[0], "--dry-run" in argv
     os.environ.setdefault("TITAN_KERNELS_AUTOTUNE", "0")
+    import torch
+
     from bench.bench_offload import block_shapes, cpu_adamw
 
     result: dict = {"layers": 1 if dry else LAYERS, "vocab": VOCAB, "runs": []}
     shapes = [(256, 1024), (1024, 256), (1024,)] if dry else block_shapes()
     opt = cpu_adamw(shapes, rounds=2 if dry else 3)
-    result["cpu_optimizer"] = {"host_threads": __import__("torch").get_num_threads(), "load": os.getloadavg(), **opt}
+    result["cpu_optimizer"] = {"host_threads": torch.get_num_threads(), "load": os.getloadavg(), **opt}
     for impl, r in opt.items():
         print(f"cpu optimizer {impl:18s} {r['s_per_billion']:.3f} s per billion params, {r['gbps']:.1f} GB/s", flush=True)
     gpu_report.update(prefix, "offload", result)

@@ -137,11 +137,7 @@ class TitanOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             grad_of[id(p)] = g
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+            st = self._adamw_state(p, sdt)
             st["step"] += 1
             by_step.setdefault(int(st["step"].item()), []).append(p)
         beta1, beta2 = group["betas"]
@@ -154,6 +150,14 @@ class TitanOptimizer(torch.optim.Optimizer):
                 weight_decay=group["weight_decay"], step=step, seed=group["seed"],
                 param_keys=[zlib.crc32(self._names[id(p)].encode()) for p in ps])
 
+    def _adamw_state(self, p: torch.Tensor, sdt: torch.dtype) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+        return st
+
     def deferred_adamw(self):
         """The AdamW part of this step, to run later piece by piece (CPU offload's overlapped step,
         ``trainer.parallel.cpu_offload``): returns ``run(ids)``, which updates the parameters whose
@@ -164,6 +168,10 @@ class TitanOptimizer(torch.optim.Optimizer):
             return None
         groups = [(g, float(g["lr"]), {id(p): p.grad for p in g["params"] if p.grad is not None})
                   for g in self.param_groups if g["optimizer"] == "adamw"]
+        for g, _, grads in groups:  # new states now, in this thread: the worker touches local shards only
+            for p in g["params"]:
+                if id(p) in grads:
+                    self._adamw_state(p, STATE_DTYPES[g["state_dtype"]])
 
         @torch.no_grad()
         def run(ids: set[int]) -> None:

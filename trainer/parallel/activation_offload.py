@@ -86,7 +86,7 @@ class ActivationOffloader:
     # -- hooks -------------------------------------------------------------------------------------
 
     def _keep(self, rec: _Block, t: torch.Tensor) -> bool:
-        if type(t) not in (torch.Tensor, nn.Parameter) or isinstance(t, nn.Parameter):
+        if type(t) is not torch.Tensor:  # parameters, DTensors, float8 tensors
             return True
         if t.device != self.device or t.numel() * t.element_size() < self.min_bytes:
             return True
