@@ -138,8 +138,8 @@ def budget_modes(n_layers: int, budget_bytes: float, c: BlockCosts) -> list[str]
             if memory_of(modes, c) <= budget_bytes:
                 return modes
     least = memory_of(["full"] * n_layers, c)
-    raise ValueError(f"--activation_checkpoint.memory_budget_gib: {budget_bytes / 2**30:.2f} GiB is below the "
-                     f"least the activations need ({least / 2**30:.2f} GiB with every block recomputed)")
+    raise ValueError(f"--activation_checkpoint.memory_budget_gib: {budget_bytes / 2**30:.3g} GiB is below the "
+                     f"least the activations need ({least / 2**30:.3g} GiB with every block recomputed)")
 
 
 def describe(modes: list[str]) -> str:
