@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from trainer.activation_policy import BlockCosts, base_mode, budget_modes, parse_per_layer
 from trainer.estimate import GIB, MemoryEstimate, ModelCosts, block_values_per_token, model_costs
 from trainer.estimate_optimizer import block_vector_params
+from trainer.estimate_time import COMPUTE_EFFICIENCY, GPUS
 
 PCIE_GEN5_X16 = 64e9  # bytes/s per direction, nominal (32 GT/s x 16 lanes, 128b/130b)
 HOST_STREAM_BYTES_PER_S = 45e9  # one GPU's share of host memory bandwidth a streaming kernel sustains
@@ -87,11 +88,12 @@ def block_costs(c: ModelCosts, tokens: float, tp: int, compute_bytes: int, peak_
     return BlockCosts(keep, full, fwd_flops / (peak_flops * efficiency), bandwidth * link_efficiency)
 
 
-def run_layer_modes(config, args, tp: int = 1, cp: int = 1, compute_bytes: int = 2, peak_flops: float = 989e12,
-                    efficiency: float = 0.45) -> list[str] | None:
+def run_layer_modes(config, args, tp: int = 1, cp: int = 1, compute_bytes: int = 2, device_name: str = "") -> list[str] | None:
     """The per-layer activation modes of a run (a JobConfig ``config``, model ``args``): mode budget's
     choice (:func:`trainer.activation_policy.budget_modes` for ``memory_budget_gib``), with
-    ``per_layer``'s rules on top; None when neither is set (the mode alone decides).
+    ``per_layer``'s rules on top; None when neither is set (the mode alone decides). The compute
+    time of a block is taken at ``COMPUTE_EFFICIENCY`` of the peak of the GPU ``device_name`` names
+    (``GPUS``; an H100 when none matches, e.g. on the CPU).
 
     Raises:
         ValueError: a bad per_layer rule, budget without a memory_budget_gib > 0, or a budget too small.
@@ -106,7 +108,8 @@ def run_layer_modes(config, args, tp: int = 1, cp: int = 1, compute_bytes: int =
                          f"{ac.memory_budget_gib!r}")
     c = model_costs(args)
     tokens = config.training.local_batch_size * config.training.seq_len / cp
-    costs = block_costs(c, tokens, tp, compute_bytes, peak_flops, efficiency,
+    gpu = next((g for name, g in GPUS.items() if name in device_name.upper()), GPUS["H100"])
+    costs = block_costs(c, tokens, tp, compute_bytes, gpu.peak_flops, COMPUTE_EFFICIENCY,
                         config.training.pcie_bandwidth_gbps * 1e9)
     modes = budget_modes(n, ac.memory_budget_gib * GIB, costs)
     return [rules.get(i, m) for i, m in enumerate(modes)]

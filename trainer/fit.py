@@ -155,8 +155,10 @@ def fit_message(config, args, dims, compute_dtype) -> str | None:
     from trainer.parallel.fsdp import reshard_after_forward  # the caller has torch loaded already
 
     p = config.parallelism
+    devices = detect_devices()
     try:
-        modes = run_layer_modes(config, args, dims.tp, dims.cp, compute_dtype.itemsize)
+        modes = run_layer_modes(config, args, dims.tp, dims.cp, compute_dtype.itemsize,
+                                devices.name if devices.kind == "cuda" else "")
     except ValueError as exc:  # a per_layer rule naming a missing layer, a budget too small
         raise ConfigError(str(exc)) from None
     return fit_report(
@@ -164,7 +166,7 @@ def fit_message(config, args, dims, compute_dtype) -> str | None:
         config.training.local_batch_size, config.training.seq_len, compute_bytes=compute_dtype.itemsize,
         ac_mode=config.activation_checkpoint.mode,
         selective_ac_option=config.activation_checkpoint.selective_ac_option,
-        devices=detect_devices(), pp_schedule=p.pipeline_parallel_schedule,
+        devices=devices, pp_schedule=p.pipeline_parallel_schedule,
         microbatch_size=p.pipeline_parallel_microbatch_size, grad_accum=config.grad_accum_steps(dims.dp_size),
         fused_loss=not (dims.tp_enabled and p.disable_loss_parallel), optimizer=config.optimizer.name.lower(),
         state_bytes=2 if config.optimizer.state_dtype == "bfloat16" else 4,

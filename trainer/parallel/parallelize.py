@@ -135,7 +135,8 @@ def parallelize_decoder(
         stages = [model]
 
     # Per-layer activation modes (per_layer rules, mode budget): the same list on every stage.
-    layer_modes = run_layer_modes(config, args, dims.tp, dims.cp, param_dtype.itemsize if param_dtype else 4)
+    layer_modes = run_layer_modes(config, args, dims.tp, dims.cp, param_dtype.itemsize if param_dtype else 4,
+                                  torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     if layer_modes is not None:
         logger.info("activation modes per layer: %s", describe_modes(layer_modes))
     loss_parallel = dims.tp_enabled and not p.disable_loss_parallel
