@@ -16,12 +16,12 @@ import math
 import pathlib
 from typing import Any
 
+from trainer.activation_policy import parse_per_layer  # torch-free: the per_layer rules' syntax
 from trainer.config.fields import check_value, choice_message, field_choices, iter_fields
 from trainer.config.flavors import available_flavors
 from trainer.config.job import JobConfig
 from trainer.config.sections import ConfigError, Parallelism, Profiling, Training, Validation
 from trainer.config.torchtitan_keys import CONVERTERS
-from trainer.activation_policy import parse_per_layer
 
 COMPILE_COMPONENTS = ("model", "loss")
 # [optimizer.groups]: what a rule may select and set (trainer/optim/groups.py applies them).
