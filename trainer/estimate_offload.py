@@ -10,8 +10,8 @@ Model (per GPU, one optimizer step), stated so it can be checked:
   exposed   the copies overlap the compute (FSDP2 issues them with its all-gathers and
             reduce-scatters, activation offload on a side stream): what exceeds the compute, plus one
             block's copy that nothing hides (the first shard in, the last block's activations back)
-  CPU step  the optimizer on the host, after the last gradient arrives and before the next step's
-            first copy: AdamW streams ``ADAMW_BYTES_PER_PARAM`` bytes per parameter of the rank's shard
+  CPU step  the optimizer on the host, counted whole (the trainer overlaps it with the next forward,
+            unit by unit, which hides at most that forward: left as margin here): AdamW streams ``ADAMW_BYTES_PER_PARAM`` bytes per parameter of the rank's shard
             at ``HOST_STREAM_BYTES_PER_S``; Muon's Newton-Schulz adds about 5 iterations x 6 m^2 n
             FLOPs per m x n matrix (m <= n) at ``HOST_FLOPS``
 The host constants are one GPU's share of a two-socket server of 8 GPUs (DGX H100: 2 x 56 cores,
