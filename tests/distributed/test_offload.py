@@ -64,7 +64,7 @@ def test_cpu_offload_puts_the_state_on_the_host(tmp_path):
     from trainer.train import Trainer
 
     config = parse_args([*COMMON, "--training.local_batch_size", "4", "--training.enable_cpu_offload",
-                         "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
+                         "--training.steps", "3", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(config, world_size=1, rank=0, local_rank=0)
     try:
         assert trainer.setup()
@@ -80,6 +80,14 @@ def test_cpu_offload_puts_the_state_on_the_host(tmp_path):
         for p in trainer.model.parameters():
             assert p.to_local().device.type == "cpu"
             assert trainer.optimizer.state[p]["exp_avg"].to_local().device.type == "cpu"
+        # A failure of the background update surfaces in the training thread, at the next forward.
+        def fail(*args, **kw):
+            raise RuntimeError("update failed")
+
+        trainer.optimizer._adamw = fail
+        trainer.train_step()  # launches the update that fails
+        with pytest.raises(RuntimeError, match="update failed"):
+            trainer.train_step()
     finally:
         trainer.close()
 
