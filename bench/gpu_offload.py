@@ -9,7 +9,8 @@
    32/8 heads, FFN 14336; vocabulary cut to ``VOCAB`` so the blocks dominate), seq 8192, batch 1,
    bf16 FSDP2 on one GPU, eager, with each lever: none, full AC (what activation offload competes
    with), activation offload, CPU offload, both. Per run: peak allocated GPU memory over setup and
-   steps, the median step time of the steps after the first, the losses.
+   steps, the median step time of the steps after the first, the losses, and beside them what
+   ``trainer.estimate`` predicts (device peak, host memory, PCIe bytes per step).
 Written to the ``offload`` section of PREFIX.json after each part, so a time-out loses only the rest.
 
 ``--dry-run`` (the CPU): the same code at toy sizes (1 block of dim 64, seq 32, 2 steps; no GPU
@@ -55,6 +56,7 @@ def lever_run(name: str, extra: list[str], folder: pathlib.Path, dry: bool) -> d
     import torch
 
     from trainer.config import parse_args
+    from trainer.estimate import Layout, estimate_memory
     from trainer.train import Trainer
 
     steps, seq = (2, 32) if dry else (STEPS, 8192)
@@ -77,6 +79,12 @@ def lever_run(name: str, extra: list[str], folder: pathlib.Path, dry: bool) -> d
             times.append(time.perf_counter() - t0)
         row.update(rc=0, losses=losses, step_s=statistics.median(times[1:] or times),
                    peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
+        # What the estimate (the planner's and the fit check's) says for this run, beside the measurement.
+        est = estimate_memory(trainer.args, Layout(), 1, seq, compute_bytes=trainer.compute_dtype.itemsize,
+                              ac_mode=config.activation_checkpoint.mode,
+                              cpu_offload=config.training.enable_cpu_offload)
+        row.update(estimated_peak_gib=est.total / 2**30, estimated_host_gib=est.host / 2**30,
+                   estimated_pcie_gib=(est.h2d + est.d2h) / 2**30)
     except Exception as exc:  # noqa: BLE001  (an out-of-memory run is a result; the next lever goes on)
         row.update(rc=1, error=f"{type(exc).__name__}: {str(exc)[:300]}")
     finally:
@@ -106,8 +114,8 @@ def main(argv: list[str]) -> int:
         row = lever_run(name, extra, folder, dry)
         result["runs"].append(row)
         gpu_report.update(prefix, "offload", result)
-        print(f"{name:26s} rc {row['rc']}  peak {row.get('peak_gib')} GiB  step {row.get('step_s')} s  "
-              f"losses {row.get('losses')} {row.get('error', '')}", flush=True)
+        print(f"{name:26s} rc {row['rc']}  peak {row.get('peak_gib')} GiB (estimated {row.get('estimated_peak_gib')})  "
+              f"step {row.get('step_s')} s  losses {row.get('losses')} {row.get('error', '')}", flush=True)
     return 1 if any(r["rc"] != 0 for r in result["runs"]) else 0
 
 
