@@ -1,7 +1,7 @@
 """The optimizer step of CPU offload on this host: titan's ``fused_adamw_`` (the native at::vec kernel,
 float32 or bfloat16 states) against ``torch.optim.AdamW(fused=True)`` on the same CPU tensors, as
 seconds per billion parameters and GB/s (28 bytes per parameter with float32 states, 20 with
-bfloat16 ones: ``trainer.estimate_offload.ADAMW_BYTES_PER_PARAM``).
+bfloat16 ones: ``trainer.estimate.offload.ADAMW_BYTES_PER_PARAM``).
 
 The tensors are one Llama 3 8B block's parameters (wq, wk, wv, wo, w1, w2, w3, two norms: 218M), the
 unit FSDP2 offloads and steps; ``--blocks`` scales it. Each implementation keeps its own parameters

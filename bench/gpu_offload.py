@@ -10,7 +10,7 @@
    bf16 FSDP2 on one GPU, eager, with each lever: none, full AC (what activation offload competes
    with), activation offload, CPU offload, both. Per run: peak allocated GPU memory over setup and
    steps, the median step time of the steps after the first, the losses, and beside them what
-   ``trainer.estimate`` predicts (device peak, host memory, PCIe bytes per step).
+   ``trainer.estimate.memory`` predicts (device peak, host memory, PCIe bytes per step).
 Written to the ``offload`` section of PREFIX.json after each part, so a time-out loses only the rest.
 
 ``--dry-run`` (the CPU): the same code at toy sizes (1 block of dim 64, seq 32, 2 steps; no GPU
@@ -56,7 +56,7 @@ def lever_run(name: str, extra: list[str], folder: pathlib.Path, dry: bool) -> d
     import torch
 
     from trainer.config import parse_args
-    from trainer.estimate import Layout, estimate_memory
+    from trainer.estimate.memory import Layout, estimate_memory
     from trainer.train import Trainer
 
     steps, seq = (2, 32) if dry else (STEPS, 8192)

@@ -1,5 +1,5 @@
 """Activation offload and the per-layer modes (trainer/parallel/activation_offload.py,
-trainer/activation_policy.py), on the CPU where the hooks run as on a GPU without streams.
+trainer/config/activation_policy.py), on the CPU where the hooks run as on a GPU without streams.
 
 Checked: with every block offloaded (and with a per-layer mix of keep / offload / full / op) the
 gradients are bitwise those without; the saved activations really leave (bytes counted, the forward's
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from tests.trainer.helpers import config_error
-from trainer.activation_policy import BlockCosts, budget_modes, describe, memory_of, parse_per_layer
+from trainer.config.activation_policy import BlockCosts, budget_modes, describe, memory_of, parse_per_layer
 from trainer.models.llama3.args import Llama3Args as ModelArgs
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from trainer.parallel import activation_checkpoint as ac
 
 ARGS = ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=32, max_seq_len=32)

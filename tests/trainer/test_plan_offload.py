@@ -1,4 +1,4 @@
-"""Offload in the estimate, the planner and the fit check (trainer/estimate.py, estimate_offload.py,
+"""Offload in the estimate, the planner and the fit check (trainer/estimate/memory.py, estimate_offload.py,
 plan.py, fit.py): the arithmetic against its formula, and the two cases of the issue:
 
 - Llama 3 70B on 8 x H100 80 GB fits only with CPU offload (fp32 states alone are 140 GiB per GPU),
@@ -9,17 +9,17 @@ plan.py, fit.py): the arithmetic against its formula, and the two cases of the i
 import pytest
 
 from trainer.config import parse_args
-from trainer.estimate import GIB, USABLE_FRACTION, Layout, block_values_per_token, estimate_memory, model_costs
-from trainer.estimate_offload import (
+from trainer.estimate.memory import GIB, USABLE_FRACTION, Layout, block_values_per_token, estimate_memory, model_costs
+from trainer.estimate.offload import (
     ADAMW_BYTES_PER_PARAM,
     HOST_STREAM_BYTES_PER_S,
     PCIE_GEN5_X16,
     cpu_optimizer_seconds,
     run_layer_modes,
 )
-from trainer.estimate_time import GPUS
-from trainer.fit import Devices, fit_report
-from trainer.plan import best, flavor_args, main, search
+from trainer.estimate.step_time import GPUS
+from trainer.estimate.fit import Devices, fit_report
+from trainer.estimate.plan import best, flavor_args, main, search
 
 H100 = GPUS["H100"]
 USABLE = USABLE_FRACTION * H100.memory

@@ -8,15 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+from trainer.errors import ConfigError  # noqa: F401  (defined on the ground floor)
 
 __all__ = [
     "ConfigError", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job",
     "Kernels", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
 ]
-
-
-class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type or invalid value. The message is one line."""
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
@@ -32,7 +29,7 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[
 
 def _families() -> tuple[str, ...]:
     """The registered model families (read when needed: the registry is torch-free but not tiny)."""
-    from trainer.models import registry
+    from trainer import registry
 
     return registry.names()
 
@@ -50,7 +47,7 @@ class Job:
 class Model:
     """Which model to build."""
 
-    name: str = _opt("llama3", "Model family (the registered families, trainer.models.registry).",
+    name: str = _opt("llama3", "Model family (the registered families, trainer.registry).",
                      choices=_families)
     flavor: str = _opt(
         "debugmodel",
@@ -374,7 +371,7 @@ class ActivationCheckpoint:
         "op or offload; e.g. '0-15:offload,16-31:full'. Layers not named follow mode.")
     memory_budget_gib: float = _opt(
         0.0, "mode budget: the activation memory per device (GiB) to fit; the last blocks are kept, earlier ones "
-        "offloaded while PCIe keeps up with their compute, the rest recomputed (trainer/activation_policy.py).")
+        "offloaded while PCIe keeps up with their compute, the rest recomputed (trainer/config/activation_policy.py).")
 
 
 @dataclass
@@ -424,7 +421,6 @@ class Float8:
     enable_fsdp_float8_all_gather: bool = _opt(
         False, "FSDP2 all-gathers weights in float8 (1 byte per element); tensorwise recipe only."
     )
-
 
 
 @dataclass

@@ -16,7 +16,7 @@ import math
 import pathlib
 from typing import Any
 
-from trainer.activation_policy import parse_per_layer  # torch-free: the per_layer rules' syntax
+from trainer.config.activation_policy import parse_per_layer  # torch-free: the per_layer rules' syntax
 from trainer.config.fields import check_value, choice_message, field_choices, iter_fields
 from trainer.config.flavors import available_flavors
 from trainer.config.job import JobConfig

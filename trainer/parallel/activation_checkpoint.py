@@ -12,7 +12,7 @@ Modes (``[activation_checkpoint]``):
   offload     every block's saved activations go to pinned host memory and come back one block ahead
               in the backward (``trainer.parallel.activation_offload``);
   budget      each block kept, offloaded or recomputed to fit ``memory_budget_gib``
-              (``trainer.activation_policy.budget_modes``; the caller resolves it into ``layer_modes``).
+              (``trainer.config.activation_policy.budget_modes``; the caller resolves it into ``layer_modes``).
 ``per_layer`` (``layer_modes``) overrides the mode of single blocks: none, op, full or offload.
 
 The block's ``forward`` is replaced in place (``torch.utils.checkpoint``, non-reentrant), so parameter
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from trainer.activation_policy import base_mode
+from trainer.config.activation_policy import base_mode
 from trainer.parallel.activation_offload import ActivationOffloader
 
 MODES = ("none", "full", "selective", "offload", "budget")

@@ -1,6 +1,6 @@
 """Activation offload: what a block saves for its backward goes to pinned host memory during the
 forward and comes back one block ahead during the backward (``--activation_checkpoint.mode offload``
-or ``per_layer ...:offload``; ``trainer/activation_policy.py`` says when it pays).
+or ``per_layer ...:offload``; ``trainer/config/activation_policy.py`` says when it pays).
 
 Mechanism: the block's forward runs under ``torch.autograd.graph.saved_tensors_hooks``. The pack hook
 copies each saved activation to a pinned host buffer on a side stream (``non_blocking``, after an

@@ -19,7 +19,7 @@ of it beside ``trainer.parallel.fsdp`` (which puts ``CPUOffloadPolicy`` on every
              step: with them the step runs whole, before the next forward; so it does under pipeline
              parallel, whose schedule gathers a stage's units itself before their forward hooks run
              (measured: the overlapped step there trained on stale shards)
-  cost       ``trainer.estimate`` / ``trainer.estimate_offload``: host bytes, PCIe bytes and seconds
+  cost       ``trainer.estimate.memory`` / ``trainer.estimate.offload``: host bytes, PCIe bytes and seconds
 """
 from __future__ import annotations
 

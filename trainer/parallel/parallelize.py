@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainer.activation_policy import describe as describe_modes
-from trainer.estimate_offload import run_layer_modes
+from trainer.config.activation_policy import describe as describe_modes
+from trainer.estimate.offload import run_layer_modes
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.cpu_offload import materialize
 from trainer.parallel.compile import apply_compile
@@ -170,7 +170,7 @@ def parallelize_decoder(
     if dims.tp_enabled and not use_fsdp:
         partial = [prm for name, prm in model.named_parameters() if name.endswith("norm.weight")]
     if expert_params:  # FSDP2 replaced the parameter objects: take them from the modules again
-        from trainer.models.moe import moe_modules
+        from trainer.models.common.moe import moe_modules
 
         expert_params = [prm for _, moe in moe_modules(model) for prm in moe.experts.parameters()]
     return ParallelModel(model, stages, pipeline, cp, loss_parallel, dims.fsdp_size if use_fsdp else 1, partial,

@@ -1,7 +1,7 @@
 """Does a run fit this machine? The devices found (:func:`detect_devices`) against the memory estimate
-(``trainer.estimate``); when it does not, the report of what would fit: on these devices with
+(``trainer.estimate.memory``); when it does not, the report of what would fit: on these devices with
 activation offload or CPU offload where either makes it fit (with the host memory and PCIe time
-they cost), and the planner's best layout at the smallest GPU count (``trainer.plan.smallest_fit``),
+they cost), and the planner's best layout at the smallest GPU count (``trainer.estimate.plan.smallest_fit``),
 with its command. The trainer checks this
 before it allocates anything large (:func:`fit_message`).
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainer.estimate import GIB, Layout, MemoryEstimate, estimate_memory
-from trainer.estimate_offload import PCIE_GEN5_X16, pcie_seconds, run_layer_modes
-from trainer.estimate_time import GPUS
-from trainer.models.args import ModelArgs, format_params
-from trainer.plan import smallest_fit
+from trainer.estimate.memory import GIB, Layout, MemoryEstimate, estimate_memory
+from trainer.estimate.offload import PCIE_GEN5_X16, pcie_seconds, run_layer_modes
+from trainer.estimate.step_time import GPUS
+from trainer.models.common.args import ModelArgs, format_params
+from trainer.estimate.plan import smallest_fit
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def fit_report(
 
     The message gives the parameter count, the estimated memory per device by component, the
     devices found, and the planner's best layout (FSDP/HSDP x TP x PP x CP, activation
-    checkpointing) for the smallest GPU count that fits (``trainer.plan.smallest_fit``), with its
+    checkpointing) for the smallest GPU count that fits (``trainer.estimate.plan.smallest_fit``), with its
     command. ``cpu_offload`` / ``layer_modes`` (per-layer activation modes) are the run's offload; when
     the run does not fit, the lines "fits here with ..." name the offload that would make it fit on
     these devices, with its host memory and PCIe bytes and time (at ``pcie_bandwidth`` bytes/s).
@@ -151,7 +151,7 @@ def fit_message(config, args, dims, compute_dtype) -> str | None:
     """The memory report when the run of ``config`` (a JobConfig) with model ``args`` on ``dims`` (its
     ParallelDims) in ``compute_dtype`` (a torch dtype) does not fit this machine (:func:`fit_report`),
     else None."""
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
     from trainer.parallel.fsdp import reshard_after_forward  # the caller has torch loaded already
 
     p = config.parallelism

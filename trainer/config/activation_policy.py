@@ -3,7 +3,7 @@ to host memory. Torch-free: the trainer (``trainer.parallel.activation_checkpoin
 estimate and the planner read the same per-layer list.
 
 Per-layer modes:
-  none     keep everything autograd saves (``trainer.estimate.block_values_per_token(..., "none")``)
+  none     keep everything autograd saves (``trainer.estimate.memory.block_values_per_token(..., "none")``)
   op       selective per-op checkpointing (matmul and attention outputs kept)
   full     keep the block input, recompute the rest in the backward (+1/3 of the block's FLOPs)
   offload  every saved activation goes to pinned host memory in the forward and comes back one block

@@ -11,7 +11,7 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
             TP 8 x PP 8 Interleaved1F1B; 128, this model -28% with local batch 16): a ranking aid
             more than a promise
   TP        bytes / NVLink bandwidth: on the critical path (no async TP assumed)
-  CP        the K/V blocks ring attention sends (``trainer.estimate_comm``), hidden behind the
+  CP        the K/V blocks ring attention sends (``trainer.estimate.comm``), hidden behind the
             attention compute where they fit
   FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
             compute, plus one unit's worth (the first all-gather and last reduce-scatter)
@@ -29,14 +29,14 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
             A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost;
             with EP dp_shard is (dp_shard_mod_ep, ep), ep inner.
   offload   CPU or activation offload: the PCIe copies beyond the compute and the optimizer step on the
-            host (``trainer.estimate_offload``), added by the planner
+            host (``trainer.estimate.offload``), added by the planner
   MFU       model FLOPs / (step time * peak), as the trainer reports it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.estimate import GIB, Layout, ModelCosts, stages_per_rank
+from trainer.estimate.memory import GIB, Layout, ModelCosts, stages_per_rank
 
 # Share of the dense bf16 peak a training step sustains in its compute (see the module docstring).
 COMPUTE_EFFICIENCY = 0.45
@@ -77,7 +77,7 @@ class StepTime:
     pp: float
     bubble: float
     ep: float = 0.0
-    offload: float = 0.0  # PCIe copies not hidden + the CPU optimizer step (trainer.estimate_offload)
+    offload: float = 0.0  # PCIe copies not hidden + the CPU optimizer step (trainer.estimate.offload)
 
     @property
     def total(self) -> float:

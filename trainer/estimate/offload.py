@@ -1,12 +1,12 @@
 """What offload costs in time: the PCIe copies of a step and the optimizer step on the CPU, beside the
-bytes ``trainer.estimate`` counts (``MemoryEstimate.host``, ``h2d``, ``d2h``); and the per-layer
+bytes ``trainer.estimate.memory`` counts (``MemoryEstimate.host``, ``h2d``, ``d2h``); and the per-layer
 activation modes of ``--activation_checkpoint.mode budget`` for a run (:func:`run_layer_modes`).
 Torch-free.
 
 Model (per GPU, one optimizer step), stated so it can be checked:
   PCIe      max(h2d, d2h) / (bandwidth * LINK_EFFICIENCY): the two directions run at once; the
             bandwidth is per direction, nominal, default ``PCIE_GEN5_X16`` (64 GB/s; measured
-            copies reach about 80% of it, like the other links of ``trainer.estimate_time``)
+            copies reach about 80% of it, like the other links of ``trainer.estimate.step_time``)
   exposed   the copies overlap the compute (FSDP2 issues them with its all-gathers and
             reduce-scatters, activation offload on a side stream): what exceeds the compute, plus one
             block's copy that nothing hides (the first shard in, the last block's activations back)
@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.activation_policy import BlockCosts, base_mode, budget_modes, parse_per_layer
-from trainer.estimate import GIB, MemoryEstimate, ModelCosts, block_values_per_token, model_costs
-from trainer.estimate_optimizer import block_vector_params
-from trainer.estimate_time import COMPUTE_EFFICIENCY, GPUS
+from trainer.config.activation_policy import BlockCosts, base_mode, budget_modes, parse_per_layer
+from trainer.estimate.memory import GIB, MemoryEstimate, ModelCosts, block_values_per_token, model_costs
+from trainer.estimate.optimizer import block_vector_params
+from trainer.estimate.step_time import COMPUTE_EFFICIENCY, GPUS
 
 PCIE_GEN5_X16 = 64e9  # bytes/s per direction, nominal (32 GT/s x 16 lanes, 128b/130b)
 HOST_STREAM_BYTES_PER_S = 45e9  # one GPU's share of host memory bandwidth a streaming kernel sustains
@@ -90,7 +90,7 @@ def block_costs(c: ModelCosts, tokens: float, tp: int, compute_bytes: int, peak_
 
 def run_layer_modes(config, args, tp: int = 1, cp: int = 1, compute_bytes: int = 2, device_name: str = "") -> list[str] | None:
     """The per-layer activation modes of a run (a JobConfig ``config``, model ``args``): mode budget's
-    choice (:func:`trainer.activation_policy.budget_modes` for ``memory_budget_gib``), with
+    choice (:func:`trainer.config.activation_policy.budget_modes` for ``memory_budget_gib``), with
     ``per_layer``'s rules on top; None when neither is set (the mode alone decides). The compute
     time of a block is taken at ``COMPUTE_EFFICIENCY`` of the peak of the GPU ``device_name`` names
     (``GPUS``; an H100 when none matches, e.g. on the CPU).
