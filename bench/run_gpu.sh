@@ -3,7 +3,7 @@
 # benchmarks and the native CUDA build, in under 8 minutes on one H200 (a failed first try leaves
 # room for a rerun in a 15-minute slot).
 #
-#   bash bench/run_gpu.sh [RESULTS_DIR]            the default run: 5 stages, budgets below (~7.9 min)
+#   bash bench/run_gpu.sh [RESULTS_DIR]            the default run: 6 stages, budgets below (~7.9 min)
 #   bash bench/run_gpu.sh --full [RESULTS_DIR]     the long run: the whole kernel test suite, every
 #                                                  benchmark file and, with >= 2 GPUs, the parallel layouts
 #   bash bench/run_gpu.sh --dry-run [RESULTS_DIR]  on a CPU, no GPU: every stage's entry points and
@@ -20,9 +20,14 @@
 #   train       200   python -m trainer: the debug model, then Llama 3 8B cut to 4 layers (seq 8192,
 #                     bf16, FSDP2 on one GPU) eager, compiled and float8: tokens/s, MFU, memory, loss
 #   correctness  75   every op and backend against float64 on CUDA tensors, a few shapes each
-#   headline    130   RMSNorm, triton_op vs custom_op, rotary, attention (and Llama 4's chunked attention),
-#                     fp8 GEMM, Float8Linear, SwiGLU / cross-entropy when their bench files exist, grouped GEMM, the AdamW
-#                     step and Newton-Schulz (optimizers); ratios to baselines
+#   headline     75   RMSNorm, triton_op vs custom_op, rotary, attention (and Llama 4's chunked attention),
+#                     fp8 GEMM, Float8Linear,
+#                     SwiGLU / cross-entropy when their bench files exist, grouped GEMM, the AdamW
+#                     step and Newton-Schulz (optimizers); ratios to baselines (each group's share
+#                     of the stage budget)
+#   offload      55   the memory levers: the CPU AdamW step per billion params (titan vs torch fused)
+#                     on the host, then an 8B-shaped 4-block stack (seq 8192, bf16) with none / full AC
+#                     / activation offload / CPU offload / both: peak GPU memory, step time
 #   native       50   the native CUDA extension and standalone kernels (built in the background
 #                     since stage 3), their tests and ctest
 # Results: RESULTS_DIR/<date>-<gpu>.{json,md,log} (default bench/results/local, ignored by git;
@@ -49,7 +54,7 @@ for arg in "$@"; do
 done
 
 if [ "$MODE" = quick ]; then
-  STAGES=(environment:20 train:200 correctness:75 headline:130 native:50)
+  STAGES=(environment:20 train:200 correctness:75 headline:75 offload:55 native:50)
 else
   STAGES=(environment:20 train:200 native-build:240 kernel-tests:150 cmake-ctest:300 benchmarks:300
           fp8-benchmarks:420 attention-benchmarks:540 layouts:1500)
@@ -126,12 +131,13 @@ run_stage() {
 if [ "$MODE" = quick ]; then
   run_stage environment $PY -m bench.gpu_env "$prefix" $DRYFLAG
   TITAN_KERNELS_AUTOTUNE=0 BENCH_AUTOTUNE_CONFIGS=1 run_stage train $PY -m bench.gpu_train "$prefix" $DRYFLAG
-  $PY -m bench.gpu_native start $DRYFLAG 2>&1 | tee -a "$log"  # CPU work, overlapping stages 3 and 4
+  $PY -m bench.gpu_native start $DRYFLAG 2>&1 | tee -a "$log"  # CPU work, overlapping stages 3 to 5
   TITAN_KERNELS_AUTOTUNE=0 BENCH_AUTOTUNE_CONFIGS=1 run_stage correctness $PY -m bench.gpu_correctness "$prefix" $DRYFLAG
   if [ "$DRY" = 1 ]; then  # the GPU parameter lists of the bench modules, checked without a GPU
     BENCH_DEVICE=cuda $PY -m bench.gpu_headline --check-params 2>&1 | tee -a "$log" || failed+=(headline-params)
   fi
   run_stage headline $PY -m bench.gpu_headline "$prefix" $DRYFLAG
+  run_stage offload $PY -m bench.gpu_offload "$prefix" $DRYFLAG
   run_stage native $PY -m bench.gpu_native finish "$prefix" $DRYFLAG
 else
   # --full: the long version, every stage with its own limit; the pytest stages write their own

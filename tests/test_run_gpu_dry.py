@@ -44,7 +44,7 @@ def test_plan_fits_eight_minutes():
     r = _run("--plan")
     assert r.returncode == 0, r.stderr
     budgets = _budgets(r.stdout)
-    assert list(budgets) == ["environment", "train", "correctness", "headline", "native"], r.stdout
+    assert list(budgets) == ["environment", "train", "correctness", "headline", "offload", "native"], r.stdout
     assert sum(budgets.values()) <= LIMIT_S, budgets
     full = _run("--full", "--plan")
     assert full.returncode == 0 and "layouts" in _budgets(full.stdout), full.stdout
@@ -93,7 +93,7 @@ def test_dry_run_walks_every_stage(dry_run):
     tail = (r.stdout + r.stderr)[-6000:]
     assert r.returncode == 0, tail
     stages = result["stages"]
-    assert list(stages) == ["environment", "train", "correctness", "headline", "native"], stages
+    assert list(stages) == ["environment", "train", "correctness", "headline", "offload", "native"], stages
     for name, st in stages.items():
         assert st["rc"] == 0 and st["status"] == "ok", (name, st, tail)
     printed = _budgets(r.stdout.split("=== environment")[0])
@@ -119,5 +119,11 @@ def test_dry_run_sections_hold_results(dry_run):
     assert {"rms_norm", "rotary", "attention", "fp8_gemm", "float8_linear"} <= ops, ops
     assert any(r["op"] == "rms_norm.compiled fwd+bwd" and "triton_op" in r["impl"] for r in head["rows"])
     assert not any("FAILED" in n for n in head["notes"]), head["notes"]
+    off = result["offload"]
+    assert {r["name"] for r in off["runs"]} == {"none", "full AC", "activation offload", "CPU offload",
+                                                 "CPU + activation offload"}
+    assert all(r["rc"] == 0 and len(r["losses"]) == 2 for r in off["runs"]), off["runs"]
+    assert len({tuple(r["losses"]) for r in off["runs"]}) == 1  # every lever gives the same losses
+    assert off["cpu_optimizer"]["titan"]["s_per_billion"] > 0 and "torch-fused" in off["cpu_optimizer"]
     native = result["native"]
     assert native["pytest"]["rc"] == 0 and set(native["builds"].values()) == {"ok"}, native

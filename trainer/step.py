@@ -199,6 +199,7 @@ class NonFiniteWatch:
 
     def update(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Record ``step`` if it is the first whose ``loss`` or ``grad_norm`` (device scalars) is not finite."""
+        grad_norm = grad_norm.to(self._values.device, non_blocking=True)  # CPU offload: a norm of host gradients
         new = (self._first_bad == 0) & ~(torch.isfinite(loss) & torch.isfinite(grad_norm))
         self._first_bad = torch.where(new, step, self._first_bad)
         self._values = torch.where(new, torch.stack([loss.float(), grad_norm.float()]), self._values)

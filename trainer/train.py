@@ -173,7 +173,8 @@ class Trainer:
             self._save_seed_checkpoint()
             return False
         self._parallelize()
-        self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed)
+        self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
+                                         cpu_offload=config.training.enable_cpu_offload, overlap=not self.dims.pp_enabled)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
         self._setup_checkpoint()
         if config.fault_tolerance.enable:  # replica groups through a torchft Lighthouse
@@ -248,7 +249,7 @@ class Trainer:
     def _setup_mesh(self) -> None:
         """The process group (also one of one process for FSDP2's mixed precision) and the device mesh."""
         self.mixed_precision = self.compute_dtype != torch.float32
-        self.use_fsdp = self.dims.fsdp_enabled or self.mixed_precision
+        self.use_fsdp = self.dims.fsdp_enabled or self.mixed_precision or self.config.training.enable_cpu_offload
         if self.config.parallelism.enable_async_tensor_parallel and self.device.type != "cuda":
             raise ConfigError("--parallelism.enable_async_tensor_parallel: needs CUDA devices (symmetric memory), "
                               f"got {self.device.type}")
@@ -554,6 +555,7 @@ class Trainer:
         if self._stopped:
             return
         self._stopped = True
+        getattr(self.optimizer, "synchronize", lambda: None)()  # CPU offload: the last update, in the background
         if self._started:
             self._profiler.__exit__(exc_type, exc, tb)
         if self.checkpointer is not None:

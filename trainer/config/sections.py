@@ -122,6 +122,13 @@ class Training:
         0.3, "Multi-token prediction: the weight (lambda) of the MTP modules' mean loss beside the main loss "
         "(DeepSeek-V3 used 0.3, then 0.1); logged apart as mtp_loss.")
     gc_freq: int = _opt(50, "Run Python garbage collection every this many steps.")
+    enable_cpu_offload: bool = _opt(
+        False, "FSDP2 CPU offload (torchtitan's key): sharded parameters, gradients and optimizer states live in host "
+        "memory, the model is initialised on the CPU and the optimizer step runs there (titan's fused_adamw_, "
+        "Muon's Newton-Schulz); each block's weights cross PCIe every step (trainer/parallel/cpu_offload.py).")
+    pcie_bandwidth_gbps: float = _opt(
+        64.0, "Host-device bandwidth per direction in GB/s (nominal; 64 = PCIe Gen5 x16) that the memory check, "
+        "activation_checkpoint.mode budget and the planner cost CPU and activation offload with.")
 
 
 @dataclass
@@ -357,10 +364,20 @@ class Profiling:
 class ActivationCheckpoint:
     """Recompute activations in the backward pass to save memory."""
 
-    mode: str = _opt("none", "Activation checkpointing mode.", choices=("none", "full", "selective"))
+    mode: str = _opt(
+        "none", "Activation checkpointing mode: none, full (recompute every block), selective (see "
+        "selective_ac_option), offload (every block's saved activations to pinned host memory, back one block ahead "
+        "in the backward), budget (each block kept, offloaded or recomputed to fit memory_budget_gib).",
+        choices=("none", "full", "selective", "offload", "budget"))
     selective_ac_option: str = _opt(
         "2", "For selective: an integer N = every N-th layer; 'op' = per op, keeping matmul outputs."
     )
+    per_layer: list[str] = _opt(
+        [], "Per-layer overrides 'LAYERS:MODE' (comma-separated), LAYERS a layer id or a range a-b, MODE none, full, "
+        "op or offload; e.g. '0-15:offload,16-31:full'. Layers not named follow mode.")
+    memory_budget_gib: float = _opt(
+        0.0, "mode budget: the activation memory per device (GiB) to fit; the last blocks are kept, earlier ones "
+        "offloaded while PCIe keeps up with their compute, the rest recomputed (trainer/config/activation_policy.py).")
 
 
 @dataclass

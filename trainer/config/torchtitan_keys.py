@@ -135,7 +135,6 @@ REFUSED: dict[str, str] = {
     "profiler.profiler_skip_first": _PROFILER,
     "profiler.profiler_skip_first_wait": _PROFILER,
     "training.disable_cuda_graphs": "the step is never captured as a CUDA graph",
-    "training.enable_cpu_offload": "FSDP2 CPU offload is not supported",
     "training.gc_debug": "garbage collection runs every --training.gc_freq steps",
     # earlier releases (tests/data/torchtitan_earlier_keys.json)
     "activation_checkpoint.early_stop": _AC,

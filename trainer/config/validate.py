@@ -16,6 +16,7 @@ import math
 import pathlib
 from typing import Any
 
+from trainer.config.activation_policy import parse_per_layer  # torch-free: the per_layer rules' syntax
 from trainer.config.fields import check_value, choice_message, field_choices, iter_fields
 from trainer.config.flavors import available_flavors
 from trainer.config.job import JobConfig
@@ -134,6 +135,7 @@ def validate_config(config: JobConfig) -> None:
     for comp in config.compile.components:
         if comp not in COMPILE_COMPONENTS:
             raise ConfigError(choice_message("compile.components", comp, COMPILE_COMPONENTS))
+    _validate_offload(config)
     f8 = config.float8
     need(not f8.enable_fsdp_float8_all_gather or f8.recipe == "tensorwise",
          "float8.enable_fsdp_float8_all_gather", f8.enable_fsdp_float8_all_gather,
@@ -157,6 +159,37 @@ def _validate_model_options(config: JobConfig) -> None:
     errors = unused_option_errors(config, args)
     if errors:
         raise ConfigError(errors[0])
+
+
+def _validate_offload(config: JobConfig) -> None:
+    """CPU offload and activation offload: their values, and the options they cannot combine with
+    (one line naming both)."""
+    t, ac = config.training, config.activation_checkpoint
+    if not (math.isfinite(t.pcie_bandwidth_gbps) and t.pcie_bandwidth_gbps > 0):
+        raise ConfigError(f"--training.pcie_bandwidth_gbps: expected a finite value > 0 (GB/s), got "
+                          f"{t.pcie_bandwidth_gbps!r}")
+    if not (math.isfinite(ac.memory_budget_gib) and ac.memory_budget_gib >= 0):
+        raise ConfigError(f"--activation_checkpoint.memory_budget_gib: expected a finite value >= 0, got "
+                          f"{ac.memory_budget_gib!r}")
+    if ac.mode == "budget" and ac.memory_budget_gib <= 0:
+        raise ConfigError("--activation_checkpoint.memory_budget_gib: expected a value > 0 (GiB) with "
+                          "--activation_checkpoint.mode budget, got 0")
+    try:
+        rules = parse_per_layer(list(ac.per_layer))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    offload = ac.mode in ("offload", "budget") or "offload" in rules.values()
+    if offload and config.compile.enable and "model" in config.compile.components:
+        raise ConfigError(f"--activation_checkpoint.mode {ac.mode}: activation offload does not combine with "
+                          "--compile.enable (its saved-tensor hooks wrap eager blocks; compiled blocks save inside "
+                          "their graph)")
+    if t.enable_cpu_offload and config.float8.enable_fsdp_float8_all_gather:
+        raise ConfigError("--training.enable_cpu_offload: does not combine with --float8.enable_fsdp_float8_all_gather "
+                          "(the float8 all-gather casts the device copy of each shard; offloaded shards are gathered "
+                          "in the parameter dtype)")
+    if t.enable_cpu_offload and config.fault_tolerance.enable:
+        raise ConfigError("--training.enable_cpu_offload: does not combine with --fault_tolerance.enable (a recovering "
+                          "replica group copies the live state from device to device)")
 
 
 def _validate_validation(v: Validation, t: Training, p: Parallelism) -> None:

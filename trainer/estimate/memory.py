@@ -51,6 +51,17 @@ kept) and DTensor tensor parallel. It is an estimate: allocator fragmentation an
 buffers add a few GiB on GPUs, which the fit check leaves as headroom (``USABLE_FRACTION``).
 tests/trainer/test_plan.py measures it against the peak of live tensors on the CPU.
 
+Offload (``trainer.config.activation_policy``, ``trainer.estimate.offload`` for the time): with CPU offload
+(``cpu_offload``) params, grads and optimizer state are host bytes (``host``), not device ones; the
+device keeps the gathered blocks plus one block's fp32 shard on its way to the all-gather; per
+accumulation micro-batch (under PP once per step: the stage keeps its blocks gathered and
+reduce-scatters after the last micro-batch) every all-gather copies its fp32 shard host-to-device
+(blocks twice when they reshard after forward, the root once) and every reduce-scatter its fp32
+gradient shard back. Per-layer
+activation modes (``layer_modes``: none, op, full, offload; ``ac_mode`` offload = all offload):
+kept blocks as above, an offloaded block nothing on the device beyond ``OFFLOAD_STAGING_BLOCKS``
+blocks of staging, its bytes in host memory (per micro-batch in flight) and twice over PCIe.
+
 Hooks for mixture-of-experts models: everything reads the model through ``ModelCosts``
 (``model_costs``), which separates total parameters (memory) from active parameters (FLOPs);
 an MoE model fills it with its experts' share, sharded by an expert-parallel degree.
@@ -60,6 +71,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from trainer.config.activation_policy import OFFLOAD_STAGING_BLOCKS, base_mode
 from trainer.estimate.optimizer import muon_step_bytes, state_values
 from trainer.models.common.args import ModelArgs
 
@@ -198,6 +210,9 @@ class MemoryEstimate:
     grads_coexist: bool = False
     last_block: float = 0.0  # activations of the block the backward ends with (alive with all gradients)
     optimizer_step: float = 0.0  # Muon's Newton-Schulz buffers at the step (trainer.estimate.optimizer)
+    host: float = 0.0  # host memory per device: offloaded states (CPU offload) and activations
+    h2d: float = 0.0  # bytes per step over PCIe, host to device (CPU offload's shards, activations back)
+    d2h: float = 0.0  # and device to host (gradient shards, activations out)
 
     @property
     def total(self) -> float:
@@ -215,7 +230,11 @@ class MemoryEstimate:
                 ] + ([("optimizer step buffers", self.optimizer_step)] if self.optimizer_step else [])
 
     def describe(self) -> str:
-        return ", ".join(f"{name} {b / GIB:,.1f}" for name, b in self.parts()) + f": peak {self.total / GIB:,.1f} GiB"
+        text = ", ".join(f"{name} {b / GIB:,.1f}" for name, b in self.parts()) + f": peak {self.total / GIB:,.1f} GiB"
+        if self.host:
+            text += (f"; host {self.host / GIB:,.1f} GiB, PCIe {self.h2d / GIB:,.1f} GiB in + {self.d2h / GIB:,.1f} GiB "
+                     f"out per step")
+        return text
 
 
 def block_values_per_token(costs: ModelCosts | ModelArgs, mode: str = "none", tp: int = 1) -> float:
@@ -250,8 +269,10 @@ def activation_values_per_token(args: ModelArgs | ModelCosts, ac_mode: str = "no
         return n * full_block
     if ac_mode == "full":
         return n * block_values_per_token(c, "full", tp) + full_block
+    if ac_mode == "offload":  # staging only; the blocks themselves are in host memory
+        return OFFLOAD_STAGING_BLOCKS * full_block
     if ac_mode != "selective":
-        raise ValueError(f"activation_checkpoint.mode: expected none, full or selective, got {ac_mode!r}")
+        raise ValueError(f"activation_checkpoint.mode: expected none, full, selective or offload, got {ac_mode!r}")
     if selective_ac_option == "op":
         return n * block_values_per_token(c, "op", tp)
     every = int(selective_ac_option)
@@ -296,6 +317,8 @@ def estimate_memory(
     optimizer: str = "adamw",
     state_bytes: int | None = None,
     reshard_after_forward: bool | None = None,
+    cpu_offload: bool = False,
+    layer_modes: list[str] | None = None,
 ) -> MemoryEstimate:
     """Estimated peak memory per device of training ``args`` on ``layout`` (see the module docstring).
 
@@ -306,7 +329,9 @@ def estimate_memory(
     ``fused_loss``: the output projection and cross-entropy run as ``linear_cross_entropy``.
     ``optimizer`` "adamw" or "muon", ``state_bytes`` per state value (None: ``master_bytes``).
     ``reshard_after_forward``: FSDP2's, for the blocks (None: the default, True except under PP; False
-    keeps the stage's blocks gathered from forward to backward).
+    keeps the stage's blocks gathered from forward to backward). ``cpu_offload``: FSDP2's CPU offload;
+    ``layer_modes``: one activation mode per layer (none, op, full, offload; module docstring), which
+    replaces ``ac_mode``.
     Returns the worst stage's estimate. Raises ValueError for sizes < 1, an unknown schedule or optimizer.
     """
     for name, v in (("local_batch_size", local_batch_size), ("seq_len", seq_len),
@@ -323,6 +348,7 @@ def estimate_memory(
     micro = microbatch_size if pp > 1 else local_batch_size
     m = local_batch_size // microbatch_size * grad_accum if pp > 1 else 1
     tokens = micro * seq_len / cp  # per micro-batch on this rank, before sequence parallel
+    n_micro = m * (1 if pp > 1 else grad_accum)  # micro-batches through each layer per step
     coexist = grad_accum > 1 or pp > 1
     reshard = pp == 1 if reshard_after_forward is None else reshard_after_forward
 
@@ -336,7 +362,18 @@ def estimate_memory(
             blk = c.gathered_block_params(layout.ep)  # expert parallel: E/ep experts per block
             gathered = root + 2 * blk if reshard else layers * blk + root
             working = (gathered * compute_bytes + blk * reduce_bytes) / tp
-        if ac_mode == "full":
+        host_acts = pcie_acts = 0.0
+        modes = _stage_modes(layer_modes, ac_mode, selective_ac_option, c.n_layers, layers)
+        if modes is not None:
+            keep = block_values_per_token(c, "none", tp)
+            per = {"none": keep, "op": block_values_per_token(c, "op", tp), "full": block_values_per_token(c, "full", tp),
+                   "offload": 0.0}
+            n_off = modes.count("offload")
+            vals = in_flight * sum(per[x] for x in modes) + max(
+                OFFLOAD_STAGING_BLOCKS * keep if n_off else 0.0, keep if "full" in modes else 0.0)
+            host_acts = in_flight * n_off * keep * tokens * compute_bytes
+            pcie_acts = n_micro * n_off * keep * tokens * compute_bytes  # each way
+        elif ac_mode == "full":
             vals = layers * in_flight * block_values_per_token(c, "full", tp) + block_values_per_token(c, "none", tp)
         else:
             vals = in_flight * activation_values_per_token(c, ac_mode, selective_ac_option, tp, n_layers=layers)
@@ -354,8 +391,22 @@ def estimate_memory(
                 loss = 12 * seq_tokens * c.vocab_size / tp
         last_block = block_values_per_token(c, "none", tp) * tokens * compute_bytes
         opt = state_values(c, layers, p_stage, optimizer) * (master_bytes if state_bytes is None else state_bytes)
+        opt /= n_shard * tp
         step = muon_step_bytes(c, layout.ep) if optimizer == "muon" else 0.0
-        return MemoryEstimate(state, state, opt / (n_shard * tp), working, acts, loss, coexist, last_block, step)
+        if not cpu_offload:
+            return MemoryEstimate(state, state, opt, working, acts, loss, coexist, last_block, step,
+                                  host_acts, pcie_acts, pcie_acts)
+        # FSDP2 CPU offload: the states on the host; one block's fp32 shard on the device on its way in.
+        blk_shard = c.gathered_block_params(layout.ep) * master_bytes / (n_shard * tp)
+        root_shard = root * master_bytes / (n_shard * tp)
+        gathers = 2 if reshard else 1
+        # Per accumulation micro-batch; under PP once per step (the pipeline stage keeps the blocks gathered
+        # and reduce-scatters after the last micro-batch only).
+        rounds = 1 if pp > 1 else grad_accum
+        h2d = rounds * (root_shard + gathers * layers * blk_shard) + pcie_acts
+        d2h = rounds * state * reduce_bytes / master_bytes + pcie_acts
+        return MemoryEstimate(0.0, 0.0, 0.0, working + blk_shard, acts, loss, coexist, last_block, 0.0,
+                              2 * state + opt + host_acts, h2d, d2h)
 
     emb, out = c.embedding_params, c.output_params + c.norm_params + c.extra_params
     if pp == 1:
@@ -363,6 +414,19 @@ def estimate_memory(
     return max((stage(layers, emb * first + out * last, _in_flight(pp, pp_schedule, m, r), last)
                 for r, (layers, first, last) in enumerate(pipeline_ranks(c.n_layers, pp, pp_schedule))),
                key=lambda e: e.total)
+
+
+def _stage_modes(layer_modes: list[str] | None, ac_mode: str, selective_ac_option: str, n_layers: int,
+                 layers: int) -> list[str] | None:
+    """The per-layer activation modes of a stage of ``layers`` blocks, or None for the classic modes'
+    formulas (none, full, selective). A pipeline stage takes the model's mix of modes in proportion."""
+    if layer_modes is None:
+        if ac_mode != "offload":
+            return None
+        layer_modes = [base_mode(ac_mode, selective_ac_option, i) for i in range(n_layers)]
+    if not layer_modes:
+        return None
+    return [layer_modes[min(len(layer_modes) - 1, i * len(layer_modes) // max(layers, 1))] for i in range(layers)]
 
 
 def pipeline_ranks(n_layers: int, pp: int, schedule: str) -> list[tuple[int, bool, bool]]:

@@ -4,6 +4,7 @@ step time and the command that runs them.
     python -m trainer.plan --flavor 405B --ngpu 512 [--gpu H100|H200|A100|B200] [--seq_len 8192]
                            [--local_batch_size N] [--top 5] [--optimizer adamw|muon]
                            [--state_dtype float32|bfloat16] [--compare_optimizers]
+                           [--pcie_gbps 64] [--host_memory_gib 2048]
 
 Search: every tensor-parallel degree inside a node that divides the heads, KV heads, FFN and
 vocabulary (and a MoE model's expert hidden size); context-parallel degrees up to seq_len / 8192 that
@@ -17,26 +18,44 @@ cost time). A layout is kept when ``trainer.estimate.memory.estimate_memory`` fi
 ``USABLE_FRACTION`` of the GPU and the global batch stays at most ``--max_global_tokens``
 (16Mi = Llama 3 405B's batch); they are ranked by estimated throughput.
 
+Offload is the last resort: only when no layout fits does the search try activation offload (every
+block's activations in host memory), then FSDP2 CPU offload (parameters, gradients and optimizer
+states in host memory, the optimizer step on the CPU) with each activation mode; a layout with
+offload must also fit the host memory (``--host_memory_gib`` per node), and its step time carries
+the PCIe copies at ``--pcie_gbps`` (PCIe Gen5 x16 by default) and the CPU step
+(``trainer.estimate.offload``), which its description spells out.
+
 The step time of each layout is ``trainer.estimate.step_time``'s model (compute at a share of the GPU's
 peak, the communication of ``trainer.estimate.comm`` over NVLink or InfiniBand, the pipeline bubble).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
 from dataclasses import dataclass, field
 
 from trainer.estimate.memory import GIB, USABLE_FRACTION, Layout, MemoryEstimate, ModelCosts, estimate_memory, model_costs
-from trainer.estimate.memory import stages_per_rank
+from trainer.estimate.memory import block_values_per_token, stages_per_rank
 from trainer.estimate.comm import communication_per_step
+from trainer.estimate.offload import (
+    PCIE_GEN5_X16,
+    OffloadTime,
+    cpu_optimizer_seconds,
+    offload_time,
+)
 from trainer.estimate.step_time import COMPUTE_EFFICIENCY, GPU, GPUS, LINK_EFFICIENCY, StepTime, link, step_time
 from trainer import registry
 from trainer.models.common.args import ModelArgs, format_params
 
 MAX_GLOBAL_TOKENS = 2**24
 AC_CHOICES = (("none", "2"), ("selective", "op"), ("full", "2"))
+# The last resorts, tried only when nothing above fits: (cpu_offload, AC choices).
+OFFLOAD_CHOICES = ((False, (("offload", "2"),)), (True, AC_CHOICES + (("offload", "2"),)))
+HOST_MEMORY_GIB = 2048  # per node: a DGX H100 / H200 holds 2 TiB
+HOST_USABLE_FRACTION = 0.8  # the rest for the OS, the data loader, pinned staging
 PP_SCHEDULES = ("1F1B", "Interleaved1F1B")
 # torchrun restarts of a failed group (a crashed or hung rank) before giving up; each resumes from the
 # last good checkpoint.
@@ -65,6 +84,9 @@ class Plan:
     tokens_per_step: int
     extra_flags: tuple[str, ...] = field(default=())
     costs: ModelCosts | None = None  # the model's counts (total vs active, experts)
+    cpu_offload: bool = False
+    offload: OffloadTime | None = None  # what offload adds to the step (None: no offload)
+    host_memory: float = 0.0  # bytes per node the host offers
 
     @property
     def mfu(self) -> float:
@@ -94,7 +116,22 @@ class Plan:
     def ac_text(self) -> str:
         if self.ac_mode == "selective":
             return f"selective {self.selective_ac_option}"
-        return self.ac_mode
+        return self.ac_mode + (" (activations to host)" if self.ac_mode == "offload" else "")
+
+    def offload_text(self) -> str:
+        """What offload holds and costs, one line (empty without offload)."""
+        if self.offload is None:
+            return ""
+        m, o = self.memory, self.offload
+        what = "CPU offload (params, grads and optimizer states in host memory, optimizer step on the CPU)" \
+            if self.cpu_offload else "activation offload"
+        if self.cpu_offload and self.ac_mode == "offload":
+            what += " + activation offload"
+        return (f"offload: {what}; host {m.host / GIB:.1f} GiB per GPU ({m.host * self.gpus_per_node / GIB:,.0f} of "
+                f"{HOST_USABLE_FRACTION * self.host_memory / GIB:,.0f} GiB usable per node); PCIe {m.h2d / GIB:.1f} GiB in + "
+                f"{m.d2h / GIB:.1f} GiB out per step = {o.pcie:.3g} s ({o.exposed:.3g} s not hidden)"
+                + (f", CPU optimizer step {o.cpu_step:.3g} s" if self.cpu_offload else "")
+                + f": +{o.total:.3g} s per step ({100 * o.total / self.time.total:.0f}% of it)")
 
     def summary(self) -> str:
         lay = self.layout.describe()
@@ -120,6 +157,8 @@ class Plan:
             flags += ["--parallelism.pipeline_parallel_schedule", str(self.schedule),
                       "--parallelism.pipeline_parallel_microbatch_size", "1"]
         flags += ["--parallelism.context_parallel_degree", str(L.cp), "--activation_checkpoint.mode", self.ac_mode]
+        if self.cpu_offload:
+            flags += ["--training.enable_cpu_offload"]
         if self.ac_mode == "selective":
             flags += ["--activation_checkpoint.selective_ac_option", self.selective_ac_option]
         return flags
@@ -161,8 +200,10 @@ class Plan:
             f"(usable {USABLE_FRACTION * self.gpu.memory / GIB:.0f} of {self.gpu.memory / GIB:.0f}){experts}",
             f"   communication per step (GiB sent per GPU): {comm}",
             f"   step time (s): {self.time.describe()}; {self.tokens_per_step:,} tokens per step",
-            f"   {self.command()}",
         ]
+        if self.offload is not None:
+            lines.append(f"   {self.offload_text()}")
+        lines += [f"   {self.command()}"]
         if math.ceil(self.n_gpus / self.gpus_per_node) > 1:
             lines.append(f"   (or on every node: {self.torchrun_per_node()})")
         return "\n".join(lines)
@@ -200,16 +241,18 @@ def optimizer_flags(optimizer: str, state_bytes: int) -> tuple[str, ...]:
 def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch_size: int, seq_len: int,
              ac_mode: str, selective_ac_option: str, schedule: str | None, gpus_per_node: int = 8,
              fused_loss: bool = True, memory: MemoryEstimate | None = None, optimizer: str = "adamw",
-             state_bytes: int = 4) -> Plan:
+             state_bytes: int = 4, cpu_offload: bool = False, pcie_bandwidth: float = PCIE_GEN5_X16,
+             host_memory: float = HOST_MEMORY_GIB * GIB) -> Plan:
     """The Plan of one layout: memory, communication by dimension and its link, step time.
-    ``optimizer`` ("adamw"/"muon") and ``state_bytes`` (4 or 2) size the optimizer state."""
+    ``optimizer`` ("adamw"/"muon") and ``state_bytes`` (4 or 2) size the optimizer state;
+    ``cpu_offload`` and ac_mode "offload" add host memory and PCIe time at ``pcie_bandwidth`` bytes/s."""
     costs = model_costs(args)
     sched = schedule or "1F1B"
     if memory is None:
         memory = estimate_memory(costs, layout, local_batch_size, seq_len, compute_bytes=2, master_bytes=4,
                                  ac_mode=ac_mode, selective_ac_option=selective_ac_option, pp_schedule=sched,
                                  microbatch_size=1, fused_loss=fused_loss, optimizer=optimizer,
-                                 state_bytes=state_bytes)
+                                 state_bytes=state_bytes, cpu_offload=cpu_offload)
     v = stages_per_rank(sched) if layout.pp > 1 else 1
     colls = communication_per_step(costs, layout, local_batch_size, seq_len, microbatch_size=1,
                                    stages_per_rank=v, ac_mode=ac_mode)
@@ -224,11 +267,22 @@ def evaluate(args: ModelArgs, flavor: str, gpu: GPU, layout: Layout, local_batch
              "ep": link(tp * cp, ep, gpus_per_node), "dp_shard_mod_ep": link(tp * cp * ep, ds // ep, gpus_per_node)}
     t, flops = step_time(costs, gpu, layout, local_batch_size, seq_len, ac_mode, selective_ac_option,
                          schedule, comm, links)
+    off = None
+    if cpu_offload or ac_mode == "offload":
+        shards = layout.dp_shard * layout.cp * layout.tp
+        one_copy = max(costs.block_params * 4 / shards if cpu_offload else 0.0,
+                       block_values_per_token(costs, "none", layout.tp) * local_batch_size * seq_len / layout.cp * 2
+                       if ac_mode == "offload" else 0.0)
+        cpu_step = cpu_optimizer_seconds(costs, costs.total_params / (shards * layout.pp), optimizer, state_bytes,
+                                         layout.n_devices) if cpu_offload else 0.0
+        off = offload_time(memory, t.compute, one_copy, cpu_step, pcie_bandwidth, LINK_EFFICIENCY)
+        t = dataclasses.replace(t, offload=off.total)
     family = registry.family_of(args)
     extra = (("--model.name", family) if family != "llama3" else ()) + optimizer_flags(optimizer, state_bytes)
     return Plan(flavor, gpu, layout.n_devices, gpus_per_node, seq_len, layout, local_batch_size, ac_mode,
                 selective_ac_option, schedule if layout.pp > 1 else None, memory, comm,
-                {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra, costs)
+                {d: links[d] for d in comm}, t, flops, local_batch_size * seq_len * layout.dp, extra, costs,
+                cpu_offload, off, host_memory)
 
 
 def _batch_choices(pp: int, given: int | None) -> list[int]:
@@ -241,8 +295,10 @@ def _batch_choices(pp: int, given: int | None) -> list[int]:
 
 def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, local_batch_size: int | None = None,
            gpus_per_node: int = 8, max_global_tokens: int = MAX_GLOBAL_TOKENS, fused_loss: bool = True,
-           memory_only: bool = False, optimizer: str = "adamw", state_bytes: int = 4) -> list[Plan]:
-    """Every layout of ``n_gpus`` that fits ``gpu`` (module docstring), best first.
+           memory_only: bool = False, optimizer: str = "adamw", state_bytes: int = 4, offload: bool = False,
+           pcie_bandwidth: float = PCIE_GEN5_X16, host_memory: float = HOST_MEMORY_GIB * GIB) -> list[Plan]:
+    """Every layout of ``n_gpus`` that fits ``gpu`` (module docstring), best first; with ``offload``,
+    when none fits, the layouts that fit with activation offload, else with CPU offload.
 
     With ``memory_only`` it stops at the first layout that fits (for the fit check's search over N).
     Raises ValueError for bad sizes.
@@ -252,8 +308,28 @@ def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, lo
                          f"{gpus_per_node}")
     if local_batch_size is not None and local_batch_size < 1:
         raise ValueError(f"local_batch_size: expected an integer >= 1, got {local_batch_size}")
+    passes = [(False, AC_CHOICES)] + (list(OFFLOAD_CHOICES) if offload else [])
+    for cpu_offload, ac_choices in passes:
+        plans, over_cap = _search_pass(args, flavor, n_gpus, gpu, seq_len, local_batch_size, gpus_per_node,
+                                       max_global_tokens, fused_loss, memory_only, optimizer, state_bytes,
+                                       cpu_offload, ac_choices, pcie_bandwidth, host_memory)
+        if memory_only and plans:
+            return plans[:1]
+        if plans:
+            return sorted(plans, key=lambda p: (-p.tokens_per_s_per_gpu, p.memory.total))
+        if over_cap:  # even the smallest batch exceeds the cap: the smallest global batches, fastest first
+            return sorted(over_cap, key=lambda p: (p.tokens_per_step, -p.tokens_per_s_per_gpu, p.memory.total))
+    return []
+
+
+def _search_pass(args, flavor, n_gpus, gpu, seq_len, local_batch_size, gpus_per_node, max_global_tokens, fused_loss,
+                 memory_only, optimizer, state_bytes, cpu_offload, ac_choices, pcie_bandwidth, host_memory
+                 ) -> tuple[list[Plan], list[Plan]]:
+    """One pass of :func:`search` over the layouts with the given offload and AC choices:
+    (plans within the global batch cap, plans over it)."""
     costs = model_costs(args)
     usable = USABLE_FRACTION * gpu.memory
+    host_per_gpu = HOST_USABLE_FRACTION * host_memory / min(n_gpus, gpus_per_node)
     plans: list[Plan] = []
     over_cap: list[Plan] = []
     max_cp = max(1, seq_len // 8192)  # ring attention pays off on long sequences only
@@ -277,27 +353,29 @@ def search(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, lo
                                     for ep in ep_choices(args, ds, dp // ds, cp)]
                         for dp_shard, ep in shard_ep:
                             layout = Layout(dp // dp_shard, dp_shard, tp, pp, cp, ep)
-                            for ac, opt in AC_CHOICES:
+                            for ac, opt in ac_choices:
                                 mem = estimate_memory(costs, layout, b, seq_len, compute_bytes=2, master_bytes=4,
                                                       ac_mode=ac, selective_ac_option=opt,
                                                       pp_schedule=sched or "1F1B", microbatch_size=1,
                                                       fused_loss=fused_loss, optimizer=optimizer,
-                                                      state_bytes=state_bytes)
-                                if mem.total > usable:
+                                                      state_bytes=state_bytes, cpu_offload=cpu_offload)
+                                if mem.total > usable or mem.host > host_per_gpu:
                                     continue
                                 plan = evaluate(args, flavor, gpu, layout, b, seq_len, ac, opt, sched, gpus_per_node,
-                                                fused_loss, memory=mem, optimizer=optimizer, state_bytes=state_bytes)
+                                                fused_loss, memory=mem, optimizer=optimizer, state_bytes=state_bytes,
+                                                cpu_offload=cpu_offload, pcie_bandwidth=pcie_bandwidth,
+                                                host_memory=host_memory)
                                 if memory_only:
-                                    return [plan]
+                                    return [plan], []
                                 (plans if tokens <= max_global_tokens else over_cap).append(plan)
                                 break  # more recomputation only costs time
-    if not plans:  # even the smallest batch exceeds the cap: the smallest global batches, fastest first
-        return sorted(over_cap, key=lambda p: (p.tokens_per_step, -p.tokens_per_s_per_gpu, p.memory.total))
-    return sorted(plans, key=lambda p: (-p.tokens_per_s_per_gpu, p.memory.total))
+    return plans, over_cap
 
 
 def best(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, top: int = 5, **kw) -> list[Plan]:
-    """The ``top`` best distinct layouts (one per layout, its best batch/AC/schedule)."""
+    """The ``top`` best distinct layouts (one per layout, its best batch/AC/schedule); offload when
+    nothing else fits unless ``offload=False`` is given."""
+    kw.setdefault("offload", True)
     out, seen = [], set()
     for p in search(args, flavor, n_gpus, gpu, seq_len, **kw):
         key = (p.layout, p.schedule)
@@ -312,11 +390,12 @@ def best(args: ModelArgs, flavor: str, n_gpus: int, gpu: GPU, seq_len: int, top:
 
 def smallest_fit(args: ModelArgs, flavor: str, seq_len: int, gpu: str = "H100", start: int = 8,
                  limit: int = 16384, fused_loss: bool = True, optimizer: str = "adamw",
-                 state_bytes: int = 4) -> Plan | None:
-    """The best layout at the smallest GPU count (``start`` doubling up to ``limit``) where any fits; None if none."""
+                 state_bytes: int = 4, offload: bool = False) -> Plan | None:
+    """The best layout at the smallest GPU count (``start`` doubling up to ``limit``) where any fits
+    (with ``offload``: offload counts as fitting); None if none."""
     spec = GPUS[gpu]
     n = start
-    kw = dict(fused_loss=fused_loss, optimizer=optimizer, state_bytes=state_bytes)
+    kw = dict(fused_loss=fused_loss, optimizer=optimizer, state_bytes=state_bytes, offload=offload)
     while n <= limit:
         if search(args, flavor, n, spec, seq_len, local_batch_size=None, memory_only=True, **kw):
             found = best(args, flavor, n, spec, seq_len, top=1, **kw)
@@ -364,7 +443,7 @@ def smallest_node_count(args: ModelArgs, flavor: str, seq_len: int, gpu: GPU, gp
     if p2 is None:
         return None
     for n in range(max(gpus_per_node, p2.n_gpus // 2 + gpus_per_node), p2.n_gpus, gpus_per_node):
-        if search(args, flavor, n, gpu, seq_len, gpus_per_node=gpus_per_node, memory_only=True, **okw):
+        if search(args, flavor, n, gpu, seq_len, gpus_per_node=gpus_per_node, memory_only=True, offload=False, **okw):
             return n
     return p2.n_gpus
 
@@ -380,7 +459,7 @@ def optimizer_comparison(args: ModelArgs, flavor: str, gpu: GPU, seq_len: int, g
              f"batch and speed on {base_n}, where AdamW with fp32 states just fits):"]
     for (opt, sb), n in counts.items():
         line = f"  {optimizer_label(opt, sb):<24} fits on {n if n else '> 16384':>5} GPUs"
-        plans = search(args, flavor, base_n, gpu, seq_len, gpus_per_node=gpus_per_node, optimizer=opt,
+        plans = search(args, flavor, base_n, gpu, seq_len, gpus_per_node=gpus_per_node, optimizer=opt, offload=False,
                        state_bytes=sb) if base_n else []
         if plans:
             line += (f"; on {base_n}: optimizer state {plans[0].memory.optimizer / GIB:4.1f} GiB/GPU, largest local "
@@ -411,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the optimizer whose states are counted (default adamw)")
     parser.add_argument("--state_dtype", choices=("float32", "bfloat16"), default="float32",
                         help="dtype of the optimizer states (default float32)")
+    parser.add_argument("--pcie_gbps", type=float, default=PCIE_GEN5_X16 / 1e9,
+                        help="host-device bandwidth per GPU and direction, GB/s nominal (default 64: PCIe Gen5 x16); "
+                             "costs CPU and activation offload")
+    parser.add_argument("--host_memory_gib", type=float, default=HOST_MEMORY_GIB,
+                        help=f"host memory per node in GiB (default {HOST_MEMORY_GIB}); offload must fit "
+                             f"{100 * HOST_USABLE_FRACTION:.0f}%% of it")
     parser.add_argument("--compare_optimizers", action="store_true",
                         help="also show what bf16 states or Muon buy: smallest fit, throughput, largest batch")
     ns = parser.parse_args(argv)
@@ -419,6 +504,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ngpu, --seq_len, --top and --gpus_per_node must be >= 1")
     if ns.local_batch_size is not None and ns.local_batch_size < 1:
         parser.error("--local_batch_size must be >= 1")
+    if not (ns.pcie_gbps > 0 and ns.host_memory_gib > 0):
+        parser.error("--pcie_gbps and --host_memory_gib must be > 0")
     gpus_per_node = ns.gpus_per_node if ns.ngpu >= ns.gpus_per_node else ns.ngpu
     if ns.ngpu % gpus_per_node:
         parser.error(f"--ngpu {ns.ngpu} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")
@@ -429,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     gpu = GPUS[ns.gpu]
     plans = best(args, ns.flavor, ns.ngpu, gpu, ns.seq_len, top=ns.top, local_batch_size=ns.local_batch_size,
-                 gpus_per_node=gpus_per_node, max_global_tokens=ns.max_global_tokens, **okw)
+                 gpus_per_node=gpus_per_node, max_global_tokens=ns.max_global_tokens, pcie_bandwidth=ns.pcie_gbps * 1e9,
+                 host_memory=ns.host_memory_gib * GIB, **okw)
     print(f"{ns.flavor}: {format_params(args)}, seq_len {ns.seq_len}, on {ns.ngpu} x {gpu.name} "
           f"({ns.ngpu // gpus_per_node} node(s) of {gpus_per_node})")
     print(assumptions(gpu, gpus_per_node, **okw))
@@ -448,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
     over = plans[0].tokens_per_step > ns.max_global_tokens
     if over:
         print(f"note: even the smallest layouts' global batch exceeds --max_global_tokens {ns.max_global_tokens:,}")
+    if plans[0].offload is not None:
+        alone = smallest_fit(args, ns.flavor, ns.seq_len, ns.gpu, start=max(8, 2 ** math.ceil(math.log2(ns.ngpu))), **okw)
+        what = "CPU offload" if plans[0].cpu_offload else "activation offload"
+        print(f"note: no layout of {ns.ngpu} x {gpu.name} fits without offload; these need {what} (its cost is on "
+              f"each layout's offload line)" + (f"; without offload the smallest power-of-two count that fits is "
+                                                f"{alone.n_gpus} ({alone.summary()})" if alone else ""))
     for i, p in enumerate(plans, 1):
         print()
         print(p.describe(i))

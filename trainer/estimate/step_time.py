@@ -28,6 +28,8 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
             80% of the link rate (``GPUS``); a group whose ranks span nodes runs at the network's.
             A group's span follows the mesh order (pp, dp_replicate, dp_shard, cp, tp): tp innermost;
             with EP dp_shard is (dp_shard_mod_ep, ep), ep inner.
+  offload   CPU or activation offload: the PCIe copies beyond the compute and the optimizer step on the
+            host (``trainer.estimate.offload``), added by the planner
   MFU       model FLOPs / (step time * peak), as the trainer reports it.
 """
 from __future__ import annotations
@@ -75,14 +77,16 @@ class StepTime:
     pp: float
     bubble: float
     ep: float = 0.0
+    offload: float = 0.0  # PCIe copies not hidden + the CPU optimizer step (trainer.estimate.offload)
 
     @property
     def total(self) -> float:
-        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble + self.ep
+        return self.compute + self.tp + self.cp + self.fsdp + self.pp + self.bubble + self.ep + self.offload
 
     def describe(self) -> str:
         parts = [("compute", self.compute), ("TP", self.tp), ("CP", self.cp), ("EP all-to-all", self.ep),
-                 ("FSDP exposed", self.fsdp), ("PP sends", self.pp), ("bubble", self.bubble)]
+                 ("FSDP exposed", self.fsdp), ("PP sends", self.pp), ("bubble", self.bubble),
+                 ("offload", self.offload)]
         return " + ".join(f"{n} {v:.3g}" for n, v in parts if v > 0 or n == "compute") + f" = {self.total:.3g} s"
 
 

@@ -1,6 +1,7 @@
 """``build_optimizer``: the optimizer of the ``[optimizer]`` section for a (parallelized) model.
 
-Plain AdamW with float32 states and no group rules is ``torch.optim.AdamW`` (fused, foreach or a
+With CPU offload and ``implementation auto`` it is TitanOptimizer (titan's native CPU kernel). Otherwise
+plain AdamW with float32 states and no group rules is ``torch.optim.AdamW`` (fused, foreach or a
 for-loop, ``optimizer.implementation``), in two groups: weight decay on parameters with >= 2 dims,
 none on 1-D ones. Anything else (``optimizer.name muon``, ``optimizer.groups`` rules, bfloat16
 states, QK-clip, or ``implementation titan``) is ``trainer.optim.optimizer.TitanOptimizer``, whose
@@ -16,6 +17,7 @@ from torch import nn
 
 from trainer.optim.describe import log_optimizer
 from trainer.optim.groups import param_groups
+from trainer.parallel.cpu_offload import OverlappedStep
 from trainer.optim.optimizer import TitanOptimizer
 from trainer.optim.qk_clip import QKClip
 
@@ -49,7 +51,8 @@ def uses_titan_optimizer(cfg: "OptimizerConfig") -> bool:
             or cfg.qk_clip_threshold is not None or cfg.implementation == "titan")
 
 
-def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed: int = 0) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed: int = 0,
+                    cpu_offload: bool = False, overlap: bool = True) -> torch.optim.Optimizer:
     """The optimizer over ``model``'s trainable parameters (module docstring).
 
     Args:
@@ -57,6 +60,10 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
         cfg: the ``[optimizer]`` section.
         mesh: the world DeviceMesh, or None in one process (Muon's exchange groups, QK-clip's reductions).
         seed: the stochastic rounding seed of bfloat16 states (``training.seed``).
+        cpu_offload: the parameters live in host memory (``--training.enable_cpu_offload``): with
+            implementation auto the step is TitanOptimizer's, i.e. titan's native CPU ``fused_adamw_``,
+            and with ``overlap`` (not under pipeline parallel) it overlaps the next forward
+            (``trainer.parallel.cpu_offload.OverlappedStep``).
 
     Raises ValueError for an unknown optimizer name or implementation, group rules that give Muon to
     a vector, or QK-clip on a model without it; RuntimeError if 'fused' was asked for parameters on
@@ -68,7 +75,7 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError("model: has no trainable parameters")
-    if not uses_titan_optimizer(cfg):
+    if not (uses_titan_optimizer(cfg) or (cpu_offload and cfg.implementation == "auto")):
         decay = [p for _, p in named if p.dim() >= 2]
         no_decay = [p for _, p in named if p.dim() < 2]
         groups = [{"params": decay, "weight_decay": cfg.weight_decay}]
@@ -88,4 +95,6 @@ def build_optimizer(model: nn.Module, cfg: "OptimizerConfig", *, mesh=None, seed
                          rms_match=cfg.muon_rms_match, ns_dtype=NS_DTYPES[cfg.muon_ns_dtype], mesh=mesh,
                          after_step=clip)
     log_optimizer(opt)  # the start-up log names it, its groups and QK-clip (trainer.optim.describe)
+    if cpu_offload and overlap:
+        OverlappedStep(model, opt)
     return opt

@@ -92,14 +92,26 @@ class TitanOptimizer(torch.optim.Optimizer):
         self.ns_dtype = ns_dtype
         # Built now: with a mesh it creates process groups, collectively on every rank.
         self._exchange = MatrixExchange([n for n, _ in muon], self._muon_params, mesh, ns_dtype, ns_steps)
+        self._overlap = None  # trainer.parallel.cpu_offload.OverlappedStep, installed by CPU offload
 
     def param_name(self, p: torch.Tensor) -> str:
         return self._names[id(p)]
 
     # -- step ------------------------------------------------------------------------------------
 
+    def synchronize(self) -> None:
+        """Wait for an update still running in the background (CPU offload's overlapped step)."""
+        if self._overlap is not None:
+            self._overlap.synchronize()
+
+    def state_dict(self) -> dict:
+        self.synchronize()
+        return super().state_dict()
+
     @torch.no_grad()
     def step(self, closure=None):
+        if self._overlap is not None and closure is None and self._overlap.launch():
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -113,26 +125,62 @@ class TitanOptimizer(torch.optim.Optimizer):
             self.after_step()
         return loss
 
-    def _adamw(self, group: dict) -> None:
+    def _adamw(self, group: dict, params=None, grads: dict | None = None, lr: float | None = None,
+               local: bool = False) -> None:
+        """AdamW over ``params`` of ``group`` (default all), with ``grads`` ({id: gradient}, default each
+        ``p.grad``) and ``lr`` (default the group's); ``local``: on the DTensors' local shards."""
         sdt = STATE_DTYPES[group["state_dtype"]]
         by_step: dict[int, list] = {}
-        for p in group["params"]:
-            if p.grad is None:
+        grad_of = {}
+        for p in group["params"] if params is None else params:
+            g = p.grad if grads is None else grads.get(id(p))
+            if g is None:
                 continue
-            st = self.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+            grad_of[id(p)] = g
+            st = self._adamw_state(p, sdt)
             st["step"] += 1
             by_step.setdefault(int(st["step"].item()), []).append(p)
         beta1, beta2 = group["betas"]
+        view = _local if local else (lambda t: t)
         for step, ps in by_step.items():
             titan_kernels.fused_adamw_(
-                ps, [p.grad for p in ps], [self.state[p]["exp_avg"] for p in ps],
-                [self.state[p]["exp_avg_sq"] for p in ps], lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-                eps=group["eps"], weight_decay=group["weight_decay"], step=step, seed=group["seed"],
+                [view(p) for p in ps], [view(grad_of[id(p)]) for p in ps],
+                [view(self.state[p]["exp_avg"]) for p in ps], [view(self.state[p]["exp_avg_sq"]) for p in ps],
+                lr=float(group["lr"] if lr is None else lr), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], step=step, seed=group["seed"],
                 param_keys=[zlib.crc32(self._names[id(p)].encode()) for p in ps])
+
+    def _adamw_state(self, p: torch.Tensor, sdt: torch.dtype) -> dict:
+        st = self.state[p]
+        if not st:
+            st["step"] = torch.tensor(0.0)
+            st["exp_avg"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=sdt, memory_format=torch.preserve_format)
+        return st
+
+    def deferred_adamw(self):
+        """The AdamW part of this step, to run later piece by piece (CPU offload's overlapped step,
+        ``trainer.parallel.cpu_offload``): returns ``run(ids)``, which updates the parameters whose
+        ``id`` is in ``ids`` with the gradients and learning rates of now (so zero_grad and the LR
+        schedule may move on meanwhile). None when the step has more than AdamW groups (Muon's
+        exchange, QK-clip): those run whole, in :meth:`step`."""
+        if self._muon_params or self.after_step is not None:
+            return None
+        groups = [(g, float(g["lr"]), {id(p): p.grad for p in g["params"] if p.grad is not None})
+                  for g in self.param_groups if g["optimizer"] == "adamw"]
+        for g, _, grads in groups:  # new states now, in this thread: the worker touches local shards only
+            for p in g["params"]:
+                if id(p) in grads:
+                    self._adamw_state(p, STATE_DTYPES[g["state_dtype"]])
+
+        @torch.no_grad()
+        def run(ids: set[int]) -> None:
+            for group, lr, grads in groups:
+                params = [p for p in group["params"] if id(p) in ids]
+                if params:
+                    self._adamw(group, params, grads, lr, local=True)
+
+        return run
 
     def _muon(self) -> None:
         group_of = {id(p): g for g in self.param_groups if g["optimizer"] == "muon" for p in g["params"]}
@@ -177,6 +225,7 @@ class TitanOptimizer(torch.optim.Optimizer):
         written by torch.optim.AdamW), and the states are cast back to the configured dtype (torch
         casts them to the parameter's). Raises ValueError when a group's saved optimizer differs
         from the configured one (its states would not fit)."""
+        self.synchronize()
         super().load_state_dict(state_dict)
         for g, cfg in zip(self.param_groups, self._config):
             saved = g.get("optimizer", cfg["optimizer"])

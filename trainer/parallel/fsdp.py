@@ -8,6 +8,11 @@ group, all-reduce across groups.
 Gloo (CPU) does not implement every reduce op FSDP2 may pick (ReduceOp.AVG, PREMUL_SUM), so on gloo
 every FSDP unit is told to use plain SUM collectives with a separate division by the data-parallel
 size (``set_force_sum_reduction_for_comms``). The result is the same average of gradients.
+
+``cpu_offload`` (``--training.enable_cpu_offload``): FSDP2's ``CPUOffloadPolicy`` on every unit, so the
+sharded parameters, their gradients and (through them) the optimizer states live in host memory
+(pinned on GPUs); each unit's shard is copied to the device before its all-gather and its reduced
+gradient back after the reduce-scatter (``trainer/parallel/cpu_offload.py`` has the rest).
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 
 RESHARD_POLICIES = ("default", "always", "never")
@@ -47,6 +52,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     expert_mesh: DeviceMesh | None = None,
     expert_params: list[nn.Parameter] | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` (a Transformer with ``model.layers``) in place with FSDP2 and return it.
 
@@ -57,6 +63,8 @@ def apply_fsdp(
     if not hasattr(model, "layers"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned host memory makes the copies to and from the GPU asynchronous; a CPU-only run cannot pin.
+    offload = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     # Expert parallel: the routed experts (DTensors on the ep mesh) are their own FSDP unit over the
     # ranks that hold the same experts (``expert_mesh``, dp_shard_mod_ep); with none left over
     # (ep = dp_shard) FSDP2 leaves them alone (nothing to shard or average).
@@ -66,14 +74,16 @@ def apply_fsdp(
         ff = getattr(block, "feed_forward", None)
         if experts and hasattr(ff, "experts") and id(ff.experts.w1) in experts:
             if expert_mesh is not None and expert_mesh.size() > 1:
-                fully_shard(ff.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+                fully_shard(ff.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
+                            offload_policy=offload)
             else:
                 ignored.update(ff.experts.parameters())
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
-                    ignored_params=ignored or None)
+                    ignored_params=ignored or None, offload_policy=offload)
     # The root (embedding, final norm, output) stays gathered from forward to backward: the fused
     # loss reads output.weight after the forward (trainer.models.common.losses.linear_cross_entropy_loss).
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None,
+                offload_policy=offload)
     if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
         for module in model.modules():
             if isinstance(module, FSDPModule):

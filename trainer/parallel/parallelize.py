@@ -17,7 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainer.config.activation_policy import describe as describe_modes
+from trainer.estimate.offload import run_layer_modes
 from trainer.parallel.activation_checkpoint import apply_ac
+from trainer.parallel.cpu_offload import materialize
 from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel, apply_cp, check_cp_chunks
 from trainer.parallel.expert_parallel import check_ep_divisibility, shard_experts
@@ -138,6 +141,11 @@ def parallelize_decoder(
     else:
         stages = [model]
 
+    # Per-layer activation modes (per_layer rules, mode budget): the same list on every stage.
+    layer_modes = run_layer_modes(config, args, dims.tp, dims.cp, param_dtype.itemsize if param_dtype else 4,
+                                  torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    if layer_modes is not None:
+        logger.info("activation modes per layer: %s", describe_modes(layer_modes))
     loss_parallel = dims.tp_enabled and not p.disable_loss_parallel
     cp = None
     expert_params: list[nn.Parameter] = []
@@ -148,17 +156,18 @@ def parallelize_decoder(
         expert_params += shard_experts(stage, mesh, dims.ep, dims.tp)
         if dims.cp_enabled:
             cp = apply_cp(stage, mesh["cp"])
-        apply_ac(stage, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+        apply_ac(stage, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
+                 layer_modes=dict(enumerate(layer_modes or [])), device=device)
         if config.compile.enable and "model" in config.compile.components:
             # Ring attention communicates point to point: it runs eagerly between compiled regions.
             apply_compile(stage, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
         if use_fsdp:
             apply_fsdp(stage, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, dims.pp_enabled),
-                       expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep_enabled else None, expert_params=expert_params)
+                       expert_mesh=mesh["dp_shard_mod_ep"] if dims.ep_enabled else None, expert_params=expert_params,
+                       cpu_offload=config.training.enable_cpu_offload)
     for stage in stages:
-        stage.to_empty(device=device)
-        stage.init_weights(config.training.seed)
+        materialize(stage, device, config.training.seed, config.training.enable_cpu_offload)
         stage.train()
 
     pipeline = None
