@@ -15,12 +15,14 @@ tensor on the host except the label counts of the (CPU) batches and :meth:`NonFi
 from __future__ import annotations
 
 import contextlib
+import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.data.loader import IGNORE_INDEX
+from trainer.observe.outputs import data_error
 from trainer.models.common.losses import future_labels
 from trainer.errors import TrainingError, NonFiniteLossError  # noqa: F401  (defined on the ground floor)
 
@@ -227,3 +229,23 @@ class NonFiniteWatch:
             f"the optimizer step of step {step}; {kept()}. {advice}"
         )
 
+
+def next_batches(data_iter, n: int, pin: bool, dataset: str) -> tuple[list[dict[str, torch.Tensor]], float]:
+    """The next ``n`` micro-batches of ``data_iter`` and the seconds spent waiting for them; ``pin``:
+    into pinned memory (CUDA). A data error (e.g. a bad file deep in a folder) becomes the one-line
+    TrainingError of ``trainer.observe.outputs.data_error`` naming the ``dataset`` key."""
+    data_wait = 0.0
+    batches = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        try:
+            batch = next(data_iter)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise data_error(exc, dataset) from None
+        if pin:
+            # A copy from pageable memory first waits for the stream (a host sync every step);
+            # from pinned memory the non_blocking copies in forward_backward are asynchronous.
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        batches.append(batch)
+        data_wait += time.perf_counter() - t0
+    return batches, data_wait

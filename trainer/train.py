@@ -66,6 +66,7 @@ from trainer.data import build_dataloader, build_tokenizer, build_validation_loa
 from trainer.evaluate import Validator
 from trainer.run.fault_tolerance import ReplicaGroups
 from trainer.estimate.fit import fit_message
+from trainer.estimate.offload import run_layer_modes
 from trainer.observe.metrics import MetricsLogger
 from trainer.models.common.moe import load_metrics, moe_modules, update_load_balance
 from trainer.registry import build_model, model_args, spec_of
@@ -308,7 +309,8 @@ class Trainer:
                 model, config, dims, self.mesh, self.device, use_fsdp=self.use_fsdp,
                 param_dtype=self.compute_dtype if self.mixed_precision else None,
                 reduce_dtype=DTYPES[cfg_t.mixed_precision_reduce] if self.mixed_precision else None, loss_fn=loss_fn,
-            )
+                layer_modes=run_layer_modes(config, self.args, dims.tp, dims.cp, self.compute_dtype.itemsize if self.mixed_precision else 4,
+                                            torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""))
         except ValueError as exc:  # the model does not fit the layout
             raise ConfigError(str(exc)) from None
         self.pm = pm
@@ -526,21 +528,8 @@ class Trainer:
 
     def _next_batches(self) -> tuple[list[dict[str, torch.Tensor]], float]:
         """This rank's ``grad_accum`` micro-batches of the next step and the seconds spent waiting for them."""
-        data_wait = 0.0
-        batches = []
-        for _ in range(self.grad_accum):
-            t0 = time.perf_counter()
-            try:
-                batch = next(self._data_iter)
-            except (ValueError, RuntimeError, OSError) as exc:  # e.g. a bad file deep in a folder
-                raise data_error(exc, dataset_key(self.config, "training")) from None
-            if self.device.type == "cuda":
-                # A copy from pageable memory first waits for the stream (a host sync every step);
-                # from pinned memory the non_blocking copies in forward_backward are asynchronous.
-                batch = {k: v.pin_memory() for k, v in batch.items()}
-            batches.append(batch)
-            data_wait += time.perf_counter() - t0
-        return batches, data_wait
+        return numerics.next_batches(self._data_iter, self.grad_accum, self.device.type == "cuda",
+                                     dataset_key(self.config, "training"))
 
     def _kept(self) -> str:
         """Which checkpoint is good, for the non-finite message."""

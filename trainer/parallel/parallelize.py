@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainer.config.activation_policy import describe as describe_modes
-from trainer.estimate.offload import run_layer_modes
 from trainer.parallel.activation_checkpoint import apply_ac
 from trainer.parallel.cpu_offload import materialize
 from trainer.parallel.compile import apply_compile
@@ -84,6 +83,7 @@ def parallelize_decoder(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     loss_fn=None,
+    layer_modes: list[str] | None = None,
 ) -> ParallelModel:
     """Parallelize ``model`` (a meta-device ``Transformer``, float8-converted if asked) per ``config``
     (a JobConfig: parallelism, activation_checkpoint, compile, training.seed/local_batch_size) on
@@ -91,7 +91,9 @@ def parallelize_decoder(
 
     ``use_fsdp``: wrap with FSDP2 over ``dims.dp_mesh`` (also for one-process mixed precision);
     ``param_dtype``/``reduce_dtype``: its mixed precision. ``loss_fn``: the token-loss function the
-    last pipeline stage calls (needed with pipeline parallel).
+    last pipeline stage calls (needed with pipeline parallel). ``layer_modes``: the activation mode of
+    each layer (``trainer.estimate.offload.run_layer_modes``), None for ``activation_checkpoint.mode``
+    alone.
 
     Raises ValueError naming the parallelism key when the model does not fit the layout (heads,
     FFN or vocabulary not divisible by tp, too few layers for the stages, bad split points, a
@@ -141,9 +143,8 @@ def parallelize_decoder(
     else:
         stages = [model]
 
-    # Per-layer activation modes (per_layer rules, mode budget): the same list on every stage.
-    layer_modes = run_layer_modes(config, args, dims.tp, dims.cp, param_dtype.itemsize if param_dtype else 4,
-                                  torch.cuda.get_device_name(device) if device.type == "cuda" else "")
+    # Per-layer activation modes (per_layer rules, mode budget; the caller's estimate chose them): the
+    # same list on every stage.
     if layer_modes is not None:
         logger.info("activation modes per layer: %s", describe_modes(layer_modes))
     loss_parallel = dims.tp_enabled and not p.disable_loss_parallel

@@ -24,7 +24,6 @@ from torch import nn
 import titan_kernels
 from titan_kernels import rope_type, yarn_mscale
 from titan_kernels.nn import RMSNorm, RotaryEmbedding
-from titan_kernels.ops.rope_tables import rope_type, yarn_mscale
 from trainer.models.common.attention import attend, layer_mask
 
 LATENT_NORM_EPS = 1e-6
