@@ -24,6 +24,7 @@ FAMILY_PACKAGES = (
     "trainer.models.qwen3",
     "trainer.models.deepseek_v3",
     "trainer.models.gpt_oss",
+    "trainer.models.flux",
 )
 
 
