@@ -44,6 +44,8 @@ class ModelSpec:
             or None when the family has no Hugging Face counterpart.
         hf_model_types: the ``model_type`` values of config.json this family reads.
         parallelize: ``"module:function"`` replacing the shared ``parallelize_decoder``, or None.
+        task: ``"module:class"`` of what the family trains on and how (``trainer.task``: its batches,
+            loss, validation; language modelling by default); each run makes its own instance.
         extra: anything else a family wants to hand its own hooks.
     """
 
@@ -56,6 +58,7 @@ class ModelSpec:
     hf_adapter: str | None = None
     hf_model_types: tuple[str, ...] = ()
     parallelize: str | None = None
+    task: str = "trainer.task:LanguageModelling"
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def load(self, what: str) -> Any:

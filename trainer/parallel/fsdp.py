@@ -54,7 +54,7 @@ def apply_fsdp(
     The root keeps its parameters (embedding, final norm, output) gathered from forward to backward,
     as FSDP2 does for the root. Works on the meta device (materialize afterwards with ``to_empty``).
     """
-    if not hasattr(model, "layers"):
+    if not hasattr(model, "layers") and not hasattr(model, "blocks"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Expert parallel: the routed experts (DTensors on the ep mesh) are their own FSDP unit over the
