@@ -26,9 +26,11 @@ SHIFT_SCALE_DEFAULT = (0.1159, 0.3611)  # FLUX.1's autoencoder: shift_factor, sc
 
 def _need(package: str):
     try:
-        return __import__(package)
+        module = __import__(package)
     except ImportError:
         raise RuntimeError(f"Flux's encoders need the {package} package: pip install {package}") from None
+    module.utils.logging.disable_progress_bar()  # a run's console keeps its own lines
+    return module
 
 
 class ByteTokenizer:
