@@ -105,6 +105,13 @@ class FluxArgs(ModelArgs):
         d = self.dim
         return (d * 2 * d + 2 * d) + (d * self.in_channels + self.in_channels)
 
+    def output_params(self) -> int:
+        """The final layer (AdaLN projection and the patch projection), where a decoder has its output."""
+        return self.final_params()
+
+    def loss_vocab_size(self) -> int:
+        return 0  # an MSE, no softmax
+
     def layer_params(self) -> int:
         """The largest block (a double-stream one)."""
         return self.double_block_params()

@@ -1,11 +1,16 @@
 """Flux <-> diffusers' ``FluxTransformer2DModel`` (a FluxPipeline folder's ``transformer/``):
 config.json both ways, our (Black Forest Labs') parameter names <-> diffusers', and the one layout
-change: the final AdaLN projection stores (shift, scale) here (as BFL does) and (scale, shift) in
-diffusers (``norm_out.linear``), so its rows swap halves on the way. diffusers writes its weights
+changes: the final AdaLN projection stores (shift, scale) here (as BFL does) and (scale, shift) in
+diffusers (``norm_out.linear``), so its rows swap halves on the way; a single block's output
+projection is ours as two column blocks (``out_attn`` (dim, dim), ``out_mlp`` (dim, 4 dim) with the
+bias) and diffusers' as one ``proj_out`` (dim, 5 dim), so they convert together (``export_group``).
+diffusers' transformer has no mlp_ratio field: it is 4. diffusers writes its weights
 as ``diffusion_pytorch_model.safetensors`` (``weights_name``); its config.json names the class in
 ``_class_name`` where transformers has ``model_type``.
 """
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -48,10 +53,14 @@ def _key_map() -> dict[str, str]:
     m[f"{s}.attn.q_norm.weight"] = f"{st}.attn.norm_q.weight"
     m[f"{s}.attn.k_norm.weight"] = f"{st}.attn.norm_k.weight"
     m.update(_linear(f"{s}.mlp_in", f"{st}.proj_mlp"))
-    m.update(_linear(f"{s}.out", f"{st}.proj_out"))
+    m[f"{s}.out_mlp.bias"] = f"{st}.proj_out.bias"  # the weight's two column blocks: _OUT, below
     m.update(_linear("final_layer.adaLN_modulation", "norm_out.linear"))
     m.update(_linear("final_layer.linear", "proj_out"))
     return m
+
+
+_OUT = re.compile(r"^single_blocks\.(\d+)\.out_(attn|mlp)\.weight$")
+_HF_OUT = re.compile(r"^single_transformer_blocks\.(\d+)\.proj_out\.weight$")
 
 
 def _swap_halves(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +75,8 @@ class FluxAdapter(HFAdapter):
     weights_name = "diffusion_pytorch_model"
 
     def config(self, args: FluxArgs, dtype: torch.dtype = torch.float32) -> dict:
+        if args.mlp_ratio != 4.0:
+            raise HFCheckpointError(f"cannot write a diffusers Flux config: mlp_ratio {args.mlp_ratio} (diffusers' is 4)")
         return {
             "_class_name": CLASS_NAME,
             "attention_head_dim": args.head_dim,
@@ -104,6 +115,55 @@ class FluxAdapter(HFAdapter):
             if all(getattr(flavor, f) == getattr(args, f) for f in FluxArgs.SHAPE_FIELDS + ("axes_dim",)):
                 return flavor, name
         return args, "custom"
+
+    # -- a single block's output projection: two of our tensors, one of theirs --
+
+    def hf_names(self, args, key: str, fused: bool = False) -> list[str]:
+        m = _OUT.match(key)
+        if m:
+            return [f"single_transformer_blocks.{m.group(1)}.proj_out.weight"]
+        return super().hf_names(args, key, fused)
+
+    def hf_shape(self, key: str, want: tuple[int, ...], name: str) -> tuple[int, ...]:
+        if _OUT.match(key):  # (dim, dim + 4 dim): the attention's and the MLP's columns
+            return (want[0], 5 * want[0])
+        return want
+
+    def export_group(self, key: str) -> tuple[str, ...]:
+        m = _OUT.match(key)
+        if m:
+            return tuple(f"single_blocks.{m.group(1)}.out_{w}.weight" for w in ("attn", "mlp"))
+        return (key,)
+
+    def to_hf(self, state_dict, args):
+        """Ours -> diffusers'; a single block's out_attn and out_mlp weights must come together."""
+        out, rest = {}, {}
+        for key, t in state_dict.items():
+            m = _OUT.match(key)
+            if m is None:
+                rest[key] = t
+                continue
+            a, b = self.export_group(key)
+            if a not in state_dict or b not in state_dict:
+                raise KeyError(f"{key}: out_attn and out_mlp make one proj_out; convert them together ({a}, {b})")
+            out[self.hf_names(args, key)[0]] = torch.cat([state_dict[a], state_dict[b]], dim=1)
+        out.update(super().to_hf(rest, args))
+        return out
+
+    def from_hf(self, state_dict, args):
+        out, rest = {}, {}
+        for key, t in state_dict.items():
+            m = _HF_OUT.match(key)
+            if m is None:
+                rest[key] = t
+                continue
+            d = t.shape[0]
+            if t.dim() != 2 or t.shape[1] != 5 * d:
+                raise ValueError(f"{key}: expected shape ({d}, {5 * d}) (attention and MLP columns), got {tuple(t.shape)}")
+            out[f"single_blocks.{m.group(1)}.out_attn.weight"] = t[:, :d].contiguous()
+            out[f"single_blocks.{m.group(1)}.out_mlp.weight"] = t[:, d:].contiguous()
+        out.update(super().from_hf(rest, args))
+        return out
 
     def tensor_to_hf(self, key: str, t: torch.Tensor, args) -> torch.Tensor:
         return _swap_halves(t) if key.startswith("final_layer.adaLN_modulation.") else t

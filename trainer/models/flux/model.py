@@ -84,8 +84,10 @@ class DoubleStreamBlock(nn.Module):
 
 
 class SingleStreamBlock(nn.Module):
-    """Attention and MLP in parallel on the joined sequence, one output projection over both
-    (``out(cat(attn, gelu_tanh(mlp_in(x))))``). forward(x (b, seq, dim), vec (b, dim), rope) -> x."""
+    """Attention and MLP in parallel on the joined sequence, one output projection over both,
+    ``out(cat(attn, gelu_tanh(mlp_in(x))))``, held as its two column blocks ``out_attn`` (no bias) and
+    ``out_mlp`` (so that tensor parallel splits each like its input; the Hugging Face export joins
+    them). forward(x (b, seq, dim), vec (b, dim), rope) -> x."""
 
     def __init__(self, layer_id: int, args) -> None:
         super().__init__()
@@ -93,7 +95,8 @@ class SingleStreamBlock(nn.Module):
         self.mod = Modulation(args.dim, 3)
         self.attn = QKV(args.dim, args.head_dim, args.norm_eps)
         self.mlp_in = nn.Linear(args.dim, args.ffn_hidden_dim)
-        self.out = nn.Linear(args.dim + args.ffn_hidden_dim, args.dim)
+        self.out_attn = nn.Linear(args.dim, args.dim, bias=False)
+        self.out_mlp = nn.Linear(args.ffn_hidden_dim, args.dim)
         self.context_parallel = None
 
     def forward(self, x: torch.Tensor, vec: torch.Tensor, rope: Rope) -> torch.Tensor:
@@ -101,7 +104,7 @@ class SingleStreamBlock(nn.Module):
         h = modulate(x, shift, scale)
         q, k, v = self.attn(h)
         attn = joint_attention(q, k, v, rope, self.context_parallel)
-        return x + gate * self.out(torch.cat([attn, F.gelu(self.mlp_in(h), approximate="tanh")], dim=-1))
+        return x + gate * (self.out_attn(attn) + self.out_mlp(F.gelu(self.mlp_in(h), approximate="tanh")))
 
 
 class FinalLayer(nn.Module):
