@@ -4,8 +4,9 @@ equals one process.
 On CPU gloo, float32, same seed and data (tests/distributed/layouts.py): per-step loss within 1e-4
 and gradient norm within 1e-4 relative of the single-process run. Each sample's noise, timestep and
 caption dropout are drawn from its global sample number, so the layouts see the same noisy inputs.
-FSDP 2 runs by default; HSDP 2x2 (4 ranks) is slow, covered by default through FSDP 2 (the same
-FSDP2 wrapping of the same blocks, with the replicate dimension added by the shared code).
+FSDP 2 runs by default; TP 2 and CP 2 (the non-causal ring over the joint text + image sequence)
+and HSDP 2x2 (4 ranks) are slow: by default FSDP 2 covers the layout machinery, the one-process
+tests the model, and tests/distributed/test_context_parallel_attention.py the ring itself.
 """
 import pytest
 
@@ -45,5 +46,16 @@ def test_hsdp_2x2_equals_one_process(tmp_path, tmp_path_factory):
     runs = run_layouts(4, {"hsdp2x2": [*FLUX, "--parallelism.data_parallel_replicate_degree", "2",
                                        "--parallelism.data_parallel_shard_degree", "2",
                                        "--training.local_batch_size", "1"]}, tmp_path)
+    for name, got in runs.items():
+        assert_same(got, single), name
+
+
+@pytest.mark.slow
+def test_tp2_and_cp2_equal_one_process(tmp_path, tmp_path_factory):
+    single = reference(tmp_path_factory, *FLUX)
+    runs = run_layouts(2, {"tp2": [*FLUX, "--parallelism.tensor_parallel_degree", "2",
+                                   "--training.local_batch_size", "4"],
+                           "cp2": [*FLUX, "--parallelism.context_parallel_degree", "2",
+                                   "--training.local_batch_size", "4"]}, tmp_path)
     for name, got in runs.items():
         assert_same(got, single), name

@@ -9,5 +9,6 @@ SPEC = ModelSpec(
     description="Black Forest Labs FLUX.1 (rectified-flow MMDiT over T5 + CLIP text encodings)",
     build="trainer.models.flux.model:FluxTransformer",
     hf_adapter="trainer.models.flux.hf:ADAPTER", hf_model_types=("FluxTransformer2DModel",),
+    parallelize="trainer.models.flux.parallelize:parallelize_flux",
     task="trainer.models.flux.task:FluxTask",
 )

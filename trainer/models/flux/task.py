@@ -7,7 +7,8 @@ parallel layout: ``x_t = (1 - t) x_0 + t eps``, target ``eps - x_0``, t logit-no
 the image token count (``trainer.models.flux.flow``). The loss is the mean squared error over every
 latent value of the step's samples on all ranks: each micro-batch's summed squared error is scaled
 by ``dp / (values of the step)`` and FSDP2 averages the gradients over the dp ranks (as
-``trainer.step`` scales token losses). Pipeline, tensor and context parallel are refused.
+``trainer.step`` scales token losses). Under context parallel each rank takes its part of the
+tokens (``local``) and the values add up over the dp x cp ranks.
 """
 from __future__ import annotations
 
@@ -131,14 +132,17 @@ class FluxTask:
 
     # -- training --
 
-    def build_loss_fn(self, model, config, dims):
-        from trainer.config import ConfigError
+    @staticmethod
+    def local(cp, inputs: dict, target: torch.Tensor) -> tuple[dict, torch.Tensor]:
+        """Under context parallel (``cp`` a ContextParallel, else None): this rank's part of the text
+        and image tokens, their ids and the target, each stream split on its own."""
+        if cp is None:
+            return inputs, target
+        inputs = {**inputs, "img": cp.shard(inputs["img"], 1), "txt": cp.shard(inputs["txt"], 1),
+                  "img_ids": cp.shard(inputs["img_ids"], 0), "txt_ids": cp.shard(inputs["txt_ids"], 0)}
+        return inputs, cp.shard(target, 1)
 
-        for on, key in ((dims.pp_enabled, "pipeline_parallel_degree"), (dims.tp_enabled, "tensor_parallel_degree"),
-                        (dims.cp_enabled, "context_parallel_degree")):
-            if on:
-                raise ConfigError(f"--parallelism.{key}: not supported for Flux yet; use FSDP / HSDP "
-                                  "(data_parallel_shard_degree, data_parallel_replicate_degree)")
+    def build_loss_fn(self, model, config, dims):
         return True, mse_sum
 
     def setup(self, trainer) -> None:
@@ -151,7 +155,8 @@ class FluxTask:
             x0, txt, vec = self.encode(b)
             noise, t = self.noise_and_timesteps(config, args, b["sample"], tuple(x0.shape[1:]))
             x_t, target = noisy(x0.float(), noise.to(device), t.to(device))
-            prepared.append((self.model_inputs(args, config, x_t, txt, vec, t), pack(target)))
+            inputs, target = self.local(trainer.pm.cp, self.model_inputs(args, config, x_t, txt, vec, t), pack(target))
+            prepared.append((inputs, target))
             n_local += target.numel()
         n_total = torch.tensor(float(n_local), device=device)
         if trainer._dp_group is not False:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from trainer.models.flux.flow import noisy, pack
 from trainer.models.flux.loader import _seed
+from trainer.models.flux.parallelize import without_context_parallel
 from trainer.models.flux.pipeline import generate, initial_noise, latent_shape
 
 TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -66,8 +67,8 @@ class FluxValidator:
             for t_value in TIMESTEPS:
                 t = torch.full((x0.shape[0],), t_value, device=device)
                 x_t, target = noisy(x0.float(), noise, t)
-                pred = tr.model(**task.model_inputs(tr.args, config, x_t, txt, vec, t))
-                total[0] += (pred.float() - pack(target)).pow(2).sum()
+                inputs, target = task.local(tr.pm.cp, task.model_inputs(tr.args, config, x_t, txt, vec, t), pack(target))
+                total[0] += (tr.model(**inputs).float() - target).pow(2).sum()
                 total[1] += target.numel()
             tokens += pack(x0).shape[0] * pack(x0).shape[1]
             batches += 1
@@ -82,8 +83,9 @@ class FluxValidator:
         if not self.prompts:
             return
         shape = latent_shape(tr.args, task.encoders.vae_scale, len(self.prompts), f.img_size, f.img_size)
-        images = generate(tr.model, task.encoders, self.prompts, initial_noise(shape, SAMPLE_SEED),
-                          steps=f.sample_steps, guidance=f.guidance, dynamic_shift=f.time_shift)
+        with without_context_parallel(tr.model):  # each cp rank runs the whole (short) sampling
+            images = generate(tr.model, task.encoders, self.prompts, initial_noise(shape, SAMPLE_SEED),
+                              steps=f.sample_steps, guidance=f.guidance, dynamic_shift=f.time_shift)
         if tr.rank == 0:
             save_row(images, self.folder / f"step-{tr.step}.png")
             (self.folder / f"step-{tr.step}.txt").write_text("\n".join(self.prompts) + "\n", encoding="utf-8")
