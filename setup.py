@@ -35,11 +35,13 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "pytest-xdist>=3", "expecttest", "ninja",
-                 "transformers>=4.45", "wandb>=0.19", "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
+                 "transformers>=4.45", "wandb>=0.19", "diffusers>=0.32",
+                 "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
         "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.fault_tolerance)
         "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],
+        "flux": ["transformers>=4.45", "diffusers>=0.32", "pillow"],  # Flux's encoders, autoencoder, images
     },
     **native_build(),
 )

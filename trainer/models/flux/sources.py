@@ -20,7 +20,17 @@ IMAGE_EXTS = (".jpg", ".jpeg", ".png", ".webp", ".bmp")
 CAPTION_KEYS = ("caption", "text", "prompt")
 
 
+def pil():
+    """The PIL package; raises RuntimeError (one line) without it."""
+    try:
+        import PIL.Image
+    except ImportError:
+        raise RuntimeError("Flux's image files need the pillow package: pip install pillow") from None
+    return PIL
+
+
 def _decode(data: bytes | str | Path, where: str) -> np.ndarray:
+    pil()
     from PIL import Image, UnidentifiedImageError
 
     try:

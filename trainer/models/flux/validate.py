@@ -22,6 +22,7 @@ from trainer.models.flux.flow import noisy, pack
 from trainer.models.flux.loader import _seed
 from trainer.models.flux.parallelize import without_context_parallel
 from trainer.models.flux.pipeline import generate, initial_noise, latent_shape
+from trainer.models.flux.sources import pil
 
 TIMESTEPS = (0.1, 0.3, 0.5, 0.7, 0.9)
 SAMPLE_SEED = 1234
@@ -34,8 +35,7 @@ def to_uint8(images: torch.Tensor) -> torch.Tensor:
 
 def save_row(images: torch.Tensor, path: Path) -> None:
     """Images (n, 3, H, W) in [-1, 1] side by side as one PNG."""
-    from PIL import Image
-
+    Image = pil().Image
     row = torch.cat(list(to_uint8(images)), dim=1)
     path.parent.mkdir(parents=True, exist_ok=True)
     Image.fromarray(row.numpy()).save(path)
