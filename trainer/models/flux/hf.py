@@ -73,6 +73,7 @@ class FluxAdapter(HFAdapter):
     model_types = (CLASS_NAME,)
     key_map = _key_map()
     weights_name = "diffusion_pytorch_model"
+    tokenizer_files = False
 
     def config(self, args: FluxArgs, dtype: torch.dtype = torch.float32) -> dict:
         if args.mlp_ratio != 4.0:
