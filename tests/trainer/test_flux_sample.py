@@ -3,6 +3,8 @@ tiny random pipelines saved with ``save_pretrained`` (guidance-distilled with th
 not), from the pipeline folder and from a DCP checkpoint converted from it; and the one-line errors."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -74,3 +76,20 @@ def test_bad_latents_are_one_line(tmp_path, capsys):
     assert err.startswith("error: --latents_path:") and "expected (1, 4, 8, 8)" in err
     assert generate_main(base + ["--output", "x.jpg"]) == 1
     assert "--output" in capsys.readouterr().err
+
+
+def test_training_starts_from_a_pipeline_folder(tmp_path):
+    """``--flavor custom --checkpoint.initial_load_in_hf``: the pipeline's transformer, trained on the
+    embedded shapes through its own frozen T5, CLIP and autoencoder (16x16 pixels, 8x8 latents)."""
+    from tests.trainer.helpers import train_records
+
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    records = train_records(
+        tmp_path / "run", "--model.name", "flux", "--flavor", "custom", "--checkpoint.initial_load_in_hf",
+        "--checkpoint.initial_load_path", str(folder / "transformer"), "--flux.pipeline_path", str(folder),
+        "--flux.img_size", "16", "--training.dataset", "shapes", "--training.steps", "2",
+        "--training.local_batch_size", "2",
+        "--validation.enable", "false", "--flux.encode_cache", str(tmp_path / "cache"))
+    assert [r["step"] for r in records if "loss" in r] == [1, 2]
+    assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
+    assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))  # the autoencoder's outputs kept

@@ -110,7 +110,9 @@ def test_preprocess_resizes_and_center_crops():
 
 
 def test_loader_deals_samples_and_dropout_alike_in_every_layout_and_resumes():
-    tok = lambda caps: (torch.tensor([[len(c)] for c in caps]), torch.zeros(len(caps), 1, dtype=torch.int64))  # noqa: E731
+    def tok(caps):  # the "T5 ids" are the caption's length (0 when dropped)
+        return torch.tensor([[len(c)] for c in caps]), torch.zeros(len(caps), 1, dtype=torch.int64)
+
     src = ShapesSource(n=10)
     one = FluxLoader(src, tok, 32, 4, seed=5, caption_dropout=0.5)
     two = [FluxLoader(src, tok, 32, 2, r, 2, seed=5, caption_dropout=0.5) for r in range(2)]

@@ -190,7 +190,7 @@ def custom_model_args(path, family: str, vocab_size: int, seq_len: int, model_co
     found = family_of(ckpt.args)
     if found != family:
         raise HFCheckpointError(f"--model.name: {family}, but {path} holds a {found} model (use --model.name {found})")
-    if vocab_size > ckpt.args.vocab_size:
+    if ckpt.args.vocab_size != -1 and vocab_size > ckpt.args.vocab_size:  # -1: no vocabulary of its own (Flux)
         raise ValueError(f"--model.tokenizer_path: the tokenizer has {vocab_size} tokens but {path} has an embedding "
                          f"of {ckpt.args.vocab_size}; use the model's own tokenizer")
     logger.info("flavor custom: the model of %s (%s)", path,

@@ -64,7 +64,8 @@ class FluxArgs(ModelArgs):
             raise ValueError(f"{name}.axes_dim: expected three even sizes summing to head_dim={self.head_dim}, got "
                              f"{self.axes_dim}")
         if self.dim != self.n_heads * self.head_dim:
-            raise ValueError(f"{name}.dim: expected n_heads * head_dim = {self.n_heads * self.head_dim}, got {self.dim}")
+            raise ValueError(f"{name}.dim: expected n_heads * head_dim = {self.n_heads * self.head_dim}, "
+                             f"got {self.dim}")
         if self.in_channels != 4 * self.latent_channels:
             raise ValueError(f"{name}.in_channels: expected 4 * latent_channels = {4 * self.latent_channels} (2x2 "
                              f"patches), got {self.in_channels}")

@@ -145,8 +145,8 @@ class FluxEncoders:
         else:
             if args.vae_scale != 1:
                 raise ValueError(f"flux.autoencoder_path: flavor with {args.latent_channels} latent channels needs an "
-                                 "AutoencoderKL folder (or --flux.pipeline_path); only vae_scale 1 flavors (debugmodel) "
-                                 "train on pixels")
+                                 "AutoencoderKL folder (or --flux.pipeline_path); only vae_scale 1 flavors "
+                                 "(debugmodel) train on pixels")
             self.vae_scale, vae_id = 1, "pixels"
         for m in (self.t5, self.clip, self.vae):
             if m is not None:

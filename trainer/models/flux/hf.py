@@ -77,7 +77,8 @@ class FluxAdapter(HFAdapter):
 
     def config(self, args: FluxArgs, dtype: torch.dtype = torch.float32) -> dict:
         if args.mlp_ratio != 4.0:
-            raise HFCheckpointError(f"cannot write a diffusers Flux config: mlp_ratio {args.mlp_ratio} (diffusers' is 4)")
+            raise HFCheckpointError(f"cannot write a diffusers Flux config: mlp_ratio {args.mlp_ratio} "
+                                    "(diffusers' is 4)")
         return {
             "_class_name": CLASS_NAME,
             "attention_head_dim": args.head_dim,
@@ -160,7 +161,8 @@ class FluxAdapter(HFAdapter):
                 continue
             d = t.shape[0]
             if t.dim() != 2 or t.shape[1] != 5 * d:
-                raise ValueError(f"{key}: expected shape ({d}, {5 * d}) (attention and MLP columns), got {tuple(t.shape)}")
+                raise ValueError(f"{key}: expected shape ({d}, {5 * d}) (attention and MLP columns), "
+                                 f"got {tuple(t.shape)}")
             out[f"single_blocks.{m.group(1)}.out_attn.weight"] = t[:, :d].contiguous()
             out[f"single_blocks.{m.group(1)}.out_mlp.weight"] = t[:, d:].contiguous()
         out.update(super().from_hf(rest, args))

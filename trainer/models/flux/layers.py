@@ -115,7 +115,8 @@ class Rope(nn.Module):
                                               position_ids=self.position_ids)
 
 
-def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, context_parallel=None) -> torch.Tensor:
+def joint_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                    context_parallel=None) -> torch.Tensor:
     """Non-causal attention over the joint sequence (batch, seq, heads, head_dim), rotary applied
     first: ``titan_kernels.flash_attn(causal=False)``, or the ring over the context-parallel ranks.
     Returns (batch, seq, heads * head_dim)."""

@@ -26,8 +26,9 @@ from trainer.models.flux.flow import BASE_SEQ, BASE_SHIFT, MAX_SEQ, MAX_SHIFT
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trainer.models.flux.sample", add_help=True,
-                                description="Flux text-to-image sampling (the trainer's --section.key flags also apply)")
+    p = argparse.ArgumentParser(
+        prog="python -m trainer.models.flux.sample",
+        description="Flux text-to-image sampling (the trainer's --section.key flags also apply)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
     p.add_argument("--negative_prompt", default=None, help="with --true_cfg_scale > 1: the negative prompt")
     p.add_argument("--true_cfg_scale", type=float, default=1.0, help="classifier-free guidance scale (1 = off)")

@@ -20,9 +20,9 @@ NATIVE = 32
 def region(position: str, size: int) -> tuple[int, int, int, int]:
     """(top, left, bottom, right) pixel box of ``position`` on a size x size image: a quadrant, or the
     central half for ``center``."""
-    h = size // 2
+    h, q = size // 2, size // 4
     return {"top left": (0, 0, h, h), "top right": (0, h, h, size), "bottom left": (h, 0, size, h),
-            "bottom right": (h, h, size, size), "center": (size // 4, size // 4, 3 * size // 4, 3 * size // 4)}[position]
+            "bottom right": (h, h, size, size), "center": (q, q, 3 * q, 3 * q)}[position]
 
 
 def attributes(index: int) -> tuple[str, str, str]:

@@ -57,7 +57,7 @@ class FluxTask:
         if path:
             return open_source(path)
         if name != EMBEDDED:
-            raise ValueError(f"--{key}.dataset: Flux trains on captioned images: {EMBEDDED!r} (embedded) or a "
+            raise ValueError(f"{key}.dataset: Flux trains on captioned images: {EMBEDDED!r} (embedded) or a "
                              f"--{key}.dataset_path (images + .txt, .jsonl, .parquet, .tar shards), got {name!r}")
         # validation: every combination of the embedded set once
         return ShapesSource() if split == "training" else ShapesSource(n=60)
@@ -74,7 +74,10 @@ class FluxTask:
                           one_epoch=split != "training", units_per_sample=config.training.seq_len + 1)
 
     def tokens_per_sample(self, config, args) -> int:
-        """T5 tokens + image tokens of one sample (the joint sequence every block attends over)."""
+        """T5 tokens + image tokens of one sample (the joint sequence every block attends over), at the
+        autoencoder's scale once the encoders are built (a Hugging Face folder's args do not say it)."""
+        if self.encoders is not None:
+            args = args.replace(vae_scale=self.encoders.vae_scale)
         return args.max_txt_len + args.image_tokens(config.flux.img_size, config.flux.img_size)
 
     # -- encoding --

@@ -67,7 +67,8 @@ class FluxValidator:
             for t_value in TIMESTEPS:
                 t = torch.full((x0.shape[0],), t_value, device=device)
                 x_t, target = noisy(x0.float(), noise, t)
-                inputs, target = task.local(tr.pm.cp, task.model_inputs(tr.args, config, x_t, txt, vec, t), pack(target))
+                inputs = task.model_inputs(tr.args, config, x_t, txt, vec, t)
+                inputs, target = task.local(tr.pm.cp, inputs, pack(target))
                 total[0] += (tr.model(**inputs).float() - target).pow(2).sum()
                 total[1] += target.numel()
             tokens += pack(x0).shape[0] * pack(x0).shape[1]
