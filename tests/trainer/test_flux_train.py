@@ -28,7 +28,8 @@ def test_debugmodel_trains_and_writes_samples(tmp_path):
         tmp_path, "--model.name", "flux", "--flavor", "debugmodel", "--training.steps", "8",
         "--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3",
         "--validation.freq", "8", "--validation.steps", "1", "--flux.sample_steps", "2", "--flux.sample_count", "2",
-        "--flux.caption_dropout", "0.2", "--flux.img_size", "16", "--checkpoint.last_save_in_hf")
+        "--flux.caption_dropout", "0.2", "--flux.img_size", "16", "--checkpoint.last_save_in_hf",
+        "--metrics.enable_tensorboard")
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < losses[0] * 0.8, losses
     val = [r for r in records if "val_loss" in r]
@@ -38,6 +39,11 @@ def test_debugmodel_trains_and_writes_samples(tmp_path):
     with Image.open(tmp_path / "samples" / "step-8.png") as im:
         assert im.size == (32, 16)  # two 16x16 samples side by side
     assert len((tmp_path / "samples" / "step-8.txt").read_text().splitlines()) == 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(next((tmp_path / "tb").rglob("events.*")).parent)).Reload()
+    (event,) = events.Images("validation/samples")  # the two samples of step 8, side by side
+    assert (event.step, event.width, event.height) == (8, 32, 16)
     diffusers = pytest.importorskip("diffusers")
     exported = next((tmp_path / "checkpoint").glob("hf-step-8"))  # the run's end as a transformer/ folder
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]
