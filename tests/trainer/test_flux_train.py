@@ -173,3 +173,20 @@ def test_timesteps_are_logit_normal_shifted_by_resolution():
     assert shift_mu(4096) == pytest.approx(mu) and shift_mu(256) == pytest.approx(0.5)
     assert torch.allclose(shifted, math.exp(mu) / (math.exp(mu) + 1 / torch.sigmoid(u) - 1))
     assert (shifted > t).all()
+
+
+def test_a_resumed_run_continues_exactly(tmp_path):
+    """Resumed from its step-2 checkpoint, a run gives the losses it gave going through: the loader's
+    position and every sample's noise, timestep and dropout come back."""
+    import shutil
+
+    argv = ["--model.name", "flux", "--flavor", "debugmodel", "--training.local_batch_size", "2",
+            "--flux.img_size", "16", "--validation.enable", "false", "--checkpoint.enable",
+            "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "1", "--flux.caption_dropout", "0.5",
+            "--training.steps", "4"]
+    whole = {r["step"]: r["loss"] for r in train_records(tmp_path / "whole", *argv) if "loss" in r}
+    shutil.copytree(tmp_path / "whole", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoint" / "step-4")
+    again = {r["step"]: r["loss"] for r in train_records(tmp_path / "resumed", *argv) if "loss" in r}
+    assert sorted(whole) == [1, 2, 3, 4] and whole[4] != whole[3]
+    assert all(abs(again[s] - whole[s]) < 1e-6 for s in (3, 4)), (again, whole)
