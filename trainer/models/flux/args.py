@@ -155,10 +155,11 @@ class FluxArgs(ModelArgs):
 
 FLUX_FLAVORS: dict[str, FluxArgs] = {
     # Small enough for our CPU: pixel-space 2x2 patches of 3-channel 32x32 images (no autoencoder),
-    # 2 double + 2 single blocks, tiny text encoders (trainer.models.flux.encoders).
+    # 2 double + 2 single blocks, tiny text encoders (trainer.models.flux.encoders) over bytes: 48
+    # T5 tokens hold the longest caption of the embedded set (its position words at the end).
     "debugmodel": FluxArgs(dim=128, n_heads=4, head_dim=32, n_double_layers=2, n_single_layers=2, in_channels=12,
                            latent_channels=3, vae_scale=1, context_dim=64, vec_dim=32, axes_dim=(8, 12, 12),
-                           guidance_embed=False, max_txt_len=16, max_seq_len=512),
+                           guidance_embed=False, max_txt_len=48, max_seq_len=512),
     # black-forest-labs/FLUX.1-dev transformer/config.json: 11.90e9 parameters, guidance-distilled.
     "flux-dev": FluxArgs(guidance_embed=True),
     # black-forest-labs/FLUX.1-schnell: the same shapes without the guidance embedding (timestep-distilled).
