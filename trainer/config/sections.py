@@ -470,3 +470,6 @@ class Flux:
                             "resolution-dependent shift; sampling uses the same).")
     sample_steps: int = _opt(16, "Euler steps of the sample images written at each validation.")
     sample_count: int = _opt(4, "Sample images written at each validation (the first validation captions).")
+    sample_cfg_scale: float = _opt(1.0, "True classifier-free guidance of the validation samples against the empty "
+                                   "caption (1 = off; flavors without distilled guidance follow their captions "
+                                   "better above 1).")

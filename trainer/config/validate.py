@@ -337,6 +337,8 @@ def _validate_flux(f, need) -> None:
     need(math.isfinite(f.logit_mean), "flux.logit_mean", f.logit_mean, "a finite value")
     need(f.sample_steps >= 1, "flux.sample_steps", f.sample_steps, "an integer >= 1")
     need(f.sample_count >= 0, "flux.sample_count", f.sample_count, "an integer >= 0")
+    need(math.isfinite(f.sample_cfg_scale) and f.sample_cfg_scale >= 1, "flux.sample_cfg_scale", f.sample_cfg_scale,
+         "a finite value >= 1")
     for key in ("pipeline_path", "t5_encoder", "clip_encoder", "autoencoder_path"):
         path = getattr(f, key)
         if path and not pathlib.Path(path).expanduser().is_dir():

@@ -6,7 +6,8 @@ noise from a generator seeded by (seed, sample) (the same noise at every evaluat
 (torchtitan evaluates Flux at fixed timesteps likewise). ``val_tokens`` counts the image tokens.
 
 Samples. Then ``flux.sample_count`` images of the first validation captions, from a fixed seed, with
-``flux.sample_steps`` Euler steps (``trainer.models.flux.pipeline.generate``), every rank running the
+``flux.sample_steps`` Euler steps and ``flux.sample_cfg_scale`` classifier-free guidance
+(``trainer.models.flux.pipeline.generate``), every rank running the
 forwards (FSDP2 gathers weights collectively) and rank 0 writing ``<dump>/samples/step-<N>.png`` (a
 row of images, captions in ``step-<N>.txt``) and TensorBoard images ``validation/samples``.
 """
@@ -86,7 +87,8 @@ class FluxValidator:
         shape = latent_shape(tr.args, task.encoders.vae_scale, len(self.prompts), f.img_size, f.img_size)
         with without_context_parallel(tr.model):  # each cp rank runs the whole (short) sampling
             images = generate(tr.model, task.encoders, self.prompts, initial_noise(shape, SAMPLE_SEED),
-                              steps=f.sample_steps, guidance=f.guidance, dynamic_shift=f.time_shift)
+                              steps=f.sample_steps, guidance=f.guidance, dynamic_shift=f.time_shift,
+                              true_cfg_scale=f.sample_cfg_scale)
         if tr.rank == 0:
             save_row(images, self.folder / f"step-{tr.step}.png")
             (self.folder / f"step-{tr.step}.txt").write_text("\n".join(self.prompts) + "\n", encoding="utf-8")
