@@ -60,6 +60,7 @@ def test_judge_reads_the_embedded_images():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # 300 CPU steps: 5 minutes on idle cores, over 15 on busy shared ones
 def test_samples_after_the_readme_run_show_the_captioned_colour_and_place(tmp_path):
     from tests.trainer.helpers import train_records
 
