@@ -29,15 +29,15 @@ setup(
         "pyarrow>=14",
         "psutil>=5.9",
         "safetensors>=0.4",  # Hugging Face checkpoints (trainer.hf, trainer.convert)
-        "xxhash>=3",  # checkpoint manifests: a checksum per file (trainer.checkpoint_manifest)
-        "filelock>=3.12",  # one run per dump folder (trainer.run_folder)
+        "xxhash>=3",  # checkpoint manifests: a checksum per file (trainer.checkpoint.manifest)
+        "filelock>=3.12",  # one run per dump folder (trainer.run.folder)
         "tomli>=1.1; python_version < '3.11'",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "pytest-xdist>=3", "expecttest", "ninja",
                  "transformers>=4.45", "wandb>=0.19", "diffusers>=0.32",
                  "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
-        "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.fault_tolerance)
+        "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.run.fault_tolerance)
         "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from trainer.checkpoint_manifest import read_manifest, verify_files
-from trainer.checkpoint_publish import FolderWriter
+from trainer.checkpoint.manifest import read_manifest, verify_files
+from trainer.checkpoint.publish import FolderWriter
 from trainer.models.llama3.args import LLAMA3_FLAVORS
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 

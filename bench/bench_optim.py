@@ -56,7 +56,7 @@ BETAS, LR, WD = (0.9, 0.95), 1e-4, 0.1
 def _shapes(name: str) -> list[tuple[int, ...]]:
     if ADAMW_SHAPES[name] is not None:
         return ADAMW_SHAPES[name]
-    from trainer.models.registry import build_model, model_args
+    from trainer.registry import build_model, model_args
 
     return [tuple(p.shape) for p in build_model(model_args("llama3", "debugmodel", 2048, 2048)).parameters()]
 

@@ -30,10 +30,10 @@ def main(argv: list[str]) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainer.metrics import peak_flops
+    from trainer.observe.metrics import peak_flops
     from trainer.models.flux.args import FLUX_FLAVORS
     from trainer.models.flux.flow import image_ids, text_ids
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
     from trainer.parallel.fsdp import apply_fsdp
 
     device = torch.device("cpu" if dry else "cuda")

@@ -91,7 +91,7 @@ def cut_8b(layers: int, dry: bool) -> None:
 
 def flops_per_token(layers: int, seq: int, dry: bool) -> float:
     cut_8b(layers, dry)
-    from trainer.models.registry import model_args
+    from trainer.registry import model_args
 
     return float(model_args("llama3", "8B", 1, seq).flops_per_token(seq))
 

@@ -1,5 +1,5 @@
 """Convert checkpoints between our DCP format and Hugging Face folders, for every registered family
-(Llama 3, Qwen3 / Qwen3-MoE, DeepSeek-V3, ...; ``trainer.models.registry``).
+(Llama 3, Qwen3 / Qwen3-MoE, DeepSeek-V3, ...; ``trainer.registry``).
 
     python -m trainer.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--dtype bfloat16] [--max_shard_size 5GB]
                                      [--tokenizer_path PATH]
@@ -20,13 +20,13 @@ MoE checkpoint trained with the auxiliary-loss-free balancing bias exports with 
 family's Hugging Face model routes without the bias (Qwen3-MoE; ``trainer.hf``).
 
 Verification: dcp-to-hf first checks every file of the checkpoint against its ``manifest.json``
-(size and checksum, ``trainer.checkpoint_manifest``); a damaged file is a one-line error naming it,
+(size and checksum, ``trainer.checkpoint.manifest``); a damaged file is a one-line error naming it,
 and a checkpoint without a manifest (written before manifests existed) converts with a warning.
 hf-to-dcp writes a manifest into its output.
 
 Memory: dcp-to-hf reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once.
-The conversions themselves are ``trainer.hf.convert``; this module is their command line.
+The conversions themselves are ``trainer.checkpoint.hf_convert``; this module is their command line.
 Exit codes: 0 done; 1 the input is not a usable checkpoint, or a model Hugging Face cannot express
 (e.g. a MoE with shared experts): a one-line message.
 """
@@ -38,9 +38,9 @@ import warnings
 
 import torch
 
-from trainer.checkpoint_folder import CheckpointError, read_model_args
+from trainer.checkpoint.folder import CheckpointError, read_model_args
 from trainer.hf import parse_size
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
+from trainer.checkpoint.hf_convert import dcp_to_hf, hf_to_dcp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

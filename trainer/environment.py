@@ -78,7 +78,7 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
         device: the training device.
         single_process_group: one process still needs a group (FSDP2 on a one-process mesh).
         timeout_seconds: the collectives' timeout (``--comm.init_timeout_seconds``; the trainer sets
-            ``train_timeout_seconds`` after the first step, ``trainer.watchdog``).
+            ``train_timeout_seconds`` after the first step, ``trainer.run.watchdog``).
 
     Returns whether it started one: False for one process without ``single_process_group``, or when a
     group exists already.
@@ -126,6 +126,6 @@ def env_int(name: str, default: int) -> int:
 
 
 def _training_error(message: str) -> Exception:
-    from trainer.step import TrainingError
+    from trainer.errors import TrainingError
 
     return TrainingError(message)

@@ -15,7 +15,7 @@ The recipes, their configs (``Float8LinearConfig``), the module, the conversion 
 ``titan_kernels.nn``'s; this module maps the ``[float8]`` keys (torchtitan's) onto them, picks ours
 or torchao's, and converts the MoE experts.
 
-Mixture-of-experts models: the routed experts (``trainer.models.moe.GroupedExperts``, three grouped
+Mixture-of-experts models: the routed experts (``trainer.models.common.moe.GroupedExperts``, three grouped
 GEMMs) run on ``titan_kernels.fp8_grouped_mm`` with ``--float8.impl titan``, under the same two
 filters (the size filter on each expert's dim x hidden GEMM shape). Their recipe follows
 ``--float8.recipe`` (``EXPERT_RECIPE``): ``rowwise_with_gw_hp`` keeps the weight gradient in high
@@ -62,7 +62,7 @@ def _torchao_convert(model: nn.Module, recipe: str, all_gather: bool, fn) -> Non
 def convert_experts_to_float8(model: nn.Module, cfg) -> list[str]:
     """Set ``float8_recipe`` on the routed experts of ``model`` that pass the filters of ``cfg``
     (``EXPERT_RECIPE[cfg.recipe]``; impl titan only). Returns their names."""
-    from trainer.models.moe import GroupedExperts
+    from trainer.models.common.moe import GroupedExperts
 
     experts = {fqn: m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)}
     if not experts:
@@ -95,7 +95,7 @@ def convert_model_to_float8(model: nn.Module, cfg) -> list[str]:
     Returns the names of the converted layers and expert groups. Raises RuntimeError when ``impl`` is
     torchao and it cannot be imported.
     """
-    from trainer.models.moe import Router
+    from trainer.models.common.moe import Router
 
     gates = {f"{fqn}.gate" if fqn else "gate" for fqn, m in model.named_modules() if isinstance(m, Router)}
     size_and_name = module_filter(cfg.filter_fqns, cfg.auto_filter_small_kgemms, cfg.recipe)

@@ -21,15 +21,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from trainer.data.loader import IGNORE_INDEX
-from trainer.models.losses import future_labels
-
-
-class TrainingError(RuntimeError):
-    """The run cannot proceed; the message says why and what to do. Reported without a traceback."""
-
-
-class NonFiniteLossError(TrainingError):
-    """A loss or gradient norm was not finite (:meth:`NonFiniteWatch.check`)."""
+from trainer.models.common.losses import future_labels
+from trainer.errors import TrainingError, NonFiniteLossError  # noqa: F401  (defined on the ground floor)
 
 
 def clip_grad_norm_(parameters: list[torch.nn.Parameter], max_norm: float, pp_group=None) -> torch.Tensor:
@@ -149,8 +142,8 @@ def build_loss_fn(model: torch.nn.Module, config, dims) -> tuple[bool, object]:
     False) stays for ``--parallelism.disable_loss_parallel`` under TP and a float8 output layer.
     Raises ConfigError (trainer.config) for multi-token prediction with pipeline parallel or the logits path.
     """
-    from trainer.config import ConfigError
-    from trainer.models.losses import cross_entropy_loss
+    from trainer.errors import ConfigError
+    from trainer.models.common.losses import cross_entropy_loss
     from trainer.parallel.compile import compile_loss
 
     p = config.parallelism

@@ -13,14 +13,14 @@ Then :meth:`Trainer.train` runs the loop (:meth:`Trainer.train_step`, validation
 profiler, garbage collection) and ends with the final checkpoint, the summary and the plot. The
 numerics of one step (the exact token-mean scaling over micro-batches and ranks, the clip, the
 non-finite flag) are in ``trainer/step.py``; its setup log lines, the plot and the one-line errors of
-a failing data source in ``trainer/outputs.py``; validation in ``trainer/evaluate.py``.
+a failing data source in ``trainer/observe/outputs.py``; validation in ``trainer/evaluate.py``.
 
 Non-finite values: a device-side flag records the first bad step without a host sync per step; it
 is read at every log step and before every checkpoint save, before that step's update, so a
 non-finite update never reaches a checkpoint (``trainer/step.py``, ``NonFiniteWatch``).
 
 Exit codes: 0 done; 1 the run cannot proceed, with a one-line (or, for memory, a short) message and
-no traceback; 75 preempted after a checkpoint; 124, 130: see ``trainer/run_guard.py``, which holds
+no traceback; 75 preempted after a checkpoint; 124, 130: see ``trainer/run/guard.py``, which holds
 the run's protections (dump folder lock, signals, hang watchdog, fault hooks).
 
 As a library (one process, or one rank under torchrun)::
@@ -58,32 +58,29 @@ import torch
 import torch.distributed as dist
 
 import titan_kernels
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folder import CheckpointError, complete_steps
-from trainer.run_guard import Preempted, RunGuard, report_exit
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.folder import CheckpointError, complete_steps
+from trainer.run.guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
 from trainer.data import build_tokenizer
 from trainer.evaluate import Validator
-from trainer.fault_tolerance import ReplicaGroups
-from trainer.fit import fit_message
-from trainer.metrics import MetricsLogger
-from trainer.models.moe import load_metrics, moe_modules, update_load_balance
-from trainer.models.registry import build_model, model_args, spec_of
+from trainer.run.fault_tolerance import ReplicaGroups
+from trainer.estimate.fit import fit_message
+from trainer.observe.metrics import MetricsLogger
+from trainer.models.common.moe import load_metrics, moe_modules, update_load_balance
+from trainer.registry import build_model, model_args, spec_of
 from trainer.optim import build_lr_scheduler, build_optimizer, lr_schedule
-from trainer.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
+from trainer.observe.outputs import data_error, dataset_key, log_model, log_outputs, save_plot
 from trainer.parallel.parallel_dims import ParallelDims
 from trainer.parallel.parallelize import parallelize_decoder, reduce_partial_grads
 from trainer.parallel.pipeline import pp_norm_group
-from trainer.profiling import Profiler
+from trainer.observe.profiling import Profiler
 from trainer import step as numerics  # one step's numerics (trainer/step.py), called through their module
-from trainer.run_history import settle_previous_outputs
+from trainer.run.history import settle_previous_outputs
 from trainer.step import NonFiniteWatch, TrainingError
+from trainer.errors import ModelTooLargeError  # noqa: F401  (defined on the ground floor)
 
 logger = logging.getLogger("trainer")
-
-
-class ModelTooLargeError(TrainingError):
-    """The flavor does not fit this machine's memory; the message is the memory report (several lines)."""
 
 
 class Trainer:
@@ -133,7 +130,7 @@ class Trainer:
         self._gc_was_enabled = False
         self._guard = RunGuard(config, self.rank, self.world_size)
         self._loaded = None  # (first step after a load, what was loaded): for the non-finite message
-        self._ft = None  # trainer.fault_tolerance.ReplicaGroups with --fault_tolerance.enable
+        self._ft = None  # trainer.run.fault_tolerance.ReplicaGroups with --fault_tolerance.enable
 
     # -- setup ---------------------------------------------------------------------------------------
 
@@ -185,7 +182,7 @@ class Trainer:
             logger.info("checkpoint step %d >= training.steps %d: nothing to train", self.step,
                         config.training.steps)
             return False
-        if self.rank == 0:  # an earlier run's records never mix with this one's (trainer/run_history.py)
+        if self.rank == 0:  # an earlier run's records never mix with this one's (trainer/run/history.py)
             settle_previous_outputs(config.job.dump_folder, self.step, self._ckpt_folder, config.metrics.save_tb_folder)
         self._setup_metrics()
         self._params = [p for p in self.model.parameters() if p.requires_grad]
@@ -347,7 +344,7 @@ class Trainer:
         config, m, cfg_t, c = self.config, self.config.metrics, self.config.training, self.config.checkpoint
         wandb_logger = None
         if m.enable_wandb and self.rank == 0:
-            from trainer.wandb_log import WandbLogger
+            from trainer.observe.wandb_log import WandbLogger
 
             try:
                 wandb_logger = WandbLogger(Path(config.job.dump_folder) / m.save_wandb_folder, m.wandb_project,
@@ -402,10 +399,10 @@ class Trainer:
         if self._ft is None:
             step = self.step + 1
             loss, data_wait = self._forward_backward()
-        else:  # replica groups: the step repeats until the quorum commits it (trainer/fault_tolerance.py)
+        else:  # replica groups: the step repeats until the quorum commits it (trainer/run/fault_tolerance.py)
             step, loss, data_wait = self._ft.run_step(self, self._forward_backward)
         grad_norm = numerics.clip_grad_norm_(self._params, cfg_t.max_norm, pp_group=pp_norm_group(self.mesh and self.mesh["pp"]))
-        self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/fault_injection.py)
+        self._guard.faults.mid_step(step)  # test-only fault hooks (trainer/run/fault_injection.py)
         self._watch.update(step, loss, grad_norm)
         if self.checkpointer.should_save(step, cfg_t.steps) or self.metrics.should_log(step):
             self._watch.check(step, self._kept, self._loaded)  # the only host syncs of a step (module docstring)

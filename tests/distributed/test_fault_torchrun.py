@@ -18,7 +18,7 @@ import pytest
 
 from tests.distributed.layouts import COMMON, assert_same, records
 from tests.distributed.launcher import free_port
-from trainer.checkpoint_folder import complete_steps
+from trainer.checkpoint.folder import complete_steps
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 REPO = Path(__file__).resolve().parents[2]

@@ -90,7 +90,7 @@ def test_fsdp_checkpoint_resume_and_layout_change(tmp_path):
     for s in resumed:
         assert resumed[s]["loss"] == straight[s]["loss"], s  # bitwise
     # One process continues the 2-rank run: model and optimizer resharded by DCP, the data loader
-    # state resharded (trainer.checkpoint.reshard_loader_state), so the same samples come next.
+    # state resharded (trainer.checkpoint.checkpointer.reshard_loader_state), so the same samples come next.
     (tmp_path / "metrics.jsonl").unlink()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "trainer", *COMMON, "--job.dump_folder", str(tmp_path),

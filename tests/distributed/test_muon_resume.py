@@ -30,7 +30,7 @@ def _config():
 
 
 def _model():
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
 
     m = build_model(ARGS, device="cpu")
     m.init_weights(0)

@@ -183,7 +183,7 @@ def test_config_errors_are_one_line_naming_the_key(argv, message):
 
 
 def test_compile_with_a_zero_bubble_schedule_is_refused():
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
     from trainer.parallel.parallelize import parallelize_decoder
 
     config = parse_args(["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule",
@@ -194,7 +194,7 @@ def test_compile_with_a_zero_bubble_schedule_is_refused():
 
 
 def test_compile_with_tensor_parallel_is_refused_off_cuda():
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
     from trainer.parallel.parallelize import parallelize_decoder
 
     config = parse_args(["--parallelism.tensor_parallel_degree", "2", "--compile.enable"])

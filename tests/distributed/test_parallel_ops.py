@@ -6,7 +6,7 @@
 * the tensor + sequence parallel plan of a block communicates exactly 2 all-gathers and 2
   reduce-scatters of the activation in the forward (``CommDebugMode``): the norms run on the local
   rows through our rms_norm / add_rms_norm DTensor rules, with no redistribution around them; a
-  whole step issues the collectives ``trainer.estimate_comm.communication_per_step`` plans;
+  whole step issues the collectives ``trainer.estimate.comm.communication_per_step`` plans;
 * TP with Float8Linear layers (the fp8_linear DTensor rules): logits and weight gradients as close
   to the float32 model as the unsharded float8 model is (within 10%; logits within the fp8 e4m3
   tolerance 7e-2). The titan ops take no float64; float32's error is orders below fp8's.
@@ -84,7 +84,7 @@ def _check_tp_block_and_float8(rank, world):
     from torch.distributed.tensor.debug import CommDebugMode
 
     from titan_kernels.nn import convert_to_float8
-    from trainer.models.registry import build_model
+    from trainer.registry import build_model
     from tests.trainer.helpers import llama_model_args as model_args
     from trainer.parallel.tensor_parallel import apply_tp, loss_parallel_context
 
@@ -103,10 +103,10 @@ def _check_tp_block_and_float8(rank, world):
     counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
     assert counts == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}, counts
 
-    # A whole training step: the calls trainer.estimate_comm.communication_per_step plans (README formulas).
-    from trainer.estimate import Layout
-    from trainer.estimate_comm import communication_per_step
-    from trainer.models.losses import cross_entropy_loss
+    # A whole training step: the calls trainer.estimate.comm.communication_per_step plans (README formulas).
+    from trainer.estimate.memory import Layout
+    from trainer.estimate.comm import communication_per_step
+    from trainer.models.common.losses import cross_entropy_loss
     from trainer.parallel.parallelize import reduce_partial_grads
 
     labels = torch.randint(0, 258, (2, 32), generator=torch.Generator().manual_seed(4))

@@ -6,7 +6,7 @@
 Each save run trains 5 steps with checkpoints at steps 3 and 5; the resume run loads step 3 and
 trains steps 4 and 5, whose losses must equal the single-process run's within 1e-4 (gradient norms
 1e-4 relative). DCP reshards the model and optimizer (parameter names do not depend on the layout);
-``trainer.checkpoint.reshard_loader_state`` reshards the data loader, tested here on its own too.
+``trainer.checkpoint.checkpointer.reshard_loader_state`` reshards the data loader, tested here on its own too.
 About 40 s.
 """
 from pathlib import Path

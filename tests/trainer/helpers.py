@@ -4,8 +4,8 @@ from functools import partial
 from pathlib import Path
 
 from trainer.models.llama3.args import LLAMA31_ROPE_SCALING, Llama3Args
-from trainer.models.registry import build_model
-from trainer.models.registry import model_args as family_model_args
+from trainer.registry import build_model
+from trainer.registry import model_args as family_model_args
 
 # The Llama 3 flavor's args for a tokenizer and sequence length: llama_model_args("8B", 128256, 8192).
 llama_model_args = partial(family_model_args, "llama3")

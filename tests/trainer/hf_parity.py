@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.convert import main as convert_main
 from trainer.data import build_dataloader, build_tokenizer
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model
-from trainer.hf.convert import hf_to_dcp
+from trainer.checkpoint.hf_convert import hf_to_dcp
 from tests.trainer.helpers import cpu_model, rel, tiny_llama
 
 _NOT_CONFIG_KEYS = ("architectures", "model_type", "torch_dtype")

@@ -1,5 +1,5 @@
 """Peak memory of live tensors while the trainer runs, on the CPU: the measurement the memory model
-(``trainer.estimate``) is checked against (tests/trainer/test_plan.py).
+(``trainer.estimate.memory``) is checked against (tests/trainer/test_plan.py).
 
     python -m tests.trainer.memory_probe OUT.json [trainer arguments]
     python -m tests.trainer.memory_probe --table [CASE ...]
@@ -161,10 +161,10 @@ def measure(world: int, argv: list[str], folder: str | Path | None = None, timeo
 
 def estimate(case: str) -> "object":
     """The memory model's MemoryEstimate for ``CASES[case]`` (fp32 compute, the CPU's loss chunk)."""
-    from trainer.estimate import Layout, estimate_memory
+    from trainer.estimate.memory import Layout, estimate_memory
     from tests.trainer.helpers import llama_model_args as model_args
 
-    from trainer.models.registry import model_args as family_args
+    from trainer.registry import model_args as family_args
 
     world, argv, kw = CASES[case]
     kw = dict(kw)

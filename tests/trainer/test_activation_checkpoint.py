@@ -9,9 +9,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_kernels import backend
 from titan_kernels.ops.attention import aten as attention_aten
-from trainer.estimate import activation_values_per_token
+from trainer.estimate.memory import activation_values_per_token
 from trainer.models.llama3.args import Llama3Args as ModelArgs
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from trainer.parallel import activation_checkpoint as ac
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=50, multiple_of=32, max_seq_len=32)

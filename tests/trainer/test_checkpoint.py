@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folder import CheckpointError, complete_steps, load_weights
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.folder import CheckpointError, complete_steps, load_weights
 from trainer.config import Optimizer as OptimizerConfig
 from trainer.config import parse_args
 from trainer.data.datasets import build_source
 from trainer.data.loader import DataLoader
 from trainer.data.tokenizer import build_tokenizer
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from trainer.optim import LRSchedule, build_lr_scheduler, build_optimizer
 from tests.trainer.helpers import tiny_llama
 
@@ -235,7 +235,7 @@ _KILL_SCRIPT = textwrap.dedent("""
     from torch.distributed.checkpoint import FileSystemWriter
     sys.path.insert(0, {repo!r}); sys.path.insert(0, {tests!r})
     from test_checkpoint import _parts
-    from trainer.checkpoint import Checkpointer
+    from trainer.checkpoint.checkpointer import Checkpointer
     import pathlib
     tmp = pathlib.Path({tmp!r})
     model, opt, sched, loader = _parts(tmp)

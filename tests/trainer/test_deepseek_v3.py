@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from trainer import train
 from trainer.config import parse_args
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config
-from trainer.models.args import format_params
+from trainer.models.common.args import format_params
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
-from trainer.models.losses import future_labels
-from trainer.models.moe_args import MoEArgs
-from trainer.models.registry import build_model
+from trainer.models.common.losses import future_labels
+from trainer.models.common.moe_args import MoEArgs
+from trainer.registry import build_model
 from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_refused_in_one_line, first_batch, hf_loss
@@ -227,7 +227,7 @@ def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkey
 
 
 def test_custom_flavor_needs_a_hugging_face_folder():
-    from trainer.config import ConfigError
+    from trainer.errors import ConfigError
 
     with pytest.raises(ConfigError, match="--model.flavor: custom builds the model a Hugging Face folder describes"):
         parse_args(["--model.name", "deepseek_v3", "--flavor", "custom"])
@@ -247,8 +247,8 @@ def test_memory_model_within_15_percent_of_the_measured_peak():
 def test_the_planner_finds_a_layout_for_671b_on_2048_gpus_fast():
     import time
 
-    from trainer.estimate_time import GPUS
-    from trainer.plan import best, flavor_args
+    from trainer.estimate.step_time import GPUS
+    from trainer.estimate.plan import best, flavor_args
 
     t0 = time.perf_counter()
     plans = best(flavor_args("671B", 4096, model="deepseek_v3"), "671B", 2048, GPUS["H100"], 4096, top=1)

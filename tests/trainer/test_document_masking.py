@@ -20,9 +20,9 @@ from trainer.data.loader import DataLoader
 from trainer.data.tokenizer import build_tokenizer
 from trainer.models.llama3.args import LLAMA31_ROPE_SCALING
 from trainer.models.llama3.args import Llama3Args as ModelArgs
-from trainer.models.registry import build_model
-from trainer.models.losses import cross_entropy_loss
-from trainer.models.attention import document_cu_seqlens
+from trainer.registry import build_model
+from trainer.models.common.losses import cross_entropy_loss
+from trainer.models.common.attention import document_cu_seqlens
 from trainer.step import forward_backward
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=97, multiple_of=32,

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from trainer.estimate import (
+from trainer.estimate.memory import (
     GIB,
     Layout,
     activation_values_per_token,
@@ -10,9 +10,9 @@ from trainer.estimate import (
     estimate_memory,
     pipeline_ranks,
 )
-from trainer.fit import Devices, fit_report
+from trainer.estimate.fit import Devices, fit_report
 from trainer.models.llama3.args import Llama3Args as ModelArgs
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import llama_model_args as model_args
 from trainer.parallel.activation_checkpoint import apply_ac
 
@@ -133,8 +133,8 @@ def test_fit_report_none_when_it_fits_and_a_message_when_not():
     msg = fit_report(big, "405B", Layout(1, 8), 1, 8192, 2, "full", "2", gpu)
     assert "8 x NVIDIA H200" in msg and "x H200," in msg.split("would fit:")[1]
     # the suggestion fits and is the smallest power-of-two GPU count that does
-    from trainer.estimate_time import GPUS
-    from trainer.plan import search
+    from trainer.estimate.step_time import GPUS
+    from trainer.estimate.plan import search
 
     n = int(msg.split("would fit:")[1].split(" x H200")[0])
     assert not search(big, "405B", n // 2, GPUS["H200"], 8192, memory_only=True)

@@ -1,4 +1,4 @@
-"""The communication estimate (``trainer.estimate_comm``) against what the code sends.
+"""The communication estimate (``trainer.estimate.comm``) against what the code sends.
 
 Context parallel: the ring (``trainer.parallel.context_parallel``) runs forward and backward on every
 rank of a 4-rank ring in one process, its point-to-point sends recorded instead of posted, under a
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from titan_kernels.attention_mask import AttentionArgs
-from trainer.estimate import Layout, model_costs
-from trainer.estimate_comm import communication_per_step, cp_blocks_per_layer
+from trainer.estimate.memory import Layout, model_costs
+from trainer.estimate.comm import communication_per_step, cp_blocks_per_layer
 from trainer.models.llama3.args import Llama3Args
 from trainer.parallel.context_parallel import _RingAttention
 from trainer.parallel.cp_schedule import blocks_sent

@@ -26,7 +26,7 @@ from torch import nn
 from trainer import train
 from trainer.config import ConfigError, parse_args
 from trainer.float8 import convert_model_to_float8, module_filter, too_small_for_float8
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import llama_model_args as model_args
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -219,14 +219,14 @@ def test_fsdp2_float8_all_gather_checkpoint_resume(tmp_path):
 
 
 def _qwen3_moe():
-    from trainer.models.registry import build_model as build_any
-    from trainer.models.registry import model_args as any_args
+    from trainer.registry import build_model as build_any
+    from trainer.registry import model_args as any_args
 
     return build_any(any_args("qwen3", "debugmodel_moe", 258, 64), device="meta")
 
 
 def _experts(model):
-    from trainer.models.moe import GroupedExperts
+    from trainer.models.common.moe import GroupedExperts
 
     return {fqn: m for fqn, m in model.named_modules() if isinstance(m, GroupedExperts)}
 

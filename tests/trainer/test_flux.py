@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.convert import main as convert_main
 from trainer.hf import HFCheckpoint, HFCheckpointError, args_from_hf_config, hf_config, load_into_model
-from trainer.hf.convert import hf_to_dcp
+from trainer.checkpoint.hf_convert import hf_to_dcp
 from trainer.hf.mapping import from_hf_state_dict
-from trainer.models.args import format_params
+from trainer.models.common.args import format_params
 from trainer.models.flux.args import FLUX_FLAVORS, FluxArgs
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import cpu_model, rel
 
 diffusers = pytest.importorskip("diffusers")

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from trainer.hf.convert import hf_to_dcp
+from trainer.checkpoint.hf_convert import hf_to_dcp
 from trainer.models.flux.flow import pack
 from trainer.models.flux.sample import generate_main
 from tests.trainer.flux_pipeline import save_tiny_pipeline

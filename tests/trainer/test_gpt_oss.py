@@ -8,8 +8,8 @@ import torch
 
 from trainer.hf import args_from_hf_config, hf_config
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, YARN, GptOssArgs
-from trainer.models.moe_args import MoEArgs
-from trainer.models.registry import build_model
+from trainer.models.common.moe_args import MoEArgs
+from trainer.registry import build_model
 from tests.trainer.helpers import assert_near_published, cpu_model, train_records
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_refused_in_one_line

@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folder import CheckpointError, load_weights, read_model_args
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.folder import CheckpointError, load_weights, read_model_args
 from trainer.config import ConfigError, parse_args
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, hf_config, load_into_model, parse_size
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
+from trainer.checkpoint.hf_convert import dcp_to_hf, hf_to_dcp
 from tests.trainer.helpers import cpu_model, rel
 from tests.trainer.helpers import llama_model_args as model_args
 from tests.trainer.hf_parity import TINY_LLAMA, first_batch, hf_llama, hf_loss, logits_of, one_line, save_hf

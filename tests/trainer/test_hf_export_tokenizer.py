@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint_folder import load_weights, read_model_args
+from trainer.checkpoint.folder import load_weights, read_model_args
 from trainer.config import parse_args
 from trainer.convert import main as convert_main
 from trainer.data import build_tokenizer
 from trainer.hf import HFCheckpoint, load_into_model
-from trainer.hf.convert import dcp_to_hf
+from trainer.checkpoint.hf_convert import dcp_to_hf
 from trainer.hf.tokenizer_files import byte_tokenizer_json
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import rel
 
 transformers = pytest.importorskip("transformers", reason="transformers is in the test extra (pip install -e .[test])")

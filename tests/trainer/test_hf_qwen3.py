@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint import Checkpointer
-from trainer.checkpoint_folder import CheckpointError, load_weights, read_model_args
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.folder import CheckpointError, load_weights, read_model_args
 from trainer.config import parse_args
 from trainer.convert import main as convert_main
 from trainer.hf import INDEX, HFCheckpoint, HFCheckpointError, args_from_hf_config, expected_shapes, hf_config
 from trainer.hf import load_into_model
-from trainer.hf.convert import dcp_to_hf, hf_to_dcp
-from trainer.models.moe_args import MoEArgs
+from trainer.checkpoint.hf_convert import dcp_to_hf, hf_to_dcp
+from trainer.models.common.moe_args import MoEArgs
 from trainer.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import cpu_model, rel
 from tests.trainer.hf_parity import TINY_LLAMA, first_batch, hf_llama, hf_loss, logits_of, one_line, save_hf
 
@@ -312,7 +312,7 @@ def test_train_qwen3_moe_from_and_to_hugging_face(tmp_path, monkeypatch, caplog)
     one: step 1's loss is transformers' loss on the first batch, the loss falls, and the exported
     folder loads in transformers with the trained model's logits (balancing off: expert_bias stays
     zero, so transformers routes as we do)."""
-    from trainer.models.moe import moe_modules
+    from trainer.models.common.moe import moe_modules
 
     for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

@@ -1,5 +1,5 @@
 """The ETA counts validations and checkpoint saves as measured: steps left x the training time per step,
-plus each phase still to come x its mean time so far (trainer.metrics.MetricsLogger)."""
+plus each phase still to come x its mean time so far (trainer.observe.metrics.MetricsLogger)."""
 import time
 
 import pytest
@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def _logger(tmp_path, total_steps=10, **phases):
-    from trainer.metrics import MetricsLogger
+    from trainer.observe.metrics import MetricsLogger
 
     return MetricsLogger(tmp_path, 1, torch.device("cpu"), 1, total_steps, enabled=False, phases=phases)
 

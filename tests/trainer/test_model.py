@@ -7,10 +7,10 @@ import torch.nn.functional as F
 
 from trainer.models.llama3.args import LLAMA3_FLAVORS
 from trainer.models.llama3.args import Llama3Args as ModelArgs
-from trainer.models.registry import build_model
-from trainer.models.losses import cross_entropy_loss
+from trainer.registry import build_model
+from trainer.models.common.losses import cross_entropy_loss
 from trainer.hf import from_hf_state_dict
-from trainer.models.losses import linear_cross_entropy_loss
+from trainer.models.common.losses import linear_cross_entropy_loss
 from tests.trainer.helpers import llama_model_args as model_args
 from trainer.hf import to_hf_state_dict
 from tests.kernels.helpers import llama31_scaled_freqs64

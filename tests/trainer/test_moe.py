@@ -1,4 +1,4 @@
-"""The MoE layer (trainer/models/moe.py) against a float64 per-expert loop: routing (softmax/sigmoid,
+"""The MoE layer (trainer/models/common/moe.py) against a float64 per-expert loop: routing (softmax/sigmoid,
 top-k renormalisation, route scale, the load-balancing bias steering the choice only), routed and
 shared SwiGLU experts, gradients of the input and every weight; empty experts; the token counts,
 the aux-loss-free bias update and the load metric; the sequence-wise auxiliary loss and its gradient;
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from trainer.models.moe import MoE, load_metrics, sequence_balance_loss, update_load_balance
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe import MoE, load_metrics, sequence_balance_loss, update_load_balance
+from trainer.models.common.moe_args import MoEArgs
 
 
 def _moe(dim=12, **kw) -> MoE:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.estimate import Layout, estimate_memory, model_costs
-from trainer.models.registry import build_model, model_args
+from trainer.estimate.memory import Layout, estimate_memory, model_costs
+from trainer.registry import build_model, model_args
 from trainer.optim import build_optimizer
-from trainer.estimate_time import GPUS
-from trainer.plan import flavor_args, main, optimizer_comparison
+from trainer.estimate.step_time import GPUS
+from trainer.estimate.plan import flavor_args, main, optimizer_comparison
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -10,7 +10,7 @@ import torch
 
 import titan_kernels
 from trainer.config import Optimizer as OptimizerConfig
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from trainer.optim import build_optimizer
 from trainer.optim.qk_clip import QKClip
 from tests.trainer.helpers import tiny_llama
@@ -44,7 +44,7 @@ def _logits(model, tokens, monkeypatch):
 
 
 def _mla():
-    from trainer.models.registry import model_args
+    from trainer.registry import model_args
 
     return model_args("deepseek_v3", "debugmodel", 64, 16)
 
@@ -93,7 +93,7 @@ def test_optimizer_runs_qk_clip_after_the_step():
 
 
 def test_errors():
-    from trainer.models.registry import build_model as build_any, model_args
+    from trainer.registry import build_model as build_any, model_args
 
     qwen = build_any(model_args("qwen3", "debugmodel", 64, 16), device="meta")
     with pytest.raises(ValueError, match="QK-norm"):

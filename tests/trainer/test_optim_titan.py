@@ -44,7 +44,7 @@ def test_kinds_and_default_groups():
 
 
 def test_moe_kinds():
-    from trainer.models.registry import build_model as build_any, model_args
+    from trainer.registry import build_model as build_any, model_args
 
     args = model_args("qwen3", "debugmodel_moe", 64, 16)
     k = _kinds(build_any(args, device="meta"))

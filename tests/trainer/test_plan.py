@@ -11,11 +11,11 @@ import pytest
 
 from tests.trainer import memory_probe
 from trainer.config import parse_args
-from trainer.estimate import GIB, USABLE_FRACTION, Layout
-from trainer.estimate_time import GPUS
+from trainer.estimate.memory import GIB, USABLE_FRACTION, Layout
+from trainer.estimate.step_time import GPUS
 from trainer.models.llama3.args import LLAMA3_FLAVORS
 from trainer.models.qwen3.args import QWEN3_FLAVORS
-from trainer.plan import best, evaluate, flavor_args, main, search
+from trainer.estimate.plan import best, evaluate, flavor_args, main, search
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ def test_memory_model_within_15_percent_of_the_measured_peak_under_every_layout(
 
 
 def test_moe_counts_active_parameters_for_flops_and_all_for_memory():
-    from trainer.estimate import model_costs
+    from trainer.estimate.memory import model_costs
     moe = QWEN3_FLAVORS["30B-A3B"]
     c = model_costs(moe)
     assert c.total_params == moe.num_params() and c.active_params == moe.active_params() < c.total_params / 5
@@ -153,7 +153,7 @@ def test_planner_proposes_expert_parallel_for_moe_and_prints_total_and_active(ca
 
 
 def test_expert_parallel_memory_communication_and_time_terms():
-    from trainer.estimate import estimate_memory, model_costs
+    from trainer.estimate.memory import estimate_memory, model_costs
 
     args = flavor_args("30B-A3B", 8192, model="qwen3")
     c, gpu = model_costs(args), GPUS["H100"]
@@ -173,7 +173,7 @@ def test_expert_parallel_memory_communication_and_time_terms():
     assert ep8.time.ep == pytest.approx(a2a / (gpu.nvlink * 0.8))
     assert ep8.time.total == pytest.approx(ep8.time.compute + ep8.time.ep + ep8.time.fsdp)
     # an expert count ep must divide: 8 experts on dp_shard 12 allow 1, 2, 4
-    from trainer.plan import ep_choices
+    from trainer.estimate.plan import ep_choices
 
     moe = flavor_args("debugmodel_moe", 2048, model="qwen3")
     assert ep_choices(moe, 12) == [1, 2, 4] and ep_choices(moe, 12, dp_replicate=2) == [1]

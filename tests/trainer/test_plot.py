@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.plot import PANELS, PlotError, build_figure, plot_runs, read_metrics
+from trainer.observe.plot import PANELS, PlotError, build_figure, plot_runs, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -12,7 +12,7 @@ import torch
 
 from trainer import train
 from trainer.config import ConfigError, parse_args
-from trainer.profiling import Profiler
+from trainer.observe.profiling import Profiler
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from trainer.hf import from_hf_state_dict, hf_config, to_hf_state_dict
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 from trainer.models.qwen3.args import QWEN3_FLAVORS
-from trainer.models.registry import args_from_record, args_record, build_model, model_args
+from trainer.registry import args_from_record, args_record, build_model, model_args
 from tests.trainer.helpers import assert_near_published, cpu_model, train_records
 from trainer.models.qwen3.args import Qwen3Args
-from trainer.models.args import format_params
+from trainer.models.common.args import format_params
 
 # Published sizes, total / active (MoE: Qwen3 technical report, checked within 1%) and, for the dense
 # models, total / non-embedding as the model cards round them (checked within half the last digit).
@@ -152,8 +152,8 @@ def test_cli_trains_the_debug_flavors_with_the_loss_falling(tmp_path, flavor):
 
 
 def test_estimate_knows_expert_parallel():
-    from trainer.estimate import Layout, estimate_memory, model_costs
-    from trainer.estimate_comm import communication_per_step
+    from trainer.estimate.memory import Layout, estimate_memory, model_costs
+    from trainer.estimate.comm import communication_per_step
 
     args = QWEN3_FLAVORS["30B-A3B"]
     c = model_costs(args)

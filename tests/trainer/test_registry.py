@@ -9,9 +9,9 @@ import torch
 
 from trainer import train
 from trainer.config import ConfigError, help_text, parse_args
-from trainer.models import registry
-from trainer.models.args import ModelArgs, attention_entries
-from trainer.models.registry import ModelSpec
+from trainer import registry
+from trainer.models.common.args import ModelArgs, attention_entries
+from trainer.registry import ModelSpec
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
 

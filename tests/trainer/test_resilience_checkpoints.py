@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from trainer import train
-from trainer.checkpoint_folder import complete_steps
-from trainer.checkpoint_manifest import ManifestError, data_files, digest_files, verify_folder, write_manifest
+from trainer.checkpoint.folder import complete_steps
+from trainer.checkpoint.manifest import ManifestError, data_files, digest_files, verify_folder, write_manifest
 from trainer.config import parse_args
 
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
@@ -175,7 +175,7 @@ def test_rollback_then_plain_resume_equals_straight(tmp_path, straight):
 def test_a_concurrent_run_is_refused_with_the_other_runs_pid_and_host(tmp_path, capsys):
     folder = tmp_path / "run"
     folder.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom trainer.run_folder import RunLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom trainer.run.folder import RunLock\n"
                                f"lock = RunLock({str(folder)!r}); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
@@ -225,7 +225,7 @@ def test_disk_full_is_one_line_and_leaves_no_partial(tmp_path, capsys, monkeypat
         assert rc == 1 and err.count("\n") == 1 and "not enough space" in err and "bytes" in err, err
         assert complete_steps(small / "checkpoint") == [2]
         # The pre-check out of the way, the write itself fills the disk: one line, .partial removed.
-        from trainer.checkpoint_publish import FolderWriter
+        from trainer.checkpoint.publish import FolderWriter
 
         monkeypatch.setattr(FolderWriter, "_needed", lambda self, state: (1, "test"))
         rc, _ = run(small, 6, *CKPT)
@@ -238,7 +238,7 @@ def test_disk_full_is_one_line_and_leaves_no_partial(tmp_path, capsys, monkeypat
 
 
 def test_on_save_error_continue_trains_on(tmp_path, straight, monkeypatch, capsys):
-    from trainer.checkpoint_publish import FolderWriter, SaveError
+    from trainer.checkpoint.publish import FolderWriter, SaveError
 
     real = FolderWriter.write
 

@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from trainer.checkpoint_folder import complete_steps
+from trainer.checkpoint.folder import complete_steps
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",

@@ -1,5 +1,5 @@
 """No silent restarts: a rerun of a dump folder never appends a second run to its metrics, says what it
-does with the earlier run's outputs (trainer/run_history.py), and a resume under a longer run says how
+does with the earlier run's outputs (trainer/run/history.py), and a resume under a longer run says how
 the LR schedule changes (trainer/optim/schedule.py)."""
 import json
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from trainer.hf import HFCheckpoint, hf_config, load_into_model
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the [test] extra)")
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -190,8 +190,8 @@ def test_did_you_mean_suggests_only_close_meanings():
 
 
 def test_estimates_follow_fsdp_reshard_after_forward():
-    from trainer.estimate import Layout, estimate_memory, model_costs
-    from trainer.estimate_comm import communication_per_step
+    from trainer.estimate.memory import Layout, estimate_memory, model_costs
+    from trainer.estimate.comm import communication_per_step
     from trainer.models.llama3.args import Llama3Args
 
     costs = model_costs(Llama3Args(dim=96, n_layers=5, n_heads=4, n_kv_heads=2, vocab_size=130, multiple_of=16,

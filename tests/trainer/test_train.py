@@ -13,8 +13,8 @@ from trainer import step as numerics
 from trainer import train
 from trainer.environment import rank_zero_warnings
 from trainer.config import ConfigError, parse_args
-from trainer.metrics import MetricsLogger, peak_flops
-from trainer.models.losses import cross_entropy_loss
+from trainer.observe.metrics import MetricsLogger, peak_flops
+from trainer.models.common.losses import cross_entropy_loss
 from tests.trainer.helpers import cpu_model, tiny_llama
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.

@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from trainer import train
-from trainer.checkpoint_folder import load_weights
+from trainer.checkpoint.folder import load_weights
 from trainer.config import ConfigError, parse_args
 from trainer.data import build_tokenizer
-from trainer.models.registry import build_model
+from trainer.registry import build_model
 from tests.trainer.helpers import llama_model_args as model_args
 
 # One intra-op thread (tests/trainer/conftest.py): the CPU is shared.

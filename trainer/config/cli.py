@@ -26,7 +26,7 @@ else:  # pragma: no cover - exercised only on Python 3.10
 from trainer.config.fields import check_value, field_choices, parse_str, suggest, toml_value, type_name
 from trainer.config.flavors import families, family_flavors, flavor_config_path
 from trainer.config.job import JobConfig
-from trainer.config.sections import ConfigError
+from trainer.errors import ConfigError
 from trainer.config.torchtitan_keys import CONFIG_FILE_KEY, NEAR, REFUSED, alias_names, apply_model_keys, lookup
 from trainer.config.validate import validate_config
 

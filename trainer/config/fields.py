@@ -13,7 +13,7 @@ import functools
 import typing
 from typing import Any, Iterator
 
-from trainer.config.sections import ConfigError
+from trainer.errors import ConfigError
 
 _TRUE = ("true", "1", "yes", "on")
 _FALSE = ("false", "0", "no", "off")

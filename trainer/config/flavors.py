@@ -3,7 +3,7 @@
 A flavor of family ``<family>`` (``--model.name``) is ``trainer/configs/<family>/<flavor>.toml``. The
 file is the middle layer of a run's configuration (:mod:`trainer.config.cli`), and a flavor
 without a file is refused by validation (:mod:`trainer.config.validate`). The families themselves
-come from the model registry (``trainer.models.registry``, torch-free).
+come from the model registry (``trainer.registry``, torch-free).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ CONFIG_DIR = pathlib.Path(__file__).resolve().parent.parent / "configs"
 
 def families() -> tuple[str, ...]:
     """The registered model families (``--model.name`` values)."""
-    from trainer.models import registry
+    from trainer import registry
 
     return registry.names()
 
@@ -23,7 +23,7 @@ def families() -> tuple[str, ...]:
 def family_flavors(model_name: str) -> tuple[str, ...]:
     """The flavors family ``model_name`` registers (its published shapes), sorted as
     ``available_flavors``; empty for an unknown family."""
-    from trainer.models import registry
+    from trainer import registry
 
     try:
         return tuple(sorted(registry.get(model_name).flavors, key=_flavor_sort_key))

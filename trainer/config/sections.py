@@ -8,16 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
+from trainer.errors import ConfigError  # noqa: F401  (defined on the ground floor)
 
 __all__ = [
     "ConfigError", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job",
     "Kernels", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
     "Flux",
 ]
-
-
-class ConfigError(ValueError):
-    """A bad configuration: unknown key, wrong type or invalid value. The message is one line."""
 
 
 def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[str, ...]] | None = None) -> Any:
@@ -33,7 +30,7 @@ def _opt(default: Any, help: str, choices: tuple[str, ...] | Callable[[], tuple[
 
 def _families() -> tuple[str, ...]:
     """The registered model families (read when needed: the registry is torch-free but not tiny)."""
-    from trainer.models import registry
+    from trainer import registry
 
     return registry.names()
 
@@ -51,7 +48,7 @@ class Job:
 class Model:
     """Which model to build."""
 
-    name: str = _opt("llama3", "Model family (the registered families, trainer.models.registry).",
+    name: str = _opt("llama3", "Model family (the registered families, trainer.registry).",
                      choices=_families)
     flavor: str = _opt(
         "debugmodel",
@@ -408,7 +405,6 @@ class Float8:
     enable_fsdp_float8_all_gather: bool = _opt(
         False, "FSDP2 all-gathers weights in float8 (1 byte per element); tensorwise recipe only."
     )
-
 
 
 @dataclass

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config.sections import ConfigError
+from trainer.errors import ConfigError
 
 # The command-line key naming the TOML file (ours: --config).
 CONFIG_FILE_KEY = "job.config_file"

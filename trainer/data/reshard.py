@@ -1,7 +1,7 @@
 """Resharding the data loader's position to another data-parallel degree, exactly or not at all.
 
 Used when a checkpoint is resumed with another number of data-parallel ranks (an elastic restart:
-4 -> 2 -> 3 ranks); ``trainer.checkpoint`` calls it with the states of all ranks of the checkpoint.
+4 -> 2 -> 3 ranks); ``trainer.checkpoint.checkpointer`` calls it with the states of all ranks of the checkpoint.
 """
 from __future__ import annotations
 

@@ -20,10 +20,10 @@ Writing streams too: ``HFWriter`` takes tensors in order and closes a shard once
 
 Modules: ``common`` (file names, the error, shared config.json fields), ``compare`` (whether two
 models' arguments are the same model), ``adapter`` (the families' common mapping), ``mapping``
-(dispatch to a family through ``trainer.models.registry``: config, names, shapes, state dicts),
+(dispatch to a family through ``trainer.registry``: config, names, shapes, state dicts),
 ``folder`` (reading and writing the safetensors folder). Every public name of those is importable
 from here. ``convert`` (our DCP checkpoints <-> Hugging Face folders: ``dcp_to_hf``, ``hf_to_dcp``)
-stands on the checkpoint modules too, and is imported as ``trainer.hf.convert``.
+stands on the checkpoint modules too, and is imported as ``trainer.checkpoint.hf_convert``.
 
 Errors: ``HFCheckpointError`` (a ValueError) with a one-line message naming the folder and what is
 wrong (no config.json, a model_type no family reads, a field we cannot reproduce exactly; a missing

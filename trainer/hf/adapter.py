@@ -20,7 +20,7 @@ import re
 
 import torch
 
-from trainer.hf.common import HFCheckpointError
+from trainer.errors import HFCheckpointError
 
 # The names every family's decoder shares with Hugging Face's *ForCausalLM (ours, the layer index as
 # {} -> theirs): the embedding, the two norms of a block, the final norm and the output projection.

@@ -14,6 +14,7 @@ import contextlib
 import logging
 
 import torch
+from trainer.errors import HFCheckpointError  # noqa: F401  (defined on the ground floor)
 
 logger = logging.getLogger("trainer")
 
@@ -24,10 +25,6 @@ DEFAULT_MAX_SHARD_SIZE = 5 * 2**30
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")
-
-
-class HFCheckpointError(ValueError):
-    """A folder is not a usable Hugging Face checkpoint of one of our families; the message is one line."""
 
 
 @contextlib.contextmanager
@@ -42,7 +39,7 @@ def config_errors(where: str):
 
 def model_types() -> dict[str, str]:
     """config.json model_type -> our family, for every registered family."""
-    from trainer.models import registry
+    from trainer import registry
 
     return registry.hf_model_types()
 

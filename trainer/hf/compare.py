@@ -2,7 +2,7 @@
 mismatch cannot load) and those that only change the math (a mismatch loads, with a warning).
 
 Used to name a config.json's flavor (the families' adapters) and to check a checkpoint against the
-run's model (``trainer.checkpoint``). The fields are read from the args dataclasses themselves: every
+run's model (``trainer.checkpoint.checkpointer``). The fields are read from the args dataclasses themselves: every
 field (a nested one, e.g. the MoE's, as ``moe.top_k``), its family's ``SHAPE_FIELDS`` saying which fix
 shapes and ``IGNORED_FIELDS`` which change nothing of a trained model.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from trainer.hf.common import HFCheckpointError, logger
-from trainer.models.registry import family_of
+from trainer.registry import family_of
 
 
 def _flat(args, prefix: str = "") -> dict[str, object]:

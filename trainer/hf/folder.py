@@ -29,7 +29,7 @@ from trainer.hf.mapping import (
     hf_names,
     to_hf_state_dict,
 )
-from trainer.models.registry import family_of
+from trainer.registry import family_of
 
 # Buffers some Hugging Face checkpoints carry that are not weights (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

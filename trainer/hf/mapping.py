@@ -1,7 +1,7 @@
 """Our model <-> a Hugging Face model, for any registered family: the config.json, our parameter names
 and shapes, the Hugging Face tensors holding each, and whole state dicts.
 
-Each call finds the family in ``trainer.models.registry`` (by the args' class, or by config.json's
+Each call finds the family in ``trainer.registry`` (by the args' class, or by config.json's
 ``model_type``) and hands over to its adapter (``trainer.hf.adapter.HFAdapter``). Our parameter
 names and shapes are those of the family's model built on the meta device (no memory), so they are
 exactly the model's, whatever the family.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from trainer.hf.common import CONFIG, HFCheckpointError, model_types
-from trainer.models import registry
+from trainer import registry
 
 # ------------------------------------------------------------------------------------------------
 # config.json <-> args

@@ -5,7 +5,7 @@ weights scaled down so that logit becomes tau.
 The max logit comes from the attention itself, through one interface: a module that has a
 ``max_logit`` buffer (float32, one value per local head) updates it in its forward with the running
 max, over the step's rows, of each head's log-sum-exp of the scaled logits (``flash_attn(...,
-return_lse=True)``; ``trainer.models.attention.attend``). We use the LSE because every attention
+return_lse=True)``; ``trainer.models.common.attention.attend``). We use the LSE because every attention
 backend returns it at no extra cost, and max_j s_j <= lse = log sum_j exp(s_j) <= max_j s_j + log(n):
 an upper bound, at most log(keys) (about 9 at 8k tokens) above the true max, so the clip is
 conservative: it may clip a head whose true max is a little below tau, never miss one above. The

@@ -1,6 +1,6 @@
 """Which attention calls context parallel's ring makes, and which K/V blocks it therefore sends.
 
-Torch-free plain integers, so that the communication estimate (``trainer.estimate_comm``, loaded by
+Torch-free plain integers, so that the communication estimate (``trainer.estimate.comm``, loaded by
 ``python -m trainer.plan`` without torch) counts exactly the blocks that
 ``trainer.parallel.context_parallel`` sends; that module runs these calls.
 

@@ -10,7 +10,7 @@ tp: w1/w3 ``Shard(2)``, w2 ``Shard(1)``). FSDP2 shards each rank's experts over 
 any layout resumes any other.
 
 Dispatch, per MoE layer and micro-batch (``ExpertParallel.__call__``), on rows already sorted by
-expert (``trainer.models.moe.MoE``):
+expert (``trainer.models.common.moe.MoE``):
 
 1. the per-expert counts (E,) are exchanged first (one all-to-all of E integers): rank r learns
    how many rows each rank sends to each of its local experts; the split sizes are read on the host;
@@ -105,7 +105,7 @@ def shard_experts(model: nn.Module, world_mesh: DeviceMesh, ep: int, tp: int) ->
     """Turn the routed experts of every MoE layer of ``model`` into DTensors for expert and/or tensor
     parallel (module docstring), install the token exchange when ep > 1, and return the expert
     parameters (for ``scale_expert_grads`` and FSDP2). Works on the meta device."""
-    from trainer.models.moe import moe_modules
+    from trainer.models.common.moe import moe_modules
 
     if ep == 1 and tp == 1:
         return []

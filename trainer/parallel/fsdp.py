@@ -72,7 +72,7 @@ def apply_fsdp(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward,
                     ignored_params=ignored or None)
     # The root (embedding, final norm, output) stays gathered from forward to backward: the fused
-    # loss reads output.weight after the forward (trainer.models.losses.linear_cross_entropy_loss).
+    # loss reads output.weight after the forward (trainer.models.common.losses.linear_cross_entropy_loss).
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=ignored or None)
     if dist.get_backend(dp_mesh.get_group(0)) == "gloo":
         for module in model.modules():

@@ -161,7 +161,7 @@ def parallelize_decoder(
     if dims.tp_enabled and not use_fsdp:
         partial = [prm for name, prm in model.named_parameters() if name.endswith("norm.weight")]
     if expert_params:  # FSDP2 replaced the parameter objects: take them from the modules again
-        from trainer.models.moe import moe_modules
+        from trainer.models.common.moe import moe_modules
 
         expert_params = [prm for _, moe in moe_modules(model) for prm in moe.experts.parameters()]
     return ParallelModel(model, stages, pipeline, cp, loss_parallel, dims.fsdp_size if use_fsdp else 1, partial,

@@ -178,11 +178,11 @@ def split_model(model: nn.Module, plan: StagePlan) -> tuple[nn.Module, list[nn.M
 def _no_counting_in_metadata_forward(stage: PipelineStage) -> None:
     """The schedule's first step runs each stage's forward once more to learn the shapes (torch's
     private ``_forward_metadata_inference``, on real or empty tensors): that forward must not count
-    towards the MoE load balance (``trainer.models.moe``). A torch without it needs nothing."""
+    towards the MoE load balance (``trainer.models.common.moe``). A torch without it needs nothing."""
     infer = getattr(stage, "_forward_metadata_inference", None)
     if infer is None:
         return
-    from trainer.models.moe import no_expert_counting
+    from trainer.models.common.moe import no_expert_counting
 
     def wrapped(*args, **kwargs):
         with no_expert_counting():

@@ -21,7 +21,7 @@ own rows, the Partial sum is reduce-scattered onto the sequence); ``norm`` is se
 ``output`` is colwise (its weight split on the vocabulary, ``Shard(0)``). Loss parallel (the
 default) is the trainer's fused loss: the model returns the final norm's sequence-sharded hidden
 states and ``titan_kernels.linear_cross_entropy`` takes them with the vocab-split output weight
-(``trainer.models.losses.linear_cross_entropy_loss``): hidden is all-gathered (as ``output``'s
+(``trainer.models.common.losses.linear_cross_entropy_loss``): hidden is all-gathered (as ``output``'s
 colwise input would be), each rank computes the logits of its own vocabulary rows chunk by chunk,
 and only token-sized max / sum-exp / target-logit values are all-reduced, never the (batch, seq,
 vocab) logits, which are not even materialized; hidden's gradient is reduce-scattered back onto
@@ -95,7 +95,7 @@ def check_tp_divisibility(args, tp: int) -> None:
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool = True, async_tp: bool = False) -> nn.Module:
     """Apply the tensor + sequence parallel plan (module docstring) to ``model`` in place.
 
-    ``model`` is a ``trainer.models.decoder.Transformer`` or a pipeline stage of one (any of
+    ``model`` is a ``trainer.models.common.decoder.Transformer`` or a pipeline stage of one (any of
     tok_embeddings / norm / output may be None), on the meta device or materialized, with nn.Linear
     or Float8Linear layers (the fp8_linear op has DTensor rules for colwise and rowwise shards).
     Tied embeddings are not supported (the output would need the embedding's other split).

@@ -3,7 +3,7 @@ routing and multi-token prediction on the shared decoder. ``args`` holds the hyp
 flavors, ``attention`` the MLA module, ``model`` the blocks, the model and its MTP modules, ``hf``
 the Hugging Face ``DeepseekV3ForCausalLM`` adapter."""
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
-from trainer.models.registry import ModelSpec
+from trainer.registry import ModelSpec
 
 SPEC = ModelSpec(
     name="deepseek_v3", title="DeepSeek-V3", args_cls=DeepSeekV3Args, flavors=DEEPSEEK_V3_FLAVORS,

@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.args import ModelArgs
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.args import ModelArgs
+from trainer.models.common.moe_args import MoEArgs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from torch import nn
 import titan_kernels
 from titan_kernels.nn import RMSNorm, RotaryEmbedding
 from titan_kernels.ops.rope_tables import rope_type, yarn_mscale
-from trainer.models.attention import attend, layer_mask
+from trainer.models.common.attention import attend, layer_mask
 
 LATENT_NORM_EPS = 1e-6
 
@@ -109,7 +109,7 @@ class MLA(nn.Module):
         "f"). The latents need none: their colwise up-projections' DTensor inputs reduce it."""
         if self.tp_mesh is None:
             return t
-        from trainer.models.moe import _sum_grad_over
+        from trainer.models.common.moe import _sum_grad_over
 
         return _sum_grad_over(t, self.tp_mesh)
 

@@ -26,7 +26,7 @@ from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope
 from trainer.hf.common import rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 
 _ATTN = {"wq": "q_proj", "wq_a": "q_a_proj", "q_norm": "q_a_layernorm", "wq_b": "q_b_proj",
          "wkv_a": "kv_a_proj_with_mqa", "kv_norm": "kv_a_layernorm", "wkv_b": "kv_b_proj", "wo": "o_proj"}

@@ -1,6 +1,6 @@
 """The DeepSeek-V3 model: the shared decoder with MLA blocks (``trainer.models.deepseek_v3.attention``),
 DeepSeekMoE feed-forwards (the shared ``MoE`` with sigmoid, group-limited routing and shared experts,
-``trainer.models.moe_args``) and multi-token prediction.
+``trainer.models.common.moe_args``) and multi-token prediction.
 
 Multi-token prediction (DeepSeek-V3 sec. 2.2, Gloeckle et al. 2024): MTP module k (1..D) takes the
 hidden state h^{k-1} (h^0: the main model's last block output, before the final norm) and the
@@ -10,7 +10,7 @@ head are the main model's. Its loss, the mean over the D modules of their token 
 trains with weight ``mtp_loss_weight`` (lambda, ``--training.mtp_loss_weight``) beside the main
 loss, which alone is what the run reports as ``loss`` (``mtp_loss`` is logged apart).
 
-The targets come with the labels: ``future_labels(labels, D)`` (``trainer.models.losses``) stacks
+The targets come with the labels: ``future_labels(labels, D)`` (``trainer.models.common.losses``) stacks
 (batch, seq, 1 + D), where slice 0
 is the main labels (token t + 1) and slice k token t + k + 1; module k reads token t + k from slice
 k - 1. The stack is built before a context-parallel split, so each rank's shard holds the right
@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from titan_kernels.nn import RMSNorm, RotaryEmbedding
-from trainer.models.decoder import Transformer, TransformerBlock
+from trainer.models.common.decoder import Transformer, TransformerBlock
 from trainer.models.deepseek_v3.attention import MLA
-from trainer.models.losses import linear_cross_entropy_loss
+from trainer.models.common.losses import linear_cross_entropy_loss
 
 
 class _AddToLoss(torch.autograd.Function):
@@ -116,7 +116,7 @@ class DeepSeekV3(Transformer):
         if h is None or not self.mtp_depth:
             return loss
         self._last = None
-        from trainer.models.attention import document_cu_seqlens
+        from trainer.models.common.attention import document_cu_seqlens
 
         pos = self._position_ids
         cu = document_cu_seqlens(pos) if pos is not None else None

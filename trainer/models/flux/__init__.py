@@ -2,7 +2,7 @@
 hyperparameters and flavors, ``layers`` and ``model`` the transformer, ``hf`` the diffusers
 ``FluxTransformer2DModel`` adapter."""
 from trainer.models.flux.args import FLUX_FLAVORS, FluxArgs
-from trainer.models.registry import ModelSpec
+from trainer.registry import ModelSpec
 
 SPEC = ModelSpec(
     name="flux", title="Flux", args_cls=FluxArgs, flavors=FLUX_FLAVORS,

@@ -14,14 +14,14 @@ flavors, the guidance; 2x2 patches of ``latent_channels``-channel latents (``in_
 FLOPs per token (``flops_per_token``): 6 x the parameters a token multiplies by (the blocks; the
 modulation and embedding MLPs run once per sample, not per token, and are not counted per token),
 plus the joint attention: non-causal, every (query, key) pair of the whole text + image sequence,
-6 * n_heads * 2 * head_dim FLOPs per entry (``trainer.models.args`` module docstring).
+6 * n_heads * 2 * head_dim FLOPs per entry (``trainer.models.common.args`` module docstring).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.args import ModelArgs, attention_entries
+from trainer.models.common.args import ModelArgs, attention_entries
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.decoder import _param_seed, _trunc_normal_
+from trainer.models.common.decoder import _param_seed, _trunc_normal_
 from trainer.models.flux.layers import (
     QKV,
     TIME_CHANNELS,

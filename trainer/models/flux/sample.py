@@ -65,10 +65,10 @@ def _scheduler_shift(pipeline: Path, dynamic_default: bool) -> tuple[bool, float
 def load_model(config, device: torch.device):
     """(model in eval mode, args, flavor) from ``--checkpoint.initial_load_path`` (DCP or, with
     ``initial_load_in_hf``, a diffusers transformer folder) or ``--flux.pipeline_path``/transformer."""
-    from trainer.checkpoint import Checkpointer
-    from trainer.checkpoint_folder import read_model_args, resolve_step_folder
+    from trainer.checkpoint.checkpointer import Checkpointer
+    from trainer.checkpoint.folder import read_model_args, resolve_step_folder
     from trainer.hf import HFCheckpoint, load_into_model
-    from trainer.models.registry import build_model, family_of
+    from trainer.registry import build_model, family_of
 
     c, f = config.checkpoint, config.flux
     if c.initial_load_path and not c.initial_load_in_hf:
@@ -147,7 +147,7 @@ def run(opts, config) -> Path:
 def generate_main(argv: list[str] | None = None) -> int:
     """The command line (module docstring): the sampling flags, then the trainer's ``--section.key``
     flags (``--model.name flux`` implied). Returns the exit code (1 with one line for bad input)."""
-    from trainer.checkpoint_folder import CheckpointError
+    from trainer.errors import CheckpointError
     from trainer.config import ConfigError, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.args import ModelArgs
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.args import ModelArgs
+from trainer.models.common.moe_args import MoEArgs
 
 YARN = dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0,
             truncate=False)

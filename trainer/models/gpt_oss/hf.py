@@ -24,7 +24,7 @@ from trainer.hf.common import rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from trainer.models.llama3.hf import RotaryPermutingAdapter
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 
 _ATTN = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
 KEY_MAP: dict[str, str] = {

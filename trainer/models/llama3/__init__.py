@@ -1,8 +1,8 @@
 """Llama 3 (``--model.name llama3``): the shared decoder with Meta's FFN sizing and Llama 3.1 rotary
 scaling. ``args`` holds the hyperparameters and flavors, ``hf`` the Hugging Face ``LlamaForCausalLM``
-adapter; the modules are ``trainer.models.decoder``'s."""
+adapter; the modules are ``trainer.models.common.decoder``'s."""
 from trainer.models.llama3.args import LLAMA3_FLAVORS, Llama3Args
-from trainer.models.registry import ModelSpec
+from trainer.registry import ModelSpec
 
 SPEC = ModelSpec(
     name="llama3", title="Llama 3", args_cls=Llama3Args, flavors=LLAMA3_FLAVORS,

@@ -2,7 +2,7 @@
 
 Llama 3 (Grattafiori et al., "The Llama 3 Herd of Models", 2024): token embedding -> n_layers x
 [RMSNorm -> GQA attention with rotary -> residual, RMSNorm -> SwiGLU feed-forward -> residual] ->
-RMSNorm -> output projection; the shared decoder of ``trainer.models.decoder``. The FFN width follows
+RMSNorm -> output projection; the shared decoder of ``trainer.models.common.decoder``. The FFN width follows
 Meta's rule (``ffn_hidden_dim``); rotary uses Llama 3.1's frequency scaling.
 
 Flavors carry the published hyperparameters: debugmodel (dim 256, 6 layers, 16 heads; vocab from
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.args import ModelArgs
+from trainer.models.common.args import ModelArgs
 
 # Llama 3.1 (8B/70B/405B) and Llama 3.2 (1B/3B) rotary frequency scaling, from the models' published
 # configs (rope_scaling in config.json).

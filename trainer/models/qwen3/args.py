@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.models.args import ModelArgs
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.args import ModelArgs
+from trainer.models.common.moe_args import MoEArgs
 
 QWEN3_VOCAB = 151936
 

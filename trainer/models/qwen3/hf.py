@@ -23,7 +23,7 @@ from trainer.hf.common import HFCheckpointError, _int_fields, _rope_from_config,
 from trainer.hf.compare import matching_flavor
 from trainer.models.llama3.hf import KEY_MAP as _LLAMA_KEYS
 from trainer.models.llama3.hf import RotaryPermutingAdapter
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 from trainer.models.qwen3.args import QWEN3_FLAVORS, Qwen3Args
 
 KEY_MAP: dict[str, str] = {

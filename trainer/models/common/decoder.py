@@ -5,8 +5,8 @@ Parameter names are the same for every family that uses it (``layers.{i}.attenti
 ...), so tensor parallel, activation checkpointing, FSDP2, pipeline stages and checkpoints treat them
 alike. A family changes a block's parts by subclassing: ``TransformerBlock.make_attention`` /
 ``make_feed_forward`` build them (the shared GQA ``Attention``; a ``FeedForward``, or a
-``trainer.models.moe.MoE`` where ``args.moe_layer(i)``), and ``Transformer.block_cls`` names the block.
-What the modules read of the args is the typed interface of ``trainer.models.args.ModelArgs``.
+``trainer.models.common.moe.MoE`` where ``args.moe_layer(i)``), and ``Transformer.block_cls`` names the block.
+What the modules read of the args is the typed interface of ``trainer.models.common.args.ModelArgs``.
 """
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_kernels.nn import AddRMSNorm, RMSNorm, RotaryEmbedding
-from trainer.models.attention import Attention, document_cu_seqlens
-from trainer.models.feed_forward import FeedForward
-from trainer.models.losses import linear_cross_entropy_loss
+from trainer.models.common.attention import Attention, document_cu_seqlens
+from trainer.models.common.feed_forward import FeedForward
+from trainer.models.common.losses import linear_cross_entropy_loss
 
 
 class TransformerBlock(nn.Module):
@@ -41,7 +41,7 @@ class TransformerBlock(nn.Module):
     def make_feed_forward(self, layer_id: int, args) -> nn.Module:
         """A mixture of experts where the args say so, else the dense SwiGLU."""
         if args.moe_layer(layer_id):
-            from trainer.models.moe import MoE
+            from trainer.models.common.moe import MoE
 
             return MoE(args.dim, args.moe)
         return FeedForward(args.dim, args.ffn_hidden_dim)
@@ -103,7 +103,7 @@ class Transformer(nn.Module):
 
     def token_loss(self, hidden: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """The summed token loss of the final-norm ``hidden`` states against ``labels`` (the fused output
-        projection + cross-entropy, ``trainer.models.losses.linear_cross_entropy_loss``); a family
+        projection + cross-entropy, ``trainer.models.common.losses.linear_cross_entropy_loss``); a family
         may add its own terms (DeepSeek-V3's multi-token prediction)."""
         return linear_cross_entropy_loss(self, hidden, labels, ignore_index)
 

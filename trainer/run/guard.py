@@ -1,6 +1,6 @@
 """What keeps a run safe around its loop, in one place the Trainer calls: the dump folder's checks
-and lock (``trainer.run_folder``), preemption signals and Ctrl-C (``trainer.signals``), the hang
-watchdog (``trainer.watchdog``), the test-only fault hooks (``trainer.fault_injection``) and the
+and lock (``trainer.run.folder``), preemption signals and Ctrl-C (``trainer.run.signals``), the hang
+watchdog (``trainer.run.watchdog``), the test-only fault hooks (``trainer.run.fault_injection``) and the
 warning for too little data.
 
 Order in ``Trainer.setup``: :meth:`RunGuard.before_process_group` (flight-recorder variables),
@@ -24,11 +24,11 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from trainer.fault_injection import FaultInjector
-from trainer.run_folder import RunFolderError, RunLock, check_dump_folder
-from trainer.signals import EXIT_PREEMPTED, PreemptionHandler
-from trainer.step import TrainingError
-from trainer.watchdog import StepWatchdog, flight_recorder_env
+from trainer.run.fault_injection import FaultInjector
+from trainer.run.folder import RunFolderError, RunLock, check_dump_folder
+from trainer.run.signals import EXIT_PREEMPTED, PreemptionHandler
+from trainer.errors import TrainingError
+from trainer.run.watchdog import StepWatchdog, flight_recorder_env
 
 logger = logging.getLogger("trainer")
 

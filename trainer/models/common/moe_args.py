@@ -1,6 +1,6 @@
 """Hyperparameters of a mixture-of-experts feed-forward (``MoEArgs``) and their analytic counts.
 
-Plain Python (no torch): the estimate and the planner read them; ``trainer.models.moe`` builds the
+Plain Python (no torch): the estimate and the planner read them; ``trainer.models.common.moe`` builds the
 layer. Shared by every family with experts (Qwen3-MoE, DeepSeek-V3, GPT-OSS).
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 @dataclass(frozen=True)
 class MoEArgs:
-    """A mixture-of-experts feed-forward (``trainer.models.moe.MoE``).
+    """A mixture-of-experts feed-forward (``trainer.models.common.moe.MoE``).
 
     ``num_experts`` routed SwiGLU experts of hidden size ``hidden_dim``; each token goes to ``top_k``
     of them (token choice). ``score_func``: softmax (Qwen3) or sigmoid (DeepSeek-V3) router scores;

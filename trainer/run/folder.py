@@ -25,12 +25,9 @@ import time
 from pathlib import Path
 
 import filelock
+from trainer.errors import RunFolderError  # noqa: F401  (defined on the ground floor)
 
 logger = logging.getLogger("trainer")
-
-
-class RunFolderError(RuntimeError):
-    """The dump folder cannot be used (not a folder, read-only, locked by another run); one line."""
 
 
 def check_dump_folder(path: str | os.PathLike) -> Path:

@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import titan_kernels
-from trainer.models.feed_forward import FeedForward
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.feed_forward import FeedForward
+from trainer.models.common.moe_args import MoEArgs
 
 
 _counting_paused = False

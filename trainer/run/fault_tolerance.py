@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from trainer.step import TrainingError
+from trainer.errors import TrainingError
 
 logger = logging.getLogger("trainer")
 

@@ -16,7 +16,7 @@ What a full checkpoint holds (keys of the DCP state dict):
   model_args    the flavor and ModelArgs the model was built with (JSON), so that a checkpoint
                 converts (``python -m trainer.convert``) or is checked against a run without a flavor
 Reading a folder without a run (its steps, its model_args, its weights into a model) is
-``trainer.checkpoint_folder``.
+``trainer.checkpoint.folder``.
 A seed checkpoint (``step-0``, ``checkpoint.create_seed_checkpoint``) and a weights-only export hold
 the model and model_args only.
 
@@ -27,18 +27,18 @@ Llama / Qwen3 folder (``initial_load_in_hf``), read tensor by tensor into the sh
 
 Atomicity. Every rank writes into ``.step-<N>.partial``; DCP's coordinator writes ``.metadata``
 after all ranks' data is written (and fsynced), then rank 0 writes ``manifest.json`` (size and
-checksum of every file, ``trainer.checkpoint_manifest``), and only then renames the folder to
+checksum of every file, ``trainer.checkpoint.manifest``), and only then renames the folder to
 ``step-<N>`` (a rename is atomic on POSIX file systems). A crash at any point leaves at most a
 ``.partial`` folder, which is ignored and removed by the next save. All ranks must see one shared
 file system (one node, or a shared mount). Free space is checked before each write, and a write
-that fails is one line with its ``.partial`` removed (``trainer.checkpoint_publish``).
+that fails is one line with its ``.partial`` removed (``trainer.checkpoint.publish``).
 
 Verification. A resume checks the checkpoint against its manifest first (the ranks share the
 files). A damaged, truncated, unreadable or unverifiable newest checkpoint is reported in one
 line naming the file, moved to ``damaged/`` and the run falls back to the newest intact one
 (``strict_verify``: an error instead). An explicit ``load_step`` never falls back.
 
-Lineage and retention (``trainer.checkpoint_lineage``): a run resumed with a ``load_step`` below
+Lineage and retention (``trainer.checkpoint.lineage``): a run resumed with a ``load_step`` below
 the newest step moves the later steps aside into ``abandoned-after-step-<L>-<time>/``; retention
 keeps the newest ``keep_latest_k`` of this lineage and never the one just saved.
 
@@ -67,18 +67,18 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from trainer import signals
-from trainer.checkpoint_folder import (
+from trainer.run import signals
+from trainer.checkpoint.folder import (
     CheckpointError,
     complete_steps,
     model_args_record,
     read_model_args,
     resolve_step_folder,
 )
-from trainer.checkpoint_lineage import STEP_RE as _STEP_RE
-from trainer.checkpoint_lineage import fork, remove_leftovers, retain, set_aside_damaged
-from trainer.checkpoint_manifest import ManifestError, read_manifest, verify_files
-from trainer.checkpoint_publish import FolderWriter, SaveError, fsync_dir
+from trainer.checkpoint.lineage import STEP_RE as _STEP_RE
+from trainer.checkpoint.lineage import fork, remove_leftovers, retain, set_aside_damaged
+from trainer.checkpoint.manifest import ManifestError, read_manifest, verify_files
+from trainer.checkpoint.publish import FolderWriter, SaveError, fsync_dir
 from trainer.data.reshard import reshard_loader_state
 
 logger = logging.getLogger("trainer")
@@ -263,13 +263,13 @@ class Checkpointer:
         """Write the model as a Hugging Face (Llama / Qwen3) folder ``hf-step-<step>`` in ``export_dtype`` (synchronously).
 
         Every rank writes its shards into a temporary DCP export (any layout, pipeline stages
-        included); rank 0 then streams it into safetensors shards (``trainer.hf.convert.dcp_to_hf``,
+        included); rank 0 then streams it into safetensors shards (``trainer.checkpoint.hf_convert.dcp_to_hf``,
         one shard of memory at a time), publishes the folder by a rename and removes the export.
         Needs ``model_args`` (the Hugging Face config is written from them).
         """
         if self.model_args is None:
             raise CheckpointError("checkpoint.last_save_in_hf: the model arguments are unknown; cannot write config.json")
-        from trainer.hf.convert import dcp_to_hf
+        from trainer.checkpoint.hf_convert import dcp_to_hf
 
         tmp = self.export_weights_to(f".hf-step-{step}.dcp")  # a dot name: never taken for a step
         final = self.folder / f"hf-step-{step}"
@@ -351,7 +351,7 @@ class Checkpointer:
         optimizer, and the data loader states are resharded (``reshard_loader_state``). A newest
         checkpoint that is damaged, truncated, unreadable or unverifiable is reported in one line,
         moved to ``damaged/``, and the next older one is tried (the module docstring). A
-        ``load_step`` below the newest step forks the lineage (``trainer.checkpoint_lineage.fork``).
+        ``load_step`` below the newest step forks the lineage (``trainer.checkpoint.lineage.fork``).
 
         Raises CheckpointError when the checkpoint lacks the optimizer state (not a seed), the data
         loader states cannot be resharded or belong to another dataset, tokenizer or seq_len, the

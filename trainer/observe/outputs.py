@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from trainer.config import JobConfig
-from trainer.models.args import format_params
-from trainer.step import TrainingError
+from trainer.models.common.args import format_params
+from trainer.errors import TrainingError
 
 logger = logging.getLogger("trainer")
 
@@ -61,7 +61,7 @@ def log_outputs(config: JobConfig) -> None:
 
 def save_plot(dump_folder: str) -> None:
     """``<dump_folder>/metrics.png`` from metrics.jsonl; a missing matplotlib is reported, not fatal."""
-    from trainer.plot import plot_runs
+    from trainer.observe.plot import plot_runs
 
     try:
         path = plot_runs([dump_folder], Path(dump_folder) / "metrics.png")

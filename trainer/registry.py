@@ -35,11 +35,11 @@ class ModelSpec:
     Attributes:
         name: the ``--model.name`` (e.g. ``llama3``); also the folder of its TOMLs (``trainer/configs/<name>/``).
         title: how messages name it (e.g. ``Llama 3``).
-        args_cls: its hyperparameter dataclass (a ``trainer.models.args.ModelArgs`` subclass, torch-free).
+        args_cls: its hyperparameter dataclass (a ``trainer.models.common.args.ModelArgs`` subclass, torch-free).
         flavors: the published shapes, flavor name -> args (``vocab_size`` -1 = from the tokenizer).
         description: one line for ``--help``.
         build: ``"module:function"`` building the model, ``fn(args) -> nn.Module`` on the current
-            device (``trainer.models.decoder:Transformer``, the shared decoder, by default).
+            device (``trainer.models.common.decoder:Transformer``, the shared decoder, by default).
         hf_adapter: ``"module:object"`` of its Hugging Face adapter (``trainer.hf.adapter.HFAdapter``),
             or None when the family has no Hugging Face counterpart.
         hf_model_types: the ``model_type`` values of config.json this family reads.
@@ -54,7 +54,7 @@ class ModelSpec:
     args_cls: type
     flavors: Mapping[str, Any]
     description: str = ""
-    build: str = "trainer.models.decoder:Transformer"
+    build: str = "trainer.models.common.decoder:Transformer"
     hf_adapter: str | None = None
     hf_model_types: tuple[str, ...] = ()
     parallelize: str | None = None

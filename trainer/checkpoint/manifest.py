@@ -20,20 +20,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
+from trainer.errors import ManifestError, UnverifiedCheckpoint  # noqa: F401  (defined on the ground floor)
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
 ALGORITHM = "xxh3_64"
 _CHUNK = 8 << 20  # bytes read per call; large enough to stream at disk speed
 _THREADS = 4  # per rank: reads overlap, hashing releases little, so a few threads are enough
-
-
-class ManifestError(RuntimeError):
-    """A checkpoint file does not match its manifest (or the manifest cannot be read); one line."""
-
-
-class UnverifiedCheckpoint(ManifestError):
-    """The step folder has no manifest.json (written before manifests existed, or the file was lost)."""
 
 
 def file_digest(path: str | os.PathLike) -> tuple[int, str]:

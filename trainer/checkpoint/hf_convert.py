@@ -1,10 +1,10 @@
-"""Our DCP checkpoints <-> Hugging Face folders, for every registered family (``trainer.models.registry``):
+"""Our DCP checkpoints <-> Hugging Face folders, for every registered family (``trainer.registry``):
 :func:`dcp_to_hf` and :func:`hf_to_dcp`. ``python -m trainer.convert`` is their command line, and
-the checkpointer's ``last_save_in_hf`` export (``trainer.checkpoint``) runs :func:`dcp_to_hf`.
+the checkpointer's ``last_save_in_hf`` export (``trainer.checkpoint.checkpointer``) runs :func:`dcp_to_hf`.
 
 The model arguments come from the checkpoint itself (``model_args``, recorded by every save); a
 Llama 3 checkpoint older than that record names its flavor. dcp-to-hf first checks every file
-against the checkpoint's ``manifest.json`` (``trainer.checkpoint_manifest``; without one it converts
+against the checkpoint's ``manifest.json`` (``trainer.checkpoint.manifest``; without one it converts
 with a warning) and reads one output shard at a time; hf-to-dcp holds the whole model (one copy, in
 the output dtype), as ``dcp.save`` writes all tensors of a checkpoint at once, and writes a manifest.
 """
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import torch
 
-from trainer.checkpoint_folder import CheckpointError, model_args_record, read_model_args, resolve_step_folder
-from trainer.checkpoint_manifest import ManifestError, UnverifiedCheckpoint, data_files, digest_files, verify_folder
-from trainer.checkpoint_manifest import write_manifest
+from trainer.checkpoint.folder import CheckpointError, model_args_record, read_model_args, resolve_step_folder
+from trainer.checkpoint.manifest import ManifestError, UnverifiedCheckpoint, data_files, digest_files, verify_folder
+from trainer.checkpoint.manifest import write_manifest
 from trainer.hf.common import DEFAULT_MAX_SHARD_SIZE, logger
 from trainer.hf.folder import HFCheckpoint, HFWriter
 from trainer.hf.mapping import expected_keys, expected_shapes
 from trainer.hf.tokenizer_files import write_tokenizer_files
-from trainer.models.registry import get as _family
-from trainer.models.registry import spec_of
+from trainer.registry import get as _family
+from trainer.registry import spec_of
 
 
 def _model_tensors(path: Path) -> dict[str, object]:

@@ -1,8 +1,8 @@
 """What a DCP checkpoint folder holds, read without a run: its complete steps, the step folder a path
 names, the model arguments it records, its weights into a model; and :class:`CheckpointError`.
 
-The layer below the checkpointer (``trainer.checkpoint``) and the Hugging Face converter
-(``trainer.hf.convert``), which both read folders this way.
+The layer below the checkpointer (``trainer.checkpoint.checkpointer``) and the Hugging Face converter
+(``trainer.checkpoint.hf_convert``), which both read folders this way.
 """
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from trainer.checkpoint_lineage import STEP_RE
-from trainer.models.registry import args_from_record, family_of
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be loaded or saved as asked (missing step, other layout, damaged, failed save); one line."""
+from trainer.checkpoint.lineage import STEP_RE
+from trainer.registry import args_from_record, family_of
+from trainer.errors import CheckpointError  # noqa: F401  (defined on the ground floor)
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:

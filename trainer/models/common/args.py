@@ -20,7 +20,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
-from trainer.models.moe_args import MoEArgs
+from trainer.models.common.moe_args import MoEArgs
 
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -49,7 +49,7 @@ def attention_entries(seq_len: int, causal: bool = True, window: int = -1, chunk
 
 @dataclass(frozen=True)
 class ModelArgs:
-    """Hyperparameters of a model of the shared decoder (``trainer.models.decoder``); the families'
+    """Hyperparameters of a model of the shared decoder (``trainer.models.common.decoder``); the families'
     args subclass it (names as in Meta's reference code and torchtitan).
 
     ``head_dim`` None means ``dim // n_heads``; ``n_kv_heads`` None means ``n_heads``;

@@ -11,7 +11,7 @@ Step-time model (per GPU, one optimizer step), stated so it can be checked:
             TP 8 x PP 8 Interleaved1F1B; 128, this model -28% with local batch 16): a ranking aid
             more than a promise
   TP        bytes / NVLink bandwidth: on the critical path (no async TP assumed)
-  CP        the K/V blocks ring attention sends (``trainer.estimate_comm``), hidden behind the
+  CP        the K/V blocks ring attention sends (``trainer.estimate.comm``), hidden behind the
             attention compute where they fit
   FSDP/HSDP all-gathers and reduce-scatters overlap with compute; exposed: what exceeds the
             compute, plus one unit's worth (the first all-gather and last reduce-scatter)
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trainer.estimate import GIB, Layout, ModelCosts, stages_per_rank
+from trainer.estimate.memory import GIB, Layout, ModelCosts, stages_per_rank
 
 # Share of the dense bf16 peak a training step sustains in its compute (see the module docstring).
 COMPUTE_EFFICIENCY = 0.45

@@ -1,6 +1,6 @@
 """Does a run fit this machine? The devices found (:func:`detect_devices`) against the memory estimate
-(``trainer.estimate``); when it does not, the report of what would fit: the planner's best layout at
-the smallest GPU count (``trainer.plan.smallest_fit``), with its command. The trainer checks this
+(``trainer.estimate.memory``); when it does not, the report of what would fit: the planner's best layout at
+the smallest GPU count (``trainer.estimate.plan.smallest_fit``), with its command. The trainer checks this
 before it allocates anything large (:func:`fit_message`).
 
 Torch is imported only to find the GPUs, so the check stays light.
@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from trainer.estimate import GIB, Layout, estimate_memory
-from trainer.estimate_time import GPUS
-from trainer.models.args import ModelArgs, format_params
-from trainer.plan import smallest_fit
+from trainer.estimate.memory import GIB, Layout, estimate_memory
+from trainer.estimate.step_time import GPUS
+from trainer.models.common.args import ModelArgs, format_params
+from trainer.estimate.plan import smallest_fit
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def fit_report(
 
     The message gives the parameter count, the estimated memory per device by component, the
     devices found, and the planner's best layout (FSDP/HSDP x TP x PP x CP, activation
-    checkpointing) for the smallest GPU count that fits (``trainer.plan.smallest_fit``), with its
+    checkpointing) for the smallest GPU count that fits (``trainer.estimate.plan.smallest_fit``), with its
     command.
     """
     est = estimate_memory(args, layout, local_batch_size, seq_len, compute_bytes=compute_bytes,
@@ -111,7 +111,7 @@ def fit_report(
     else:
         lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
         lines.append(f"    {found.command()}")
-        from trainer.models.registry import family_of
+        from trainer.registry import family_of
 
         lines.append(f"  more layouts: python -m trainer.plan --model.name {family_of(args)} --flavor {flavor} "
                      f"--ngpu {found.n_gpus} --gpu {gpu} "

@@ -1,8 +1,8 @@
 """Memory per device of a training run for a parallel layout, without building the model.
 
-Beside it: the communication per step (``trainer.estimate_comm``), the optimizer's share
-(``trainer.estimate_optimizer``), the step time on a GPU (``trainer.estimate_time``); ``trainer.plan``
-searches the layouts with them and ``trainer.fit`` checks a run against this machine.
+Beside it: the communication per step (``trainer.estimate.comm``), the optimizer's share
+(``trainer.estimate.optimizer``), the step time on a GPU (``trainer.estimate.step_time``); ``trainer.plan``
+searches the layouts with them and ``trainer.estimate.fit`` checks a run against this machine.
 
 Memory per device (bytes), for the worst rank (the first pipeline stage, or the last when its loss
 dominates; every pp rank is evaluated). Notation: ``P_s`` parameters of the rank's stages (its
@@ -12,7 +12,7 @@ norm and output on the last), sharded over
   params       P_s * master_bytes / (n * tp)            fp32 master weights
   grads        P_s * master_bytes / (n * tp)            reduced in fp32 into the sharded grads
   optimizer    state values x state_bytes / (n * tp): AdamW 2 per parameter; Muon 1 on the hidden matrices and
-               experts, 2 on the rest, plus its step buffers (``trainer.estimate_optimizer``)
+               experts, 2 on the rest, plus its step buffers (``trainer.estimate.optimizer``)
   working      unsharded copies under FSDP2 (when n > 1 or the compute dtype is not fp32): the root
                (embedding, output) for the whole step, two blocks at a time (current + prefetched)
                in the compute dtype, and one block's unsharded fp32 gradients before its
@@ -25,7 +25,7 @@ norm and output on the last), sharded over
                under TP + SP and saved whole by the matmuls (tp = 1: 6*dim + ...); the rest is the
                block input, q, k, v, attention output and log-sum-exp, the residual, two RMSNorm
                rstd, and SwiGLU's two inputs and output (the fused op recomputes the activation),
-               which is exactly what autograd saves for ``trainer.models.decoder.TransformerBlock``
+               which is exactly what autograd saves for ``trainer.models.common.decoder.TransformerBlock``
                (checked in tests/trainer/test_estimate.py);
                full AC: each block's input (dim / tp), plus one block recomputed at a time;
                selective "op": the outputs of the matmuls and of attention plus the block input:
@@ -60,8 +60,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from trainer.estimate_optimizer import muon_step_bytes, state_values
-from trainer.models.args import ModelArgs
+from trainer.estimate.optimizer import muon_step_bytes, state_values
+from trainer.models.common.args import ModelArgs
 
 GIB = 2**30
 # Share of a device's memory a run may plan to use (headroom for fragmentation, NCCL buffers, CUDA context).
@@ -147,7 +147,7 @@ class ModelCosts:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 * (active parameters without the embedding lookup) + attention,
-        counted per score entry the kernels compute (``trainer.models.args``)."""
+        counted per score entry the kernels compute (``trainer.models.common.args``)."""
         return self.args.flops_per_token(seq_len)
 
     def attention_flops_per_token(self, seq_len: int) -> float:
@@ -156,7 +156,7 @@ class ModelCosts:
 
 def model_costs(args) -> ModelCosts:
     """The ModelCosts of a model's hyperparameters (any family: the typed interface of
-    ``trainer.models.args.ModelArgs``; for a MoE model ``active_params`` and the ``moe.top_k`` experts
+    ``trainer.models.common.args.ModelArgs``; for a MoE model ``active_params`` and the ``moe.top_k`` experts
     of ``moe.hidden_dim`` per token).
 
     The MoE share is counted simply: the experts' weights sharded like the rest (FSDP2 over dp_shard,
@@ -197,7 +197,7 @@ class MemoryEstimate:
     loss: float = 0.0
     grads_coexist: bool = False
     last_block: float = 0.0  # activations of the block the backward ends with (alive with all gradients)
-    optimizer_step: float = 0.0  # Muon's Newton-Schulz buffers at the step (trainer.estimate_optimizer)
+    optimizer_step: float = 0.0  # Muon's Newton-Schulz buffers at the step (trainer.estimate.optimizer)
 
     @property
     def total(self) -> float:

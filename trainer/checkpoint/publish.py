@@ -9,7 +9,7 @@ that fails anyway (a full disk shows in DCP as ``No space left on device`` or Py
 ``.partial`` folder is removed. Whether the run stops or continues without that checkpoint is the
 caller's choice (``--checkpoint.on_save_error``).
 
-Manifest (``trainer.checkpoint_manifest``). Synchronous writes: every rank hashes every
+Manifest (``trainer.checkpoint.manifest``). Synchronous writes: every rank hashes every
 world_size-th data file (each its own, in practice, still in the page cache), rank 0 gathers the
 entries, adds ``.metadata`` and writes ``manifest.json``, then renames. Asynchronous writes: rank 0
 hashes all files in a background thread once the write has finished, and publishes at the next
@@ -30,15 +30,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer import signals
-from trainer.checkpoint_lineage import STEP_RE, remove_folder
-from trainer.checkpoint_manifest import data_files, digest_files, manifest_bytes, write_manifest
+from trainer.run import signals
+from trainer.checkpoint.lineage import STEP_RE, remove_folder
+from trainer.checkpoint.manifest import data_files, digest_files, manifest_bytes, write_manifest
+from trainer.errors import SaveError  # noqa: F401  (defined on the ground floor)
 
 logger = logging.getLogger("trainer")
-
-
-class SaveError(RuntimeError):
-    """A checkpoint could not be written (disk full, not writable); one line; its .partial is removed."""
 
 
 def _dist() -> bool:

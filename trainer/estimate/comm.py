@@ -7,8 +7,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from trainer.estimate import Layout, ModelCosts, model_costs
-from trainer.models.args import ModelArgs
+from trainer.estimate.memory import Layout, ModelCosts, model_costs
+from trainer.models.common.args import ModelArgs
 from trainer.parallel.cp_schedule import blocks_sent
 
 

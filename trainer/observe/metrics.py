@@ -157,7 +157,7 @@ class MetricsLogger:
         enabled: False on ranks other than 0 (they still time themselves, but write nothing).
         enable_tensorboard / tb_folder: also write TensorBoard scalars under dump_folder/tb_folder.
         enable_color: ANSI colors on the console (only when stdout is a terminal; NO_COLOR disables).
-        wandb: a ``trainer.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
+        wandb: a ``trainer.observe.wandb_log.WandbLogger`` that gets every record too (closed by ``close``), or None.
         phases: ``{name: every}`` the phases between steps the ETA counts (``phase`` measures them):
             every ``every`` steps and at the last step; None = at the last step only; 0 = never.
     """

@@ -1,4 +1,4 @@
-"""The optimizer's memory for ``trainer.estimate``: state values per optimizer, and Muon's buffers
+"""The optimizer's memory for ``trainer.estimate.memory``: state values per optimizer, and Muon's buffers
 at the optimizer step. Torch-free, like the estimate.
 
   AdamW  2 states (exp_avg, exp_avg_sq) per parameter.
@@ -16,7 +16,7 @@ OPTIMIZERS = ("adamw", "muon")
 
 def block_vector_params(c) -> float:
     """Parameters of an (average) block that stay on AdamW under Muon: norms (QK-norms, MLA's latent
-    norms), biases, attention sinks and routers. ``c``: a ``trainer.estimate.ModelCosts``."""
+    norms), biases, attention sinks and routers. ``c``: a ``trainer.estimate.memory.ModelCosts``."""
     a = c.args
     if a is None:
         return 2 * c.dim
