@@ -38,12 +38,14 @@ setup(
         # triton for the tests of the Triton kernels in its interpreter (TRITON_INTERPRET=1) on the CPU.
         "test": ["pytest>=8", "pytest-benchmark>=4", "pytest-timeout>=2", "pytest-xdist>=3", "expecttest", "ninja",
                  "triton>=3.6; platform_system == 'Linux'",
-                 "transformers>=4.45", "wandb>=0.19", "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
+                 "transformers>=4.45", "wandb>=0.19", "diffusers>=0.32",
+                 "torchft==0.2.0; python_version == '3.11' and platform_system == 'Linux'"],
         "triton": ["triton>=3.6; platform_system == 'Linux'"],  # the interpreter with a CPU-only torch
         "ft": ["torchft==0.2.0"],  # replica-group fault tolerance (trainer.run.fault_tolerance)
         "wandb": ["wandb>=0.19"],
         "hf": ["datasets>=2.18"],
         "float8": ["torchao>=0.10"],
+        "flux": ["transformers>=4.45", "diffusers>=0.32", "pillow"],  # Flux's encoders, autoencoder, images
     },
     **native_build(),
 )

@@ -225,7 +225,7 @@ TRAINER_FLOORS = {
     "models": 3, "models.common": 3, "observe": 3,
     "hf": 4, "parallel": 4, "optim": 4, "run": 4,
     "models.*": 5, "estimate": 5, "float8": 5, "checkpoint": 5,
-    "step": 6, "evaluate": 6,
+    "step": 6, "evaluate": 6, "task": 6,
     "train": 7, "convert": 7, "plan": 7, "plot": 7, "__main__": 7, "generate": 7, "eval": 7,
 }
 

@@ -107,7 +107,7 @@ def test_dry_run_sections_hold_results(dry_run):
     env = result["environment"]
     assert env["copy_bandwidth_GBps"] > 0 and env["matmul_TFLOPs"] > 0
     runs = {r["name"]: r for r in result["train"]["runs"]}
-    assert set(runs) == {"debugmodel", "8B-4L eager", "8B-4L compile", "8B-4L float8"}
+    assert set(runs) == {"debugmodel", "8B-4L eager", "8B-4L compile", "8B-4L float8", "flux-dev 6 blocks"}
     for run in runs.values():
         assert run["rc"] == 0 and run["tokens_per_s"] > 0 and len(run["losses"]) >= 2, run
     rows = result["correctness"]["rows"]

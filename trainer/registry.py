@@ -25,6 +25,7 @@ FAMILY_PACKAGES = (
     "trainer.models.deepseek_v3",
     "trainer.models.gpt_oss",
     "trainer.models.llama4",
+    "trainer.models.flux",
 )
 
 
@@ -48,9 +49,11 @@ class ModelSpec:
             outside the transformer blocks under tensor parallel (DeepSeek-V3's MTP modules), run
             after the shared plan; None when the blocks are all there is.
         generate: ``"module:function"`` of the family's own ``python -m trainer.generate``,
-            ``fn(config, options) -> exit code`` (the JobConfig and the parsed generation options,
-            ``trainer.generate.cli``), for a family that is not a text decoder; None = the decoder's
-            KV-cache generation.
+            ``fn(argv) -> exit code`` (the whole command line: the family parses its own sampling
+            flags and the trainer's), for a family that is not a text decoder (Flux); None = the
+            decoder's KV-cache generation.
+        task: ``"module:class"`` of what the family trains on and how (``trainer.task``: its batches,
+            loss, validation; language modelling by default); each run makes its own instance.
     """
 
     name: str
@@ -64,6 +67,7 @@ class ModelSpec:
     parallelize: str | None = None
     tensor_parallel: str | None = None
     generate: str | None = None
+    task: str = "trainer.task:LanguageModelling"
 
     def load(self, what: str) -> Any:
         """Import the attribute ``what`` names (``"package.module:attribute"``)."""

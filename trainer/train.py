@@ -62,7 +62,7 @@ from trainer.checkpoint.checkpointer import Checkpointer
 from trainer.checkpoint.folder import CheckpointError, complete_steps
 from trainer.run.guard import Preempted, RunGuard, report_exit
 from trainer.config import ConfigError, JobConfig
-from trainer.data import build_dataloader, build_tokenizer, build_validation_loader
+from trainer.data import build_tokenizer
 from trainer.evaluate import Validator
 from trainer.run.fault_tolerance import ReplicaGroups
 from trainer.estimate.fit import fit_message
@@ -156,6 +156,7 @@ class Trainer:
         self._setup_device_and_layout()
         self._setup_tokenizer()
         preflight(config, self.args)  # the checks that need the model's args or the environment, before the build
+        self.task = spec_of(self.args).load(spec_of(self.args).task)()  # batches, loss, validation (trainer/task.py)
         if not seed_only:  # before anything large is allocated: can this machine hold the run at all?
             message = fit_message(config, self.args, self.dims, self.compute_dtype)
             if message is not None:
@@ -174,6 +175,7 @@ class Trainer:
             self._save_seed_checkpoint()
             return False
         self._parallelize()
+        self.task.setup(self)
         self.optimizer = build_optimizer(self.model, config.optimizer, mesh=self.mesh, seed=config.training.seed,
                                          cpu_offload=config.training.enable_cpu_offload, overlap=not self.dims.pp_enabled)
         self.scheduler = build_lr_scheduler(self.optimizer, lr_schedule(config.lr_scheduler, config.training.steps))
@@ -264,13 +266,13 @@ class Trainer:
         """The training loader (and the validation one); an empty or binary source fails now, in one line."""
         config, dp_size = self.config, self.dims.dp_size
         try:
-            self.loader = build_dataloader(config, self.tokenizer, self.dp_rank, dp_size)
+            self.loader = self.task.build_loader(self, "training")
             self.loader.check()
         except (ValueError, RuntimeError, OSError) as exc:
             raise data_error(exc, dataset_key(config, "training")) from None
         if config.validation.enable:
             try:
-                self.val_loader = build_validation_loader(config, self.tokenizer, self.dp_rank, dp_size)
+                self.val_loader = self.task.build_loader(self, "validation")
                 self.val_loader.check()
             except (ValueError, RuntimeError, OSError) as exc:
                 raise data_error(exc, dataset_key(config, "validation")) from None
@@ -301,7 +303,7 @@ class Trainer:
                 convert_model_to_float8(model, config.float8)
             except RuntimeError as exc:  # --float8.impl torchao without torchao
                 raise TrainingError(str(exc)) from None
-        fused_loss, loss_fn = numerics.build_loss_fn(model, config, dims)
+        fused_loss, loss_fn = self.task.build_loss_fn(model, config, dims)
         spec = spec_of(self.args)
         parallelize = spec.load(spec.parallelize) if spec.parallelize else parallelize_decoder
         try:
@@ -355,7 +357,8 @@ class Trainer:
             except RuntimeError as exc:
                 raise TrainingError(str(exc)) from None
         self.metrics = MetricsLogger(
-            config.job.dump_folder, m.log_freq, self.device, self.args.flops_per_token(cfg_t.seq_len),
+            config.job.dump_folder, m.log_freq, self.device,
+            self.args.flops_per_token(self.task.tokens_per_sample(config, self.args)),
             cfg_t.steps, enabled=self.rank == 0, enable_tensorboard=m.enable_tensorboard,
             tb_folder=m.save_tb_folder, enable_color=m.enable_color, wandb=wandb_logger, phases={
                 "validation": config.validation.freq if config.validation.enable else 0,
@@ -366,18 +369,11 @@ class Trainer:
             time.perf_counter() - self._t_start)
 
     def _setup_validation(self) -> None:
-        """The validator: the same forward as training, under no_grad, on the validation loader."""
+        """The validator of the family's task (the training forward under no_grad on the validation loader)."""
         if self.val_loader is None:
             return
-        v, cfg_t, pm = self.config.validation, self.config.training, self.pm
-        model, loss_fn = self.model, self.loss_fn
-        self.validator = Validator(
-            self.val_loader, v.steps, self.device,
-            lambda inputs, labels, pos: numerics.micro_batch_loss(model, loss_fn, inputs, labels, pos),
-            dp_group=self._dp_group, distributed=self._distributed,
-            document_masking=cfg_t.document_masking, shard=self._shard,
-            loss_context=self._loss_context, pipeline=pm.pipeline, pipeline_batch=cfg_t.local_batch_size,
-        )
+        self.validator = self.task.build_validator(self)
+        v = self.config.validation
         logger.info("validation: %s, %s every %d steps and at the end", self.val_loader.source.name,
                     "the whole split" if v.steps == -1 else f"{v.steps} batches", v.freq)
 
@@ -421,7 +417,7 @@ class Trainer:
         self.scheduler.step()
         # MoE: the step's tokens per expert (over the data-parallel ranks) move the routing bias.
         moe_load = update_load_balance(self._moe_mods, self._moe_group)
-        n_step_tokens = self.grad_accum * cfg_t.local_batch_size * cfg_t.seq_len
+        n_step_tokens = self.grad_accum * cfg_t.local_batch_size * self.task.tokens_per_sample(self.config, self.args)
         self.tokens_seen += n_step_tokens * dims.dp_size * (self._ft.participants if self._ft else 1)
         self.step = step
         # Per device: the tp, cp and pp ranks of one data-parallel rank share its tokens.
@@ -436,14 +432,10 @@ class Trainer:
     def _forward_backward(self) -> tuple[torch.Tensor, float]:
         """This rank's micro-batches of the next step through forward and backward, gradient reductions
         included; returns the mean token loss and the seconds spent waiting for data."""
-        cfg_t, pm = self.config.training, self.pm
         batches, data_wait = self._next_batches()
-        loss = numerics.forward_backward(self.model, self.loss_fn, batches, self.device, dp_size=pm.grad_scale,
-                                dp_group=self._dp_group, document_masking=cfg_t.document_masking, shard=self._shard,
-                                loss_context=self._loss_context, pipeline=pm.pipeline,
-                                mtp_depth=getattr(self.model, "mtp_depth", 0))
-        reduce_partial_grads(pm.partial_grads)
-        pm.scale_expert_grads()
+        loss = self.task.forward_backward(self, batches)
+        reduce_partial_grads(self.pm.partial_grads)
+        self.pm.scale_expert_grads()
         return loss, data_wait
 
     def train(self) -> None:

@@ -147,7 +147,7 @@ def test_to_dict_has_every_section():
     d = parse_args([]).to_dict()
     assert list(d) == ["job", "model", "training", "optimizer", "lr_scheduler", "parallelism", "checkpoint",
                        "metrics", "validation", "profiling", "activation_checkpoint", "compile", "kernels", "float8",
-                       "comm", "fault_tolerance"]
+                       "comm", "fault_tolerance", "flux"]
     assert sorted(f"{s}.{k}" for s in d for k in d[s]) == sorted(all_keys())
 
 

@@ -110,7 +110,7 @@ def dcp_to_hf(src: str | Path, out: str | Path, dtype: torch.dtype | None = None
             writer.add_all((g, state["model"][g]) for g in group)
             group, group_bytes = [], 0
     writer.close()
-    if tokenizer_path is not None:
+    if tokenizer_path is not None and writer.adapter.tokenizer_files:
         try:
             write_tokenizer_files(out, tokenizer_path)
         except (ValueError, OSError) as exc:  # e.g. the run's tokenizer moved: the weights still count

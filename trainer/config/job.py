@@ -19,6 +19,7 @@ from trainer.config.sections import (
     ConfigError,
     FaultTolerance,
     Float8,
+    Flux,
     Job,
     Kernels,
     LRScheduler,
@@ -52,6 +53,7 @@ class JobConfig:
     float8: Float8 = field(default_factory=Float8)
     comm: Comm = field(default_factory=Comm)
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+    flux: Flux = field(default_factory=Flux)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """The configuration as ``{section: {key: value}}`` of plain Python values."""

@@ -13,6 +13,7 @@ from trainer.errors import ConfigError  # noqa: F401  (defined on the ground flo
 __all__ = [
     "ConfigError", "ActivationCheckpoint", "Checkpoint", "Comm", "Compile", "FaultTolerance", "Float8", "Job",
     "Kernels", "LRScheduler", "Metrics", "Model", "Optimizer", "Parallelism", "Profiling", "Training", "Validation",
+    "Flux",
 ]
 
 
@@ -460,3 +461,37 @@ class FaultTolerance:
     lighthouse_timeout_seconds: float = _opt(
         30.0, "How long to wait for the Lighthouse (TORCHFT_LIGHTHOUSE) to answer at start-up before the run stops "
         "with one line naming its address.")
+
+
+@dataclass
+class Flux:
+    """Flux (``--model.name flux``): frozen encoders, image data, the rectified-flow training and the
+    samples written at each validation. Read by ``trainer.models.flux`` only."""
+
+    pipeline_path: str = _opt(
+        "", "A local FluxPipeline folder (save_pretrained): its text_encoder (CLIP), text_encoder_2 (T5), vae "
+        "and tokenizers are the frozen encoders unless t5_encoder / clip_encoder / autoencoder_path name others.")
+    t5_encoder: str = _opt("", "A local T5EncoderModel folder (with its tokenizer); empty = a tiny random T5 built "
+                           "from a config (debug flavor only).")
+    clip_encoder: str = _opt("", "A local CLIPTextModel folder (with its tokenizer); empty = a tiny random CLIP "
+                             "built from a config (debug flavor only).")
+    autoencoder_path: str = _opt("", "A local diffusers AutoencoderKL folder (16 latent channels); empty = pixel-space "
+                                 "2x2 patches (flavors with vae_scale 1: debugmodel).")
+    encode_cache: str = _opt("", "A folder keeping the encoders' outputs (text encodings, image latents), computed "
+                             "once and reused by later epochs and runs; empty = encode every time.")
+    img_size: int = _opt(32, "Training images are resized and center-cropped to img_size x img_size pixels.")
+    caption_dropout: float = _opt(0.1, "Probability of training a sample on the empty caption (classifier-free "
+                                  "guidance).")
+    guidance: float = _opt(3.5, "The guidance scale given to guidance-distilled flavors (flux-dev) in training and "
+                           "sampling.")
+    timestep_sampling: str = _opt("logit_normal", "Training timesteps: logit_normal (SD3 / FLUX.1) or uniform.",
+                                  choices=("logit_normal", "uniform"))
+    logit_mean: float = _opt(0.0, "Mean of the logit-normal timestep distribution.")
+    logit_std: float = _opt(1.0, "Standard deviation of the logit-normal timestep distribution.")
+    time_shift: bool = _opt(True, "Shift the timesteps towards noise by the image token count (FLUX.1's "
+                            "resolution-dependent shift; sampling uses the same).")
+    sample_steps: int = _opt(16, "Euler steps of the sample images written at each validation.")
+    sample_count: int = _opt(4, "Sample images written at each validation (the first validation captions).")
+    sample_cfg_scale: float = _opt(1.0, "True classifier-free guidance of the validation samples against the empty "
+                                   "caption (1 = off; flavors without distilled guidance follow their captions "
+                                   "better above 1).")

@@ -102,6 +102,7 @@ def validate_config(config: JobConfig) -> None:
     need(o.qk_clip_threshold is None or p.context_parallel_degree == 1, "optimizer.qk_clip_threshold",
          o.qk_clip_threshold, "none with parallelism.context_parallel_degree > 1 (ring attention records no "
          "per-head max logit)")
+    _validate_flux(config.flux, need)
     need(s.warmup_steps >= 0, "lr_scheduler.warmup_steps", s.warmup_steps, "an integer >= 0")
     need(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, "lr_scheduler.decay_ratio", s.decay_ratio,
          "none or a value in [0, 1]")
@@ -397,3 +398,20 @@ def _validate_optimizer(o) -> None:
          "auto or titan with optimizer.name muon, optimizer.groups, optimizer.qk_clip_threshold or "
          "optimizer.state_dtype bfloat16 (titan's optimizer runs fused_adamw_ for its AdamW groups; fused, "
          "foreach and for-loop name torch.optim.AdamW's kernels)")
+
+
+def _validate_flux(f, need) -> None:
+    """The ``[flux]`` keys: ranges and that the named folders exist."""
+    need(f.img_size >= 16 and f.img_size % 16 == 0, "flux.img_size", f.img_size, "a multiple of 16 >= 16")
+    need(0 <= f.caption_dropout <= 1, "flux.caption_dropout", f.caption_dropout, "a probability in [0, 1]")
+    need(math.isfinite(f.guidance) and f.guidance >= 0, "flux.guidance", f.guidance, "a finite value >= 0")
+    need(math.isfinite(f.logit_std) and f.logit_std > 0, "flux.logit_std", f.logit_std, "a finite value > 0")
+    need(math.isfinite(f.logit_mean), "flux.logit_mean", f.logit_mean, "a finite value")
+    need(f.sample_steps >= 1, "flux.sample_steps", f.sample_steps, "an integer >= 1")
+    need(f.sample_count >= 0, "flux.sample_count", f.sample_count, "an integer >= 0")
+    need(math.isfinite(f.sample_cfg_scale) and f.sample_cfg_scale >= 1, "flux.sample_cfg_scale", f.sample_cfg_scale,
+         "a finite value >= 1")
+    for key in ("pipeline_path", "t5_encoder", "clip_encoder", "autoencoder_path"):
+        path = getattr(f, key)
+        if path and not pathlib.Path(path).expanduser().is_dir():
+            raise ConfigError(f"--flux.{key}: no such folder: {path!r}")

@@ -142,7 +142,10 @@ def fit_report(
     else:
         lines.append(f"  would fit{assumed}: {found.n_gpus} x {gpu}, {found.summary()}")
         lines.append(f"    {found.command()}")
-        lines.append(f"  more layouts: python -m trainer.plan --flavor {flavor} --ngpu {found.n_gpus} --gpu {gpu} "
+        from trainer.registry import family_of
+
+        lines.append(f"  more layouts: python -m trainer.plan --model.name {family_of(args)} --flavor {flavor} "
+                     f"--ngpu {found.n_gpus} --gpu {gpu} "
                      f"--seq_len {seq_len} --optimizer {optimizer} --state_dtype {'bfloat16' if state_bytes == 2 else 'float32'}")
     return "\n".join(lines)
 

@@ -184,12 +184,12 @@ def model_costs(args) -> ModelCosts:
         n_moe = args.n_moe_layers
         ffn = round((n_moe * moe.active_width() + (args.n_layers - n_moe) * ffn) / args.n_layers)
     emb = args.embedding_params()
-    out = 0 if args.tie_word_embeddings else emb
+    out = args.output_params()
     blocks = p - emb - out - args.dim - args.extra_params()
     return ModelCosts(
         n_layers=args.n_layers, dim=args.dim, q_dim=args.n_heads * args.qk_head_dim,
         kv_dim=args.kv_heads * (args.qk_head_dim + args.v_head_dim) // 2,
-        ffn_hidden=ffn, n_heads=args.n_heads, head_dim=args.qk_head_dim, vocab_size=args.vocab_size,
+        ffn_hidden=ffn, n_heads=args.n_heads, head_dim=args.qk_head_dim, vocab_size=args.loss_vocab_size(),
         block_params=round(blocks / args.n_layers), embedding_params=emb, output_params=out,
         norm_params=args.dim, total_params=p, active_params=args.active_params(), tied=args.tie_word_embeddings,
         expert_params=args.expert_params(), n_moe_layers=args.n_moe_layers, top_k=moe.top_k if moe else 0,

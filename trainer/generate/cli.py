@@ -88,20 +88,41 @@ def parse(argv: list[str]):
     return ns, parse_args(rest)
 
 
+def family_of(argv: list[str]) -> str | None:
+    """The ``--model.name`` of a command line: the flag (``--model.name X`` or ``--model.name=X``), else
+    the ``[model] name`` of its ``--config`` / ``--job.config_file`` TOML; None when neither says."""
+    for i, word in enumerate(argv):
+        if word == "--model.name" and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith("--model.name="):
+            return word.partition("=")[2]
+    for i, word in enumerate(argv):
+        if word in ("--config", "--job.config_file") and i + 1 < len(argv):
+            import tomllib
+
+            try:
+                with open(argv[i + 1], "rb") as fh:
+                    return tomllib.load(fh).get("model", {}).get("name")
+            except (OSError, tomllib.TOMLDecodeError, AttributeError):
+                return None  # the trainer's parser names the problem
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``python -m trainer.generate`` with ``argv``; returns the exit code."""
+    from trainer import registry
     from trainer.errors import ConfigError
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    name = family_of(argv)
+    if name in registry.names():
+        spec = registry.get(name)
+        if spec.generate is not None:  # a family that is not a text decoder: its own flags and sampler
+            return int(spec.load(spec.generate)(argv))
     try:
         options, config = parse(argv)
     except (ConfigError, ValueError) as exc:
         return _fail(str(exc), 2)
-    from trainer import registry
-
-    spec = registry.get(config.model.name)
-    if spec.generate is not None:  # a family that is not a text decoder samples its own way
-        return int(spec.load(spec.generate)(config, options))
     if not options.prompt:
         return _fail("no prompt: pass --prompt TEXT (repeatable) or --prompts_file FILE", 2)
     from trainer.generate.run import run_decoder

@@ -83,6 +83,11 @@ class HFAdapter:
     key_map: dict[str, str] = {}
     # Our buffer holding the MoE load-balancing bias, and its Hugging Face name (None: not stored).
     expert_bias_hf: str | None = None
+    # The weight files' stem: transformers writes model.safetensors, diffusers diffusion_pytorch_model.safetensors.
+    weights_name: str = "model"
+    # Whether an export writes the run's tokenizer files beside the weights (a diffusers transformer
+    # folder has none: its pipeline keeps the text encoders' tokenizers).
+    tokenizer_files: bool = True
 
     def __init__(self) -> None:
         self._inverse = {v: k for k, v in self.key_map.items()}

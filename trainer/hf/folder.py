@@ -48,6 +48,13 @@ def _safetensors():
 # reading
 
 
+def weight_files(adapter) -> tuple[str, str]:
+    """(single file, shard index) names of a family's folders: ``model.safetensors`` and
+    ``model.safetensors.index.json`` for transformers, the adapter's ``weights_name`` stem otherwise."""
+    stem = adapter.weights_name
+    return (SINGLE, INDEX) if stem == "model" else (f"{stem}.safetensors", f"{stem}.safetensors.index.json")
+
+
 class HFCheckpoint:
     """A Hugging Face folder of one of our families opened for reading (config parsed, shard index
     read; no weights yet).
@@ -86,7 +93,8 @@ class HFCheckpoint:
         self._open: dict[str, object] = {}
 
     def _weight_map(self) -> dict[str, str]:
-        index, single = self.path / INDEX, self.path / SINGLE
+        single_name, index_name = weight_files(self.adapter)
+        index, single = self.path / index_name, self.path / single_name
         if index.is_file():
             try:
                 wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
@@ -99,10 +107,10 @@ class HFCheckpoint:
         if single.is_file():
             safe_open = _safetensors().safe_open
             with safe_open(str(single), framework="pt") as fh:
-                return {k: SINGLE for k in fh.keys()}
+                return {k: single_name for k in fh.keys()}
         others = sorted(p.name for p in self.path.glob("*.bin")) + sorted(p.name for p in self.path.glob("*.pth"))
         hint = f" (found {', '.join(others[:3])}: only safetensors are read)" if others else ""
-        raise HFCheckpointError(f"{self.path}: no {SINGLE} or {INDEX}{hint}")
+        raise HFCheckpointError(f"{self.path}: no {single_name} or {index_name}{hint}")
 
     def _file(self, name: str):
         safe_open = _safetensors().safe_open
@@ -182,7 +190,7 @@ def custom_model_args(path, family: str, vocab_size: int, seq_len: int, model_co
     found = family_of(ckpt.args)
     if found != family:
         raise HFCheckpointError(f"--model.name: {family}, but {path} holds a {found} model (use --model.name {found})")
-    if vocab_size > ckpt.args.vocab_size:
+    if ckpt.args.vocab_size != -1 and vocab_size > ckpt.args.vocab_size:  # -1: no vocabulary of its own (Flux)
         raise ValueError(f"--model.tokenizer_path: the tokenizer has {vocab_size} tokens but {path} has an embedding "
                          f"of {ckpt.args.vocab_size}; use the model's own tokenizer")
     logger.info("flavor custom: the model of %s (%s)", path,
@@ -312,19 +320,21 @@ class HFWriter:
         if self._pending or not self._shards:
             self._flush()
         n = len(self._shards)
+        single, index_name = weight_files(self.adapter)
+        stem = self.adapter.weights_name
         weight_map = {}
         mode = _file_mode()
         written = set()
         for i, (tmp, names) in enumerate(self._shards):
-            final = SINGLE if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            final = single if n == 1 else f"{stem}-{i + 1:05d}-of-{n:05d}.safetensors"
             os.chmod(self.out / tmp, mode)  # readable as the folder's other files (the shard writer's are 0600)
             os.replace(self.out / tmp, self.out / final)
             weight_map.update(dict.fromkeys(names, final))
             written.add(final)
         if n > 1:
             index = {"metadata": {"total_size": self.total_size}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-            written.add(INDEX)
+            (self.out / index_name).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+            written.add(index_name)
         (self.out / CONFIG).write_text(json.dumps(self.config, indent=2) + "\n", encoding="utf-8")
         self._remove_stale_weights(written)
         warning = self.adapter.export_warning(self.biased_layers, self.out)
@@ -337,9 +347,11 @@ class HFWriter:
         # An earlier export into this folder left weight files this one did not write (another shard
         # count, or an index beside a single file): readers would mix the two exports. They go only
         # now, after the new weights are in place.
+        single, index_name = weight_files(self.adapter)
+        stem = self.adapter.weights_name
         for path in self.out.iterdir():
             name = path.name
-            stale = name == SINGLE or name == INDEX or (name.startswith("model-") and name.endswith(".safetensors"))
+            stale = name in (single, index_name) or (name.startswith(f"{stem}-") and name.endswith(".safetensors"))
             if stale and name not in written:
                 path.unlink()
                 logger.info("%s: removed %s of an earlier export", self.out, name)

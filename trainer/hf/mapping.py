@@ -41,7 +41,8 @@ def args_from_hf_config(cfg: dict, where: str = CONFIG):
 
     Raises HFCheckpointError for a model_type no family reads, or options the family does not have.
     """
-    model_type = cfg.get("model_type")
+    # transformers names the family in model_type, diffusers in _class_name (e.g. FluxTransformer2DModel)
+    model_type = cfg.get("model_type") or cfg.get("_class_name")
     spec = registry.for_hf_model_type(model_type) if isinstance(model_type, str) else None
     if spec is None:
         archs = cfg.get("architectures") or []

@@ -371,15 +371,17 @@ class MetricsLogger:
         c = self.c
         width = len(str(self.total_steps))
         print(
-            f"{c.red}step {step:>{width}}  {c.bold}validation{c.reset}  {c.green}loss {record['val_loss']:8.4f}  "
-            f"perplexity {record['val_perplexity']:,.2f}{c.reset}  {c.grey}{record['val_tokens']:,} tokens in "
+            f"{c.red}step {step:>{width}}  {c.bold}validation{c.reset}  {c.green}loss {record['val_loss']:8.4f}"
+            + (f"  perplexity {record['val_perplexity']:,.2f}" if "val_perplexity" in record else "")
+            + f"{c.reset}  {c.grey}{record['val_tokens']:,} tokens in "
             f"{record['val_batches']} batch(es), {record['val_time_s']:.1f}s{c.reset}",
             flush=True,
         )
         self._jsonl.write((json.dumps(record) + "\n").encode())
         if self._tb is not None:
             self._tb.add_scalar("validation/loss", record["val_loss"], step)
-            self._tb.add_scalar("validation/perplexity", record["val_perplexity"], step)
+            if "val_perplexity" in record:  # a language model's (a diffusion model has none)
+                self._tb.add_scalar("validation/perplexity", record["val_perplexity"], step)
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log_validation(step, record)
@@ -398,6 +400,12 @@ class MetricsLogger:
         if self._tb is not None:
             text = "\n\n".join(f"**{p}**{t}" for p, t in samples)
             self._tb.add_text("validation/samples", text, step)
+
+    def log_images(self, step: int, tag: str, images) -> None:
+        """(rank 0) ``images`` (n, 3, H, W) float in [0, 1] to TensorBoard under ``tag`` (a family's
+        validation samples); nothing without TensorBoard."""
+        if self.enabled and self._tb is not None:
+            self._tb.add_images(tag, images, step)
             self._tb.flush()
 
     def print_summary(self) -> dict:

@@ -40,8 +40,10 @@ class WandbLogger:
         self.run.log(data, step=record["step"])
 
     def log_validation(self, step: int, record: dict[str, Any]) -> None:
-        self.run.log({"validation/loss": record["val_loss"], "validation/perplexity": record["val_perplexity"]},
-                     step=step)
+        values = {"validation/loss": record["val_loss"]}
+        if "val_perplexity" in record:  # a language model's
+            values["validation/perplexity"] = record["val_perplexity"]
+        self.run.log(values, step=step)
 
     def finish(self) -> None:
         if self.run is not None:

@@ -20,7 +20,7 @@ def apply_compile(model: nn.Module, fullgraph: bool = True, backend: str = "indu
     ``fullgraph=False`` lets a block run a region eagerly (context parallel's ring attention, which
     communicates point to point); our ops themselves never break the graph.
     """
-    if not hasattr(model, "layers"):
+    if not hasattr(model, "layers") and not hasattr(model, "blocks"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     for block in model.blocks() if hasattr(model, "blocks") else model.layers.values():
         block.compile(fullgraph=fullgraph, backend=backend)

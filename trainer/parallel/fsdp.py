@@ -60,7 +60,7 @@ def apply_fsdp(
     The root keeps its parameters (embedding, final norm, output) gathered from forward to backward,
     as FSDP2 does for the root. Works on the meta device (materialize afterwards with ``to_empty``).
     """
-    if not hasattr(model, "layers"):
+    if not hasattr(model, "layers") and not hasattr(model, "blocks"):
         raise TypeError(f"model: expected a module with .layers (transformer blocks), got {type(model).__name__}")
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory makes the copies to and from the GPU asynchronous; a CPU-only run cannot pin.

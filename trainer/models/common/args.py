@@ -268,6 +268,15 @@ class ModelArgs:
     def embedding_params(self) -> int:
         return self.vocab_size * self.dim
 
+    def output_params(self) -> int:
+        """The output projection's parameters (0 when tied to the embedding)."""
+        return 0 if self.tie_word_embeddings else self.embedding_params()
+
+    def loss_vocab_size(self) -> int:
+        """The classes of the loss's softmax (what the loss's memory and communication scale with);
+        0 for a model whose loss is no cross-entropy."""
+        return self.vocab_size
+
     def attention_params(self) -> int:
         """wq, wk, wv, wo (and the QK-norm weights, biases, sinks)."""
         q, kv = self.n_heads * self.head_dim, self.kv_heads * self.head_dim
