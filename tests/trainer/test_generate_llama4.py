@@ -8,14 +8,14 @@ the absolute position, which decode takes from the cache's lengths), top-1 sigmo
 expert on single tokens. ``python -m trainer.generate`` on that folder (the byte tokenizer: 258 ids)
 gives transformers' ``generate(do_sample=False)`` tokens for a batch of prompts of different lengths,
 log-probabilities within 1e-4; cached decoding equals our full forward within 1e-5 across chunk
-boundaries, and turning temperature tuning off moves those logits (so the check sees it).
+boundaries (decode attention by the CPU's grouped matmuls and by ``flash_attn``), and turning temperature tuning off moves those logits (so the check sees it).
 """
 import json
 
 import pytest
 import torch
 
-from trainer.generate.cache import CacheState, ChunkedCache, FullCache
+from trainer.generate.cache import CacheState, ChunkedCache, FullCache, KVCache
 from trainer.generate.cli import main as generate_main
 from trainer.generate.kinds import install_caches
 from trainer.generate.loop import generate
@@ -80,6 +80,13 @@ def test_cached_decoding_across_a_chunk_boundary_equals_the_full_forward(lengths
     prompts = _prompts(args.vocab_size, lengths, seed=5)
     results = generate(model, prompts, 17, record_logits=True)  # 17 tokens: past two chunk boundaries
     _assert_cached_equals_full(model, prompts, results)
+    KVCache.grouped_decode = False  # the CPU's grouped decode attention off: flash_attn on the cache views
+    try:
+        again = generate(model, prompts, 17, record_logits=True)
+    finally:
+        KVCache.grouped_decode = True
+    assert [r.ids for r in again] == [r.ids for r in results]
+    _assert_cached_equals_full(model, prompts, again)
     # temperature tuning moves these logits: the same weights without it give others
     untuned = cpu_model(args.replace(attn_temperature_tuning=False))
     untuned.load_state_dict(model.state_dict())
