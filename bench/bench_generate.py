@@ -36,6 +36,9 @@ from trainer.generate.loop import Timing, generate  # noqa: E402
 from trainer.generate.mla_cache import MLACache  # noqa: E402
 
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", "3"))
+# wall: elapsed time; cpu: this process's CPU time (both sides alike), which on busy shared cores
+# leaves out the time the OS gave to other jobs (use with BENCH_THREADS=1: it sums the threads)
+CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}[os.environ.get("BENCH_CLOCK", "wall")]
 PROMPT, NEW = 128, 64
 
 
@@ -79,17 +82,17 @@ def _pair(folder: Path):
 def _hf_times(hf, x: torch.Tensor) -> tuple[float, float]:
     mask = torch.ones_like(x)
     with torch.no_grad():
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         hf(x, attention_mask=mask, use_cache=True)
-        prefill = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        prefill = CLOCK() - t0
+        t0 = CLOCK()
         hf.generate(x, attention_mask=mask, do_sample=False, max_new_tokens=NEW, min_new_tokens=NEW)
-        total = time.perf_counter() - t0
+        total = CLOCK() - t0
     return prefill, max(total - prefill, 1e-9)
 
 
 def _our_times(ours, x: torch.Tensor) -> tuple[float, float]:
-    t = Timing()
+    t = Timing(clock=CLOCK)
     generate(ours, x.tolist(), NEW, timing=t)
     return t.prefill_s, t.decode_s
 
@@ -136,7 +139,8 @@ def main() -> int:
         hf, ours = _pair(Path(tmp))
         results = [compare(hf, ours, b) for b in (1, 8)]
     print(f"{'batch':>5} {'prefill ours':>13} {'prefill hf':>11} {'ratio':>6} {'decode ours':>12} {'decode hf':>10} "
-          f"{'ratio':>6}   (tokens/s, model {MODEL}, prompt {PROMPT}, {NEW} new, float32)")
+          f"{'ratio':>6}   (tokens/s, model {MODEL}, prompt {PROMPT}, {NEW} new, float32, "
+          f"{os.environ.get('BENCH_CLOCK', 'wall')} time)")
     ok = True
     for r in results:
         pr, dr = r["prefill_ours"] / r["prefill_hf"], r["decode_ours"] / r["decode_hf"]
