@@ -22,11 +22,12 @@ on busy shared cores it leaves out the time the OS gave to other jobs.
 
 Targets (issue 28): decode >= 1.5x transformers at batch 1 and 8, prefill >= 1.2x. Where a decode
 step goes (torch.profiler, one thread; per step): debug model, batch 1: the 43 weight matmuls read
-25 MB, 2.7 ms of CPU alone, transformers' step 5.5-5.9 ms (its DynamicCache ``cat`` 1.7 ms, aten's
-flash attention 0.25 ms, the rest per-op overhead), ours 4.8 ms (attention as two batched matmuls,
-0.2 ms; the rest per-op overhead of ~20 small ops per layer). Batch 8: matmuls 4.4 ms, attention
-2.0 ms on either side (reading 15 MB of cache), transformers 9.4-9.9 ms (``cat`` 6.5 ms of wall in
-its profile), ours 8.9 ms. SmolLM shape, batch 8: the matmuls are 82% of our step (124 of 152 ms)
+25 MB, 2.7 ms of CPU alone, transformers' step 5.5-6.0 ms (its DynamicCache ``cat`` 1.7 ms, aten's
+flash attention 0.25 ms, the rest per-op overhead), ours 4.8-5.6 ms (attention as two batched
+matmuls, 0.2 ms; the rest per-op overhead of ~20 small ops per layer, the ops' Python layers among
+them). Batch 8: matmuls 4.4 ms, attention 2.0 ms on either side (reading 15 MB of cache),
+transformers 9.4-10.1 ms (``cat`` 6.5 ms of wall in its profile), ours 8.9-10.2 ms (10.9 with
+``flash_attn`` for the decode attention, same process). SmolLM shape, batch 8: the matmuls are 82% of our step (124 of 152 ms)
 and 72% of transformers'. So 1.5x is out of reach while both sides run the same float32 GEMMs: with
 no overhead at all ours would be transformers' step over the time of the matmuls (and of the
 attention's cache reads, which both sides make): about 2x at the debug model's batch 1, 1.5x at its
