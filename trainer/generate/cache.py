@@ -39,6 +39,7 @@ from typing import Callable
 import torch
 
 import titan_kernels
+from trainer.generate.decode_attention import grouped_decode_attention
 from trainer.models.common.attention import attend
 
 
@@ -74,6 +75,7 @@ class CacheState:
         self.lengths_host = [0] * self.batch
         self.phase = "prefill"
         self._plans: dict = {}
+        self._index: dict = {}
 
     def prefill_inputs(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(tokens, position_ids) of the prefill: the prompts packed into one row, each (1, total) int64
@@ -100,6 +102,7 @@ class CacheState:
         self.lengths_host = list(self.prompt_lengths)
         self.lengths = torch.tensor(self.lengths_host, dtype=torch.int64, device=self.device)
         self._plans.clear()
+        self._index.clear()
 
     def advance(self) -> None:
         """After a decode step: every sequence holds one more token. Raises RuntimeError when the next
@@ -109,6 +112,15 @@ class CacheState:
         self.lengths_host = [n + 1 for n in self.lengths_host]
         self.lengths += 1
         self._plans.clear()
+        self._index.clear()
+
+    def decode_index(self, key, slot: Callable[[torch.Tensor], torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, slots) int64 (batch,) where this decode step writes each row's new key, for a cache
+        whose position p lives at ``slot(p)``; computed once per step and layer kind ``key``."""
+        index = self._index.get(key)
+        if index is None:
+            index = self._index[key] = (self.batch_rows, slot(self.lengths))
+        return index
 
     def decode_plan(self, key, visible: Callable[[int], int]):
         """The attention layout of this decode step for a cache whose query at position p reads
@@ -146,7 +158,14 @@ def attend_cached(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan, softm
 
 class KVCache:
     """The cache of one attention layer of the shared kind (GQA with rotary keys): keys and values
-    (batch, size, kv_heads, head_dim), written at ``slot(p)``. Subclasses define the layer kind."""
+    (batch, size, kv_heads, head_dim), written at ``slot(p)``. Subclasses define the layer kind.
+
+    ``grouped_decode`` (class switch, default on): decode on the CPU without sinks runs
+    ``grouped_decode_attention`` (two batched matmuls on the head-major storage) instead of
+    ``flash_attn`` (measured faster at one query: ``bench/bench_generate.py``); off, or on other
+    devices and with sinks, ``attend_cached``."""
+
+    grouped_decode = True
 
     def __init__(self, state: CacheState) -> None:
         self.state = state
@@ -191,9 +210,9 @@ class KVCache:
 
     def _store_decode(self, *tensors_and_buffers) -> None:
         st = self.state
-        rows, slots = st.batch_rows, self.slot(st.lengths)
+        index = st.decode_index(self.kind_key(), self.slot)
         for src, buf in tensors_and_buffers:
-            buf[rows, slots] = src[:, 0].to(buf.dtype)
+            buf.index_put_(index, src[:, 0].to(buf.dtype))
 
     def attend(self, q, k, v, position_ids, cu_seqlens, mask: dict, sinks=None, softmax_scale=None):
         """The attention of the module's q (batch, seq, heads, d), k/v (batch, seq, kv_heads, .) (after
@@ -206,6 +225,9 @@ class KVCache:
             return attend(q, k, v, position_ids, cu_seqlens, mask, softmax_scale=softmax_scale, sinks=sinks)
         self._store_decode((k, self.k), (v, self.v))
         plan = self.state.decode_plan(self.kind_key(), self.visible)
+        if self.grouped_decode and sinks is None and q.device.type == "cpu":
+            # head-major storage (batch, kv_heads, slots, d) as allocated: see trainer.generate.decode_attention
+            return grouped_decode_attention(q, self.k.transpose(1, 2), self.v.transpose(1, 2), plan, softmax_scale)
         return attend_cached(q, self.k, self.v, plan, softmax_scale, sinks)
 
 

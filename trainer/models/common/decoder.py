@@ -125,7 +125,8 @@ class Transformer(nn.Module):
             raise ValueError(f"tokens: sequence length {tokens.shape[1]} exceeds max_seq_len={self.args.max_seq_len}")
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # Document boundaries once per batch, outside the (compiled) blocks: their count is data-dependent.
-        cu_seqlens = document_cu_seqlens(position_ids) if position_ids is not None else None
+        # One token per row (a decode step) is one document per row: attention needs no boundaries.
+        cu_seqlens = document_cu_seqlens(position_ids) if position_ids is not None and tokens.shape[1] > 1 else None
         for layer in self.layers.values():
             h = layer(h, self.rope, position_ids, cu_seqlens)
         if self.norm is None:  # not the last pipeline stage
