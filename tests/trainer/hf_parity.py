@@ -136,3 +136,37 @@ def hf_loss(hf, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float]:
     with torch.no_grad():
         logits = hf(batch["input_ids"]).logits
     return logits, F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100).item()
+
+
+def assert_custom_flavor_round_trip(family: str, hf, args, hf_class, tmp_path, steps: int = 3) -> None:
+    """``--flavor custom`` from ``hf`` saved with ``save_pretrained`` (``args``: what it describes):
+    step 1's loss is transformers' on the first batch (seq 32, batch 2), the run trains ``steps``
+    steps, and its ``last_save_in_hf`` folder loads in ``hf_class`` with the trained model's logits."""
+    from trainer import train
+    from trainer.config import parse_args
+
+    hf.save_pretrained(tmp_path / "hf-in")
+    argv = ["--model.name", family, "--flavor", "custom", "--model.moe_load_balance", "none",
+            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", str(steps),
+            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
+            "--metrics.save_plot", "false", "--checkpoint.initial_load_path", str(tmp_path / "hf-in"),
+            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "run")]
+    config = parse_args(argv)
+    batch = first_batch(config)
+    start, want = hf_loss(hf, batch)
+    trainer = train.Trainer(config)
+    try:
+        assert trainer.setup() is True
+        assert trainer.args == args.replace(max_seq_len=32, moe=args.moe.replace(load_balance="none"))
+        assert float(trainer.train_step()) == pytest.approx(want, rel=1e-5)
+        trainer.train()
+        model = trainer.model.eval()
+        model.return_hidden = False
+        with torch.no_grad():
+            ours = model(batch["input_ids"])
+    finally:
+        trainer.close()
+    trained = hf_class.from_pretrained(tmp_path / "run" / "checkpoint" / f"hf-step-{steps}")
+    with torch.no_grad():
+        got = trained.float().eval()(batch["input_ids"]).logits
+    assert rel(got, ours) < 1e-4 and rel(got, start) > 1e-2

@@ -7,8 +7,6 @@ the converter round trip, one-line refusals, the FLOPs of chunked layers, and tr
 import pytest
 import torch
 
-from trainer import train
-from trainer.config import parse_args
 from trainer.hf import args_from_hf_config, hf_config
 from trainer.models.common.args import attention_entries
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
@@ -17,7 +15,7 @@ from trainer.models.common.moe_args import MoEArgs
 from trainer.registry import build_model
 from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
-from tests.trainer.hf_parity import assert_refused_in_one_line, first_batch, hf_loss
+from tests.trainer.hf_parity import assert_custom_flavor_round_trip, assert_refused_in_one_line
 
 transformers = pytest.importorskip("transformers", reason="the parity tests need transformers (the [test] extra)")
 pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled"), pytest.mark.usefixtures("one_thread")]
@@ -145,31 +143,7 @@ def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkey
         monkeypatch.delenv(name, raising=False)
     args = _tiny(vocab_size=258, attention_chunk=16, floor_scale=4)
     hf, _, _ = _hf_pair(args, 7, tmp_path)
-    hf.save_pretrained(tmp_path / "hf-in")
-    argv = ["--model.name", "llama4", "--flavor", "custom", "--model.moe_load_balance", "none",
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "3",
-            "--optimizer.lr", "3e-3", "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1",
-            "--metrics.save_plot", "false", "--checkpoint.initial_load_path", str(tmp_path / "hf-in"),
-            "--checkpoint.initial_load_in_hf", "--checkpoint.last_save_in_hf", "--job.dump_folder", str(tmp_path / "run")]
-    config = parse_args(argv)
-    batch = first_batch(config)
-    start, want = hf_loss(hf, batch)
-    trainer = train.Trainer(config)
-    try:
-        assert trainer.setup() is True
-        assert trainer.args == args.replace(max_seq_len=32, moe=args.moe.replace(load_balance="none"))
-        assert float(trainer.train_step()) == pytest.approx(want, rel=1e-5)
-        trainer.train()
-        model = trainer.model.eval()
-        model.return_hidden = False
-        with torch.no_grad():
-            ours = model(batch["input_ids"])
-    finally:
-        trainer.close()
-    trained = transformers.Llama4ForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint" / "hf-step-3")
-    with torch.no_grad():
-        got = trained.float().eval()(batch["input_ids"]).logits
-    assert rel(got, ours) < 1e-4 and rel(got, start) > 1e-2
+    assert_custom_flavor_round_trip("llama4", hf, args, transformers.Llama4ForCausalLM, tmp_path, steps=3)
 
 
 def test_configs_we_cannot_reproduce_are_refused_in_one_line():

@@ -98,3 +98,16 @@ def _int_fields(cfg: dict, keys: tuple[str, ...], what: str, where: str) -> None
     missing = [k for k in keys if isinstance(cfg.get(k), bool) or not isinstance(cfg.get(k), int)]
     if missing:
         raise HFCheckpointError(f"{where}: {what} config lacks integer {', '.join(missing)}")
+
+
+def refuse_activation_and_quantization(cfg: dict, where: str, hint: str = "dequantize first") -> None:
+    """Raise HFCheckpointError (one line naming the field) for a config.json whose ``hidden_act`` is not
+    SiLU (transformers' default when absent) or that carries a ``quantization_config`` (its weights
+    are not the plain tensors we load; ``hint`` says how to get those)."""
+    act = cfg.get("hidden_act")
+    if act is not None and act != "silu":
+        raise HFCheckpointError(f"{where}: hidden_act {act!r} is not supported (expected 'silu')")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
+        raise HFCheckpointError(f"{where}: quantization_config {method!r} is not supported: {hint}")

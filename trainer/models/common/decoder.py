@@ -168,30 +168,37 @@ class Transformer(nn.Module):
 
         Raises RuntimeError if the model is still on the meta device (call ``to_empty`` first).
         """
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if any(t.device.type == "meta" for t in (*self.parameters(), *self.buffers())):
-            raise RuntimeError("init_weights: the model is still on the meta device; call to_empty(device=...) first")
-        for name, param in self.named_parameters():
-            is_dt = isinstance(param, DTensor)
-            local = param.to_local() if is_dt else param
-            full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-            std = self.param_init_std(name)
-            if std is None:
-                full.fill_(1.0)
-            elif std == 0.0:
-                full.zero_()
-            else:
-                gen = torch.Generator(device=local.device)
-                gen.manual_seed(_param_seed(seed, name))
-                _trunc_normal_(full, std, gen)
-            if is_dt:
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full)
+        init_parameters(self, seed)
         self.rope.reset_parameters()
         for module in self.modules():  # buffers of other modules, e.g. the MoE load-balancing bias
             if hasattr(module, "reset_buffers"):
                 module.reset_buffers()
+
+
+def init_parameters(model: nn.Module, seed: int) -> None:
+    """Fill every parameter of ``model`` by its ``param_init_std(name)`` (None: ones, 0: zeros, else a
+    truncated normal of that std drawn whole from a generator seeded by (seed, name)), the same for any
+    sharding: a DTensor parameter keeps its shard of the full draw. Raises RuntimeError on meta."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if any(t.device.type == "meta" for t in (*model.parameters(), *model.buffers())):
+        raise RuntimeError("init_weights: the model is still on the meta device; call to_empty(device=...) first")
+    for name, param in model.named_parameters():
+        is_dt = isinstance(param, DTensor)
+        local = param.to_local() if is_dt else param
+        full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
+        std = model.param_init_std(name)
+        if std is None:
+            full.fill_(1.0)
+        elif std == 0.0:
+            full.zero_()
+        else:
+            gen = torch.Generator(device=local.device)
+            gen.manual_seed(_param_seed(seed, name))
+            _trunc_normal_(full, std, gen)
+        if is_dt:
+            full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+        param.copy_(full)
 
 
 def _trunc_normal_(t: torch.Tensor, std: float, gen: torch.Generator) -> None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.models.common.decoder import _param_seed, _trunc_normal_
+from trainer.models.common.decoder import init_parameters
 from trainer.models.flux.layers import (
     QKV,
     TIME_CHANNELS,
@@ -200,23 +200,4 @@ class FluxTransformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter, the same for any sharding: each drawn whole from a generator seeded by
         (seed, name) (``param_init_std``), each rank keeping its shard. Raises RuntimeError on meta."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
-
-        if any(t.device.type == "meta" for t in self.parameters()):
-            raise RuntimeError("init_weights: the model is still on the meta device; call to_empty(device=...) first")
-        for name, param in self.named_parameters():
-            is_dt = isinstance(param, DTensor)
-            local = param.to_local() if is_dt else param
-            full = torch.empty(param.shape, dtype=param.dtype, device=local.device)
-            std = self.param_init_std(name)
-            if std is None:
-                full.fill_(1.0)
-            elif std == 0.0:
-                full.zero_()
-            else:
-                gen = torch.Generator(device=local.device)
-                gen.manual_seed(_param_seed(seed, name))
-                _trunc_normal_(full, std, gen)
-            if is_dt:
-                full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-            param.copy_(full)
+        init_parameters(self, seed)

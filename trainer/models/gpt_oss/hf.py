@@ -20,7 +20,7 @@ import torch
 
 from trainer.hf.adapter import DECODER_KEYS
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
-from trainer.hf.common import rope_to_config
+from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from trainer.models.llama3.hf import RotaryPermutingAdapter
@@ -149,14 +149,10 @@ class GptOssAdapter(RotaryPermutingAdapter):
             value = cfg.get(key)
             return default if value is None else value
 
-        if get("hidden_act", "silu") != "silu":
-            raise HFCheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (expected 'silu')")
+        refuse_activation_and_quantization(
+            cfg, where, "dequantize to bfloat16 first (transformers' Mxfp4Config(dequantize=True))")
         if not get("attention_bias", True):
             raise HFCheckpointError(f"{where}: attention_bias false is not supported (GPT-OSS has q/k/v/o biases)")
-        quant = cfg.get("quantization_config")
-        if quant:
-            raise HFCheckpointError(f"{where}: quantization_config {quant.get('quant_method', quant)!r} is not "
-                                    f"supported: dequantize to bfloat16 first (transformers' Mxfp4Config(dequantize=True))")
         n_layers = cfg["num_hidden_layers"]
         types = tuple(get("layer_types", ()))
         bad = sorted(set(types) - {"sliding_attention", "full_attention"})

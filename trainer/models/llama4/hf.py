@@ -25,7 +25,7 @@ import torch
 
 from trainer.hf.adapter import DECODER_KEYS, HFAdapter
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
-from trainer.hf.common import rope_to_config
+from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
 from trainer.models.common.moe_args import MoEArgs
@@ -163,14 +163,9 @@ class Llama4Adapter(HFAdapter):
             value = cfg.get(key)
             return default if value is None else value
 
-        if get("hidden_act", "silu") != "silu":
-            raise HFCheckpointError(f"{where}: hidden_act {cfg['hidden_act']!r} is not supported (expected 'silu')")
+        refuse_activation_and_quantization(cfg, where)
         if cfg.get("attention_bias"):
             raise HFCheckpointError(f"{where}: attention_bias true is not supported (Llama 4 has no biases)")
-        quant = cfg.get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", quant) if isinstance(quant, dict) else quant
-            raise HFCheckpointError(f"{where}: quantization_config {method!r} is not supported: dequantize first")
         n = cfg["num_hidden_layers"]
         rope_flags = cfg.get("no_rope_layers")
         if rope_flags:
