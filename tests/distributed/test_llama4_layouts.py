@@ -4,15 +4,16 @@ under every parallel layout equals one process.
 
 On CPU gloo, float32, same seed and data (tests/distributed/layouts.py): per-step loss within 1e-4 and
 gradient norm within 1e-4 relative of the single-process run, 2 ranks each:
-  default  FSDP 2, TP 2, EP 2 at seq 32 (two attention chunks of 16 per sequence), and CP 2 at seq 64:
-           the attention chunk (16) shorter than a rank's share (32) and equal to the zigzag chunk, so
-           the ring computes only the diagonal pairs of the chunked layers and skips the rest;
-  slow     PP 2 (1F1B), and CP 2 at seq 32 with an attention chunk (24, a Hugging Face folder of the
-           debug shapes read by ``--flavor custom``) longer than a rank's share (16). By default the
-           pipeline split of the shared decoder (which Llama 4's blocks are) is covered by
-           tests/distributed/test_parallel_layouts.py, and the ring's chunk pairs, a chunk a multiple
-           of the zigzag chunk included, by tests/distributed/test_context_parallel_attention.py and
-           the CP 2 run above.
+  default  CP 2 at seq 64: the attention chunk (16) shorter than a rank's share (32) and equal to the
+           zigzag chunk, so the ring computes only the diagonal pairs of the chunked layers and skips
+           the rest (one layout per family by default);
+  slow     FSDP 2, TP 2, EP 2 at seq 32 (two attention chunks of 16 per sequence), PP 2 (1F1B), and CP
+           2 at seq 32 with an attention chunk (24, a Hugging Face folder of the debug shapes read by
+           ``--flavor custom``) longer than a rank's share (16). By default FSDP, TP, EP and the
+           pipeline split of the shared decoder (which Llama 4's blocks are) are covered by
+           tests/distributed/test_parallel_layouts.py, test_expert_parallel.py and the other families'
+           layout tests, and the ring's chunk pairs, a chunk a multiple of the zigzag chunk included,
+           by tests/distributed/test_context_parallel_attention.py and the CP 2 run above.
 """
 import pytest
 
@@ -24,14 +25,20 @@ L4 = ["--model.name", "llama4", "--flavor", "debugmodel"]
 SEQ64 = ["--training.seq_len", "64"]
 
 
-def test_fsdp2_tp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
-    single = reference(tmp_path_factory, *L4)
+def test_cp2_equals_one_process(tmp_path, tmp_path_factory):
+    cp2 = family_layouts(*L4)["cp2"]
+    runs = run_layouts(2, {"cp2_seq64": [*cp2, *SEQ64]}, tmp_path)
+    assert_same(runs["cp2_seq64"], reference(tmp_path_factory, *L4, *SEQ64))
+
+
+@pytest.mark.slow  # ~30 s on 2 cores; the module docstring says what covers it by default
+def test_fsdp2_tp2_ep2_equal_one_process(tmp_path, tmp_path_factory):
     layouts = family_layouts(*L4)
-    cp2 = layouts.pop("cp2")
-    runs = run_layouts(2, {**layouts, "cp2_seq64": [*cp2, *SEQ64]}, tmp_path)
-    single64 = reference(tmp_path_factory, *L4, *SEQ64)
+    layouts.pop("cp2")
+    runs = run_layouts(2, layouts, tmp_path)
+    single = reference(tmp_path_factory, *L4)
     for name, got in runs.items():
-        assert_same(got, single64 if name == "cp2_seq64" else single), name
+        assert_same(got, single), name
 
 
 @pytest.mark.slow  # ~25 s on 2 cores; the module docstring says what covers it by default
