@@ -50,8 +50,8 @@ class ModelSpec:
             after the shared plan; None when the blocks are all there is.
         generate: ``"module:function"`` of the family's own ``python -m trainer.generate``,
             ``fn(argv) -> exit code`` (the whole command line: the family parses its own sampling
-            flags and the trainer's), for a family that is not a text decoder (Flux); None = the
-            decoder's KV-cache generation.
+            flags and the trainer's), for a family that is not a text decoder (Flux); its module also
+            offers ``build_parser()`` (those flags). None = the decoder's KV-cache generation.
         task: ``"module:class"`` of what the family trains on and how (``trainer.task``: its batches,
             loss, validation; language modelling by default); each run makes its own instance.
     """

@@ -127,7 +127,7 @@ def test_fit_report_none_when_it_fits_and_a_message_when_not():
     msg = fit_report(big, "405B", Layout(), 1, 8192, 4, "full", "2", cpu)
     assert "405.85e9 parameters" in msg
     for part in ("parameters", "gradients", "optimizer state", "activations", "devices found", "test cpu",
-                 "would fit", "H100", "--parallelism.tensor_parallel_degree", "python -m trainer.plan --flavor 405B"):
+                 "would fit", "H100", "--parallelism.tensor_parallel_degree", "python -m trainer.plan --model.name llama3 --flavor 405B"):
         assert part in msg, part
     gpu = Devices("cuda", 8, 141 * GIB, "NVIDIA H200")
     msg = fit_report(big, "405B", Layout(1, 8), 1, 8192, 2, "full", "2", gpu)

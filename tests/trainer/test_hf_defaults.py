@@ -12,7 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the comparisons need transformers (the [test] extra)")
 
 from trainer.hf import HFCheckpointError, args_from_hf_config
-from trainer.hf.defaults import REFUSED, SAME_AS, TABLE, complete_config, defaults, from_transformers
+from trainer.hf.defaults import NOT_TRANSFORMERS, SAME_AS, TABLE, complete_config, defaults, from_transformers
 from trainer import registry
 from trainer.models.common.moe import run_experts
 from trainer.models.common.moe_args import MoEArgs
@@ -24,7 +24,7 @@ GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 64, "num_hidden_layers": 2, "
 
 def test_the_table_is_transformers_defaults_for_every_model_type_we_read():
     # Every model_type a family reads has an entry (directly, or as the type whose code it ships).
-    assert set(registry.hf_model_types()) <= set(TABLE) | set(SAME_AS) | set(REFUSED)
+    assert set(registry.hf_model_types()) <= set(TABLE) | set(SAME_AS) | set(NOT_TRANSFORMERS)
     if int(transformers.__version__.split(".")[0]) < 5:
         pytest.skip("the table mirrors transformers 5's dataclass configs; transformers 4 has none to read")
     for model_type, entry in TABLE.items():

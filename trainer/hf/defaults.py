@@ -114,8 +114,10 @@ TABLE: dict[str, dict[str, Any]] = {
 }
 # Model types transformers has no class for, read with another's (Kimi K2 ships DeepSeek-V3's code).
 SAME_AS = {"kimi_k2": "deepseek_v3"}
-# Model types a family names only to refuse them in one line (its adapter says why): no defaults needed.
-REFUSED = {"llama4": "the multimodal Llama 4 (a vision tower); the text model is llama4_text"}
+# Model types a family reads without transformers' defaults: refused in one line by its adapter, or
+# not a transformers config at all (diffusers' class names, whose defaults the family's adapter holds).
+NOT_TRANSFORMERS = {"llama4": "the multimodal Llama 4 (a vision tower), refused: the text model is llama4_text",
+                    "FluxTransformer2DModel": "a diffusers config (_class_name), read by the Flux adapter"}
 _SCALED = ("llama3", "yarn", "longrope")
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "list": list, "dict": dict, "None": type(None)}
 

@@ -89,9 +89,9 @@ def without_context_parallel(model: nn.Module):
 
 def parallelize_flux(model: nn.Module, config, dims, mesh, device: torch.device, *, use_fsdp: bool,
                      param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                     loss_fn=None) -> ParallelModel:
+                     loss_fn=None, layer_modes: list[str] | None = None) -> ParallelModel:
     """``trainer.parallel.parallelize.parallelize_decoder``'s contract for a meta-device
-    ``FluxTransformer``. Raises ValueError naming the key for pipeline or expert parallel, heads or
+    ``FluxTransformer`` (``layer_modes``: the activation mode of each block, by block index). Raises ValueError naming the key for pipeline or expert parallel, heads or
     MLP width not divisible by tp, or compile with TP off CUDA."""
     p = config.parallelism
     if dims.pp_enabled:
@@ -109,7 +109,8 @@ def parallelize_flux(model: nn.Module, config, dims, mesh, device: torch.device,
         cp = ContextParallel(mesh["cp"])
         for block in model.blocks():
             block.context_parallel = cp
-    apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option)
+    apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
+             layer_modes=dict(enumerate(layer_modes or [])), device=device)
     if config.compile.enable and "model" in config.compile.components:
         apply_compile(model, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
     if use_fsdp:

@@ -25,7 +25,8 @@ import torch
 from trainer.models.flux.flow import BASE_SEQ, BASE_SHIFT, MAX_SEQ, MAX_SHIFT
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
+    """The sampling flags (the trainer's ``--section.key`` flags come on top)."""
     p = argparse.ArgumentParser(
         prog="python -m trainer.models.flux.sample",
         description="Flux text-to-image sampling (the trainer's --section.key flags also apply)")
@@ -151,7 +152,7 @@ def generate_main(argv: list[str] | None = None) -> int:
     from trainer.config import ConfigError, parse_args
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    opts, rest = _parser().parse_known_args(argv)
+    opts, rest = build_parser().parse_known_args(argv)
     if "--model.name" not in rest:
         rest = ["--model.name", "flux", *rest]
     try:
