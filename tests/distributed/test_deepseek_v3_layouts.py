@@ -3,8 +3,10 @@ expert, a dense first layer, YaRN, one MTP module) under every parallel layout e
 
 On CPU gloo, float32, same seed and data (tests/distributed/layouts.py): per-step loss within 1e-4 and
 gradient norm within 1e-4 relative of the single-process run, for
-  FSDP 2, TP 2, EP 2, CP 2            (2 ranks, MTP on: its modules run under each of them)
-  PP 2 with 1F1B and with DualPipeV   (2 ranks, MTP off: it is refused with pipeline parallel)
+  TP 2                                (2 ranks, MTP on: its modules under the family's TP hook; default)
+  FSDP 2, EP 2, CP 2                  (2 ranks, MTP on; ``-m slow``)
+  PP 2 with 1F1B and with DualPipeV   (2 ranks, MTP off: it is refused with pipeline parallel; default:
+                                      the only test of DualPipeV)
   EP 2 x TP 2                         (4 ranks; ``-m slow``)
 """
 import pytest
@@ -17,9 +19,19 @@ DS = ["--model.name", "deepseek_v3", "--flavor", "debugmodel"]
 NO_MTP = ["--model.mtp_layers", "0"]
 
 
-def test_fsdp2_tp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
+def test_tp2_with_mtp_equals_one_process(tmp_path, tmp_path_factory):
+    runs = run_layouts(2, {"tp2": family_layouts(*DS)["tp2"]}, tmp_path)
+    assert_same(runs["tp2"], reference(tmp_path_factory, *DS))
+    assert "mtp_loss" in runs["tp2"][1]
+
+
+@pytest.mark.slow  # ~15 s on 2 cores; by default FSDP, EP and CP are covered by test_parallel_layouts.py,
+# test_expert_parallel.py and test_context_parallel_attention.py, MLA + MTP under a layout by TP 2 above
+def test_fsdp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
     single = reference(tmp_path_factory, *DS)
-    runs = run_layouts(2, family_layouts(*DS), tmp_path)
+    layouts = family_layouts(*DS)
+    layouts.pop("tp2")
+    runs = run_layouts(2, layouts, tmp_path)
     for name, got in runs.items():
         assert_same(got, single), name
         assert "mtp_loss" in got[1], name
@@ -45,7 +57,7 @@ def test_mtp_with_pipeline_parallel_is_refused_in_one_line(tmp_path, tmp_path_fa
     assert "multi-token prediction is not supported with pipeline parallel" in runs["pp2_mtp"]
 
 
-@pytest.mark.slow  # 4 ranks on 2 cores (~40 s); EP 2 and TP 2 alone run by default above
+@pytest.mark.slow  # 4 ranks on 2 cores (~40 s); TP 2 alone runs by default above, EP 2 in test_expert_parallel.py
 def test_ep2_x_tp2_equals_one_process(tmp_path, tmp_path_factory):
     single = reference(tmp_path_factory, *DS)
     runs = run_layouts(4, {"ep2_tp2": [*DS, "--parallelism.expert_parallel_degree", "2",
