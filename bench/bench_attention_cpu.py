@@ -156,6 +156,8 @@ def test_sliding_window_vs_causal():
         assert r["window_seq"] <= 1.2, f"window = seq takes {r['window_seq']:.3f}x causal's time (target <= 1.2)"
 
 
+@pytest.mark.slow  # ~18 s on 2 cores; by default sinks and soft-capping against float64 on every CPU
+# backend: tests/kernels/test_attention_variants.py (this is their cost, a benchmark)
 @pytest.mark.skipif(common.device().type != "cpu", reason="the CPU attention targets")
 def test_sinks_and_softcap_overhead():
     q, k, v, dout = _qkv(1, 2048, 8, 2, 64)

@@ -9,6 +9,7 @@ gate and up as the interleaved columns of one sharded gate_up tensor.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed.dtensor_checks import assert_gathered_close
@@ -151,5 +152,7 @@ def test_dtensor_swiglu_1d_mesh():
     run_distributed(_check_1d, 2)
 
 
+@pytest.mark.slow  # 4 ranks, ~13 s on 2 cores; by default the 1-D mesh above and rms_norm's 2-D mesh
+# (test_dtensor_rms_norm.py) cover the sharding rules and their expansion over a 2-D mesh
 def test_dtensor_swiglu_2d_mesh():
     run_distributed(_check_2d, 4)

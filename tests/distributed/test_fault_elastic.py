@@ -69,6 +69,8 @@ def _run(phases, out: Path):
     return tokens, recs
 
 
+@pytest.mark.slow  # ~30 s on 2 cores; by default a resume under another data-parallel size (loader state
+# resharded, the same samples next) is test_parallel_resume.py's fsdp4 -> fsdp2 x tp2 run
 def test_dp_4_to_2_to_3_resumes_with_the_exact_token_stream(tmp_path):
     single_tokens, single = _run([(1, 6)], tmp_path / "single")
     tokens, recs = _run([(4, 2), (2, 4), (3, 6)], tmp_path / "elastic")

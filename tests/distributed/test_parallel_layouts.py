@@ -62,16 +62,18 @@ TWO_RANKS = {
 }
 FOUR_RANKS = {
     "fsdp2_tp2": [*TP2, *_lbs(2)],
-    "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
-    "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
     "pp2_fsdp2_ac_compile": [*_pp("Interleaved1F1B"), *_lbs(2), "--activation_checkpoint.mode", "full",
                              "--compile.enable", "--compile.backend", "aot_eager"],
 }
 TWO_RANKS_SLOW = {f"pp2_{s}": [*_pp(s), *_lbs(1)] for s in SCHEDULES if s not in DEFAULT_SCHEDULES}
 # Slow, each covered by default elsewhere: fsdp4 by test_parallel_resume.py's fsdp4 run (4 ranks,
 # same comparison) and test_fsdp.py's 2-rank FSDP2; hsdp2x2 by test_fsdp.py's HSDP with accumulation;
-# fsdp2_tp2_ac by fsdp2_tp2 above and test_activation_checkpoint.py's selective "op" policy.
+# fsdp2_tp2_ac by fsdp2_tp2 above and test_activation_checkpoint.py's selective "op" policy; pp2_fsdp2
+# by pp2_fsdp2_ac_compile above (the same split, 1F1B's neighbour Interleaved1F1B); cp2_tp2 by the
+# two-rank cp2 and tp2 and fsdp2_tp2 above (TP composed with another dimension).
 FOUR_RANKS_SLOW = {
+    "pp2_fsdp2": [*_pp("1F1B"), *_lbs(2)],
+    "cp2_tp2": [*CP2, *TP2, *_lbs(1)],
     "fsdp4": _lbs(4),
     "hsdp2x2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
                 *_lbs(4)],
