@@ -180,3 +180,15 @@ def assert_same(got, ref: dict[int, dict], steps=range(1, STEPS + 1)) -> None:
         assert got[s]["lr"] == ref[s]["lr"], s
     if steps[0] == 1:
         assert ref[steps[-1]]["loss"] < ref[1]["loss"] - 1.0  # the run is learning, too
+
+
+def family_layouts_equal_one_process(argv: list[str], tmp_path, tmp_path_factory, without: str) -> dict:
+    """Run ``family_layouts(*argv)`` but ``without`` (the layout a family's default test runs) and check
+    each against the single-process run of ``argv``; returns the runs (records per layout)."""
+    layouts = family_layouts(*argv)
+    layouts.pop(without)
+    runs = run_layouts(2, layouts, tmp_path)
+    single = reference(tmp_path_factory, *argv)
+    for name, got in runs.items():
+        assert_same(got, single), name
+    return runs

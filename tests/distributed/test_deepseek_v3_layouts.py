@@ -11,7 +11,7 @@ gradient norm within 1e-4 relative of the single-process run, for
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, family_layouts, reference, run_layouts
+from tests.distributed.layouts import assert_same, family_layouts, family_layouts_equal_one_process, reference, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -28,13 +28,8 @@ def test_tp2_with_mtp_equals_one_process(tmp_path, tmp_path_factory):
 @pytest.mark.slow  # ~15 s on 2 cores; by default FSDP, EP and CP are covered by test_parallel_layouts.py,
 # test_expert_parallel.py and test_context_parallel_attention.py, MLA + MTP under a layout by TP 2 above
 def test_fsdp2_ep2_cp2_equal_one_process(tmp_path, tmp_path_factory):
-    single = reference(tmp_path_factory, *DS)
-    layouts = family_layouts(*DS)
-    layouts.pop("tp2")
-    runs = run_layouts(2, layouts, tmp_path)
-    for name, got in runs.items():
-        assert_same(got, single), name
-        assert "mtp_loss" in got[1], name
+    runs = family_layouts_equal_one_process(DS, tmp_path, tmp_path_factory, without="tp2")
+    assert all("mtp_loss" in got[1] for got in runs.values())
 
 
 def test_pp2_1f1b_and_dualpipev_equal_one_process(tmp_path, tmp_path_factory):

@@ -9,7 +9,7 @@ kinds of layer at work, and under CP 2 the window spans the zigzag chunks (8 pos
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, family_layouts, reference, run_layouts
+from tests.distributed.layouts import assert_same, family_layouts, family_layouts_equal_one_process, reference, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -24,9 +24,4 @@ def test_cp2_equals_one_process(tmp_path, tmp_path_factory):
 @pytest.mark.slow  # ~20 s on 2 cores; by default FSDP, TP and EP are covered by test_parallel_layouts.py,
 # test_expert_parallel.py and test_dtensor_attention.py (sinks under TP), windows and sinks by CP 2 above
 def test_fsdp2_tp2_ep2_equal_one_process(tmp_path, tmp_path_factory):
-    layouts = family_layouts(*OSS)
-    layouts.pop("cp2")
-    runs = run_layouts(2, layouts, tmp_path)
-    single = reference(tmp_path_factory, *OSS)
-    for name, got in runs.items():
-        assert_same(got, single), name
+    family_layouts_equal_one_process(OSS, tmp_path, tmp_path_factory, without="cp2")

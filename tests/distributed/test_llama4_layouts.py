@@ -17,7 +17,7 @@ gradient norm within 1e-4 relative of the single-process run, 2 ranks each:
 """
 import pytest
 
-from tests.distributed.layouts import assert_same, family_layouts, reference, run_layouts
+from tests.distributed.layouts import assert_same, family_layouts, family_layouts_equal_one_process, reference, run_layouts
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -33,12 +33,7 @@ def test_cp2_equals_one_process(tmp_path, tmp_path_factory):
 
 @pytest.mark.slow  # ~30 s on 2 cores; the module docstring says what covers it by default
 def test_fsdp2_tp2_ep2_equal_one_process(tmp_path, tmp_path_factory):
-    layouts = family_layouts(*L4)
-    layouts.pop("cp2")
-    runs = run_layouts(2, layouts, tmp_path)
-    single = reference(tmp_path_factory, *L4)
-    for name, got in runs.items():
-        assert_same(got, single), name
+    family_layouts_equal_one_process(L4, tmp_path, tmp_path_factory, without="cp2")
 
 
 @pytest.mark.slow  # ~25 s on 2 cores; the module docstring says what covers it by default
