@@ -87,6 +87,12 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
         return False
     if dist.is_initialized():
         return False
+    # torch.distributed.nn.functional binds ``group=group.WORLD`` as default arguments when it is first
+    # imported (torch._dynamo imports it). Imported after the group starts, it keeps the group alive past
+    # destroy_process_group, and gloo's worker threads then free a last collective's tensors while the
+    # interpreter shuts down: "terminate called without an active exception" (one exit in ten of a
+    # two-rank generation under load). Imported first, its defaults are None.
+    import torch.distributed.nn.functional  # noqa: F401
     # NCCL for GPU tensors, gloo for CPU ones (async checkpointing needs a CPU backend too).
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_seconds)
@@ -103,6 +109,23 @@ def init_distributed(world_size: int, rank: int, device: torch.device, single_pr
     else:
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     return True
+
+
+def destroy_distributed(*meshes) -> None:
+    """Destroy every process group, so that gloo's worker threads stop before the interpreter does.
+
+    Args:
+        meshes: the run's device meshes (None allowed). torch caches meshes (DTensor sharding and
+            redistribution caches) and a mesh keeps its groups in ``_pg_registry``: a cached mesh would
+            keep a destroyed group, and its threads, alive to interpreter shutdown, where freeing a last
+            collective's tensors aborts the process. Each mesh given is unusable afterwards.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for mesh in meshes:
+        registry = getattr(mesh, "_pg_registry", None)
+        if isinstance(registry, dict):
+            registry.clear()
 
 
 def check_backend_environment() -> None:

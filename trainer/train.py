@@ -47,6 +47,7 @@ from pathlib import Path
 from trainer.environment import (
     DTYPES,
     check_backend_environment,
+    destroy_distributed,
     env_int,
     init_distributed,
     rank_zero_warnings,
@@ -555,8 +556,8 @@ class Trainer:
         if self._gc_was_enabled:
             gc.enable()
             self._gc_was_enabled = False
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_process_group:
+            destroy_distributed(self.mesh)
         self._owns_process_group = False
 
 
@@ -587,5 +588,4 @@ def main(config: JobConfig) -> int:
     finally:
         with rank_zero_warnings(rank):
             trainer.close()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_distributed(trainer.mesh)

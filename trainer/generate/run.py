@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from trainer.environment import env_int, init_distributed, resolve_compute_dtype, setup_logging
+from trainer.environment import destroy_distributed, env_int, init_distributed, resolve_compute_dtype, setup_logging
 
 import torch
 
@@ -77,6 +77,7 @@ def run_decoder(config, options) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     lead = rank == 0
+    mesh = None
     try:
         params = SamplingParams(options.temperature, options.top_k, options.top_p)
         source = resolve_source(config)
@@ -135,6 +136,6 @@ def run_decoder(config, options) -> int:
             print(f"python -m trainer.generate: error: {exc}", file=sys.stderr)
         return 1
     finally:
-        if world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if world > 1:
+            destroy_distributed(mesh)
     return 0
