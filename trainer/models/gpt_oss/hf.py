@@ -18,7 +18,7 @@ import re
 
 import torch
 
-from trainer.hf.adapter import DECODER_KEYS
+from trainer.hf.adapter import DECODER_KEYS, fuse_gate_up, split_gate_up
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
 from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
@@ -80,11 +80,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 out.update(super().to_hf({key: t}, args))
             elif m.group(2) == "w2":
                 out[self.hf_names(args, key)[0]] = t
-            elif m.group(2) == "w1" or key.replace("experts.w3", "experts.w1") not in state_dict:
-                w1, w3 = self.export_group(key)
-                if w1 not in state_dict or w3 not in state_dict:
-                    raise KeyError(f"{key}: w1 and w3 make one gate_up_proj; convert them together ({w1}, {w3})")
-                out[self.hf_names(args, key)[0]] = torch.stack([state_dict[w1], state_dict[w3]], dim=-1).flatten(-2)
+            elif (fused := fuse_gate_up(state_dict, key, *self.export_group(key), interleaved=True)) is not None:
+                out[self.hf_names(args, key)[0]] = fused
         return out
 
     def from_hf(self, state_dict, args):
@@ -97,9 +94,7 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 if which == "down_proj":
                     out[f"{base}.w2{bias}"] = t
                 else:
-                    if t.shape[-1] % 2:
-                        raise ValueError(f"{key}: {t.shape[-1]} columns are not interleaved gate and up pairs")
-                    out[f"{base}.w1{bias}"], out[f"{base}.w3{bias}"] = t[..., 0::2].contiguous(), t[..., 1::2].contiguous()
+                    out[f"{base}.w1{bias}"], out[f"{base}.w3{bias}"] = split_gate_up(key, t, interleaved=True)
                 out.setdefault(f"layers.{layer}.feed_forward.expert_bias",
                                torch.zeros(t.shape[0], dtype=torch.float32))
             else:

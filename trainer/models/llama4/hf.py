@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from trainer.hf.adapter import DECODER_KEYS, HFAdapter
+from trainer.hf.adapter import DECODER_KEYS, HFAdapter, fuse_gate_up, split_gate_up
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
 from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
@@ -81,11 +81,8 @@ class Llama4Adapter(HFAdapter):
                 rest[key] = t
             elif m.group(2) == "w2":
                 out[self.hf_names(args, key)[0]] = t
-            elif m.group(2) == "w1" or key.replace("experts.w3", "experts.w1") not in state_dict:
-                w1, w3 = self.export_group(key)
-                if w1 not in state_dict or w3 not in state_dict:
-                    raise KeyError(f"{key}: w1 and w3 make one gate_up_proj; convert them together ({w1}, {w3})")
-                out[self.hf_names(args, key)[0]] = torch.cat([state_dict[w1], state_dict[w3]], dim=-1)
+            elif (fused := fuse_gate_up(state_dict, key, *self.export_group(key), interleaved=False)) is not None:
+                out[self.hf_names(args, key)[0]] = fused
         out.update(super().to_hf(rest, args))
         return out
 
@@ -102,10 +99,7 @@ class Llama4Adapter(HFAdapter):
             if m.group(2) == "down_proj":
                 out[f"{base}.experts.w2"] = t
             else:
-                if t.shape[-1] % 2:
-                    raise ValueError(f"{key}: {t.shape[-1]} columns are not gate and up halves")
-                gate, up = t.chunk(2, dim=-1)
-                out[f"{base}.experts.w1"], out[f"{base}.experts.w3"] = gate.contiguous(), up.contiguous()
+                out[f"{base}.experts.w1"], out[f"{base}.experts.w3"] = split_gate_up(key, t, interleaved=False)
             out.setdefault(f"{base}.expert_bias", torch.zeros(t.shape[0], dtype=torch.float32))
         out.update(super().from_hf(rest, args))
         return out
