@@ -20,7 +20,7 @@ import torch
 
 from trainer.hf.adapter import DECODER_KEYS, fuse_gate_up, split_gate_up
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
-from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
+from trainer.hf.common import decoder_fields, refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from trainer.models.llama3.hf import RotaryPermutingAdapter
@@ -163,14 +163,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
                           route_norm=True, router_bias=True, expert_proj_bias=True,
                           swiglu_alpha=float(get("swiglu_alpha", 1.702)), swiglu_limit=float(get("swiglu_limit", 7.0)),
                           swiglu_up_offset=1.0)
-            heads = cfg["num_attention_heads"]
-            args = GptOssArgs(
-                dim=cfg["hidden_size"], n_layers=n_layers, n_heads=heads, n_kv_heads=get("num_key_value_heads", heads),
-                head_dim=get("head_dim", cfg["hidden_size"] // heads), vocab_size=cfg["vocab_size"],
-                norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-                max_seq_len=int(get("max_position_embeddings", 131072)),
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)), sliding_window=get("sliding_window", 128),
-                layer_types=types, moe=moe)
+            args = GptOssArgs(**decoder_fields(cfg, theta, scaling, norm_eps=1e-5, max_seq_len=131072),
+                              sliding_window=get("sliding_window", 128), layer_types=types, moe=moe)
         return args, matching_flavor(args, GPT_OSS_FLAVORS)
 
 
