@@ -49,6 +49,17 @@ def train_records(dump_folder, *argv: str) -> list[dict]:
     return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]
 
 
+
+def assert_debugmodel_learns(dump_folder, family: str, *argv: str, seq_len: int = 128) -> list[dict]:
+    """8 steps of ``family``'s debugmodel (batch 4, lr 2e-3 after 2 warmup steps, ``argv`` on top): the
+    loss falls by more than 0.5. Returns the steps' records."""
+    records = train_records(dump_folder, "--model.name", family, "--flavor", "debugmodel", "--training.steps", "8",
+                            "--training.seq_len", str(seq_len), "--training.local_batch_size", "4",
+                            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", *argv)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.5, losses
+    return records
+
 def config_error(argv: list[str]) -> str:
     """The ConfigError message ``parse_args(argv)`` raises, checked to be one line."""
     import pytest
