@@ -3,6 +3,8 @@ import json
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from trainer.models.llama3.args import LLAMA31_ROPE_SCALING, Llama3Args
 from trainer.registry import build_model
 from trainer.registry import model_args as family_model_args
@@ -19,8 +21,22 @@ def tiny_llama(dim: int, vocab_size: int, multiple_of: int, max_seq_len: int, **
 
 
 def rel(a, b) -> float:
-    """Relative norm error of ``a`` against ``b``, in float64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    """Relative norm error of ``a`` against ``b``, in float64 (against a zero ``b``: ``a``'s norm over 1e-30)."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_float64(module, x, out, x64, want, params64: dict, tol: float = 1e-5) -> None:
+    """``out`` (``module(x)``) against ``want``, its float64 reference from ``x64`` and the float64
+    parameters ``params64`` (by ``module``'s names): the values, then, for one random output gradient,
+    the gradients of the input and of every parameter."""
+    assert rel(out, want) < tol
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want.backward(dout.double())
+    assert rel(x.grad, x64.grad) < tol
+    for name, p in module.named_parameters():
+        assert rel(p.grad, params64[name].grad) < tol, name
 
 
 def cpu_model(args, seed: int = 0):
