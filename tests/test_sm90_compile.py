@@ -40,6 +40,8 @@ from typing import Callable
 
 import pytest
 
+from tests import sm90
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 SMEM_LIMIT = 232448  # bytes of shared memory per block on H100/H200 (227 KiB)
 MAX_REGISTERS = 255
@@ -368,20 +370,13 @@ def _capture(row: Row) -> list[Launch]:
     return launches
 
 
-def _ptxas():
-    import triton
-
-    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    return next((str(bindir / n) for n in ("ptxas-blackwell", "ptxas") if (bindir / n).exists()), None)
-
-
 def _ptxas_report(ptx: str) -> dict:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         src = os.path.join(d, "k.ptx")
         pathlib.Path(src).write_text(ptx)
-        r = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
+        r = subprocess.run([sm90.ptxas(), "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(d, "k.cubin")],
                            capture_output=True, text=True, timeout=600)
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed: {r.stderr[-2000:]}")
@@ -511,20 +506,7 @@ def markdown(result: dict) -> str:
 
 
 def _run(all_configs: bool) -> dict:
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.test_sm90_compile"] + (["--all"] if all_configs else [])
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3000)
-    assert r.returncode == 0, r.stderr[-6000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _require_nvidia_backend():
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia").is_dir():
-        pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90a")
-    if _ptxas() is None:
-        pytest.skip("this Triton build ships no ptxas")
+    return sm90.run_compile_module("tests.test_sm90_compile", all_configs, timeout=3000, stderr_tail=6000)
 
 
 def _print_report(result: dict, capsys) -> None:
@@ -566,7 +548,7 @@ def _check_every_kernel_compiled(result: dict) -> None:
 
 
 def test_every_triton_kernel_compiles_for_sm90a_default_configs(capsys):
-    _require_nvidia_backend()
+    sm90.require_nvidia_backend()
     result = _run(False)
     _print_report(result, capsys)
     _check(result)
@@ -575,7 +557,7 @@ def test_every_triton_kernel_compiles_for_sm90a_default_configs(capsys):
 
 @pytest.mark.slow
 def test_every_autotuning_config_compiles_for_sm90a(capsys):
-    _require_nvidia_backend()
+    sm90.require_nvidia_backend()
     result = _run(True)
     _print_report(result, capsys)
     _check(result)

@@ -32,16 +32,25 @@ __device__ __forceinline__ Token token_of(const RotaryArgs& a) {
   return t;
 }
 
-// Pointers of head `hh` (q heads first, then k heads) of this token.
 template <typename T>
-__device__ __forceinline__ void head_ptrs(const RotaryArgs& a, const RotaryTensor& q, const RotaryTensor& k,
-                                          const Token& t, int64_t hh, const T*& x, T*& o) {
+struct Item {
+  int64_t j;   // the item within its head
+  const T* x;  // the head's input
+  T* o;        // the head's output
+};
+
+// Work item `idx` of this token, `per_head` items per head (q heads first, then k heads).
+template <typename T>
+__device__ __forceinline__ Item<T> item_of(const RotaryArgs& a, const RotaryTensor& q, const RotaryTensor& k,
+                                           const Token& t, int64_t idx, int64_t per_head) {
+  const int64_t hh = idx / per_head;
   const bool is_q = hh < q.n_heads;
   const int64_t head = is_q ? hh : hh - q.n_heads;
   const int64_t nh = is_q ? q.n_heads : k.n_heads;
-  x = static_cast<const T*>(is_q ? q.x : k.x) + t.b * (is_q ? q.stride_b : k.stride_b) +
-      t.s * (is_q ? q.stride_s : k.stride_s) + head * (is_q ? q.stride_h : k.stride_h);
-  o = static_cast<T*>(is_q ? q.out : k.out) + (t.tok * nh + head) * a.head_dim;
+  const T* x = static_cast<const T*>(is_q ? q.x : k.x) + t.b * (is_q ? q.stride_b : k.stride_b) +
+               t.s * (is_q ? q.stride_s : k.stride_s) + head * (is_q ? q.stride_h : k.stride_h);
+  T* o = static_cast<T*>(is_q ? q.out : k.out) + (t.tok * nh + head) * a.head_dim;
+  return {idx - hh * per_head, x, o};
 }
 
 template <int CNT>
@@ -68,11 +77,7 @@ __global__ void __launch_bounds__(kThreads) rotary_vec_kernel(RotaryArgs a, Rota
   const int64_t per_head = np + (a.head_dim - 2 * R) / VEC;
   const int64_t total = (q.n_heads + k.n_heads) * per_head;
   for (int64_t idx = threadIdx.x; idx < total; idx += kThreads) {
-    const int64_t hh = idx / per_head;
-    const int64_t j = idx - hh * per_head;
-    const T* x;
-    T* o;
-    head_ptrs<T>(a, q, k, t, hh, x, o);
+    const auto [j, x, o] = item_of<T>(a, q, k, t, idx, per_head);
     if (j < np) {
       float c[PAIRS], s[PAIRS];
       load_cs<PAIRS>(t, j * PAIRS, sign, c, s);
@@ -116,11 +121,7 @@ __global__ void __launch_bounds__(kThreads) rotary_scalar_kernel(RotaryArgs a, R
   const int64_t per_head = a.head_dim - R;  // R pairs + (head_dim - 2R) copies
   const int64_t total = (q.n_heads + k.n_heads) * per_head;
   for (int64_t idx = threadIdx.x; idx < total; idx += kThreads) {
-    const int64_t hh = idx / per_head;
-    const int64_t j = idx - hh * per_head;
-    const T* x;
-    T* o;
-    head_ptrs<T>(a, q, k, t, hh, x, o);
+    const auto [j, x, o] = item_of<T>(a, q, k, t, idx, per_head);
     if (j < R) {
       float c[1], s[1];
       load_cs<1>(t, j, sign, c, s);

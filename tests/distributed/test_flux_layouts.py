@@ -33,29 +33,20 @@ FLUX = ["--model.name", "flux", "--flavor", "debugmodel", "--validation.enable",
         "--flux.caption_dropout", "0.25", "--flux.img_size", "16"]  # 16x16 pixels: 64 image tokens
 
 
-def test_fsdp2_equals_one_process(tmp_path, tmp_path_factory):
+_SHARD_2X2 = ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2"]
+# (ranks, {layout: its flags}); the HSDP and TP / CP layouts are slow (see the module's docstring).
+LAYOUTS = [
+    pytest.param(2, {"fsdp2": [*FLUX, "--training.local_batch_size", "2"]}, id="fsdp2"),
+    pytest.param(4, {"hsdp2x2": [*FLUX, *_SHARD_2X2, "--training.local_batch_size", "1"]}, id="hsdp2x2",
+                 marks=pytest.mark.slow),
+    pytest.param(2, {"tp2": [*FLUX, "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+                     "cp2": [*FLUX, "--parallelism.context_parallel_degree", "2", "--training.local_batch_size", "4"]},
+                 id="tp2_cp2", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("ranks,layouts", LAYOUTS)
+def test_layout_equals_one_process(ranks, layouts, tmp_path, tmp_path_factory):
     single = reference(tmp_path_factory, *FLUX)
-    runs = run_layouts(2, {"fsdp2": [*FLUX, "--training.local_batch_size", "2"]}, tmp_path)
-    for name, got in runs.items():
-        assert_same(got, single), name
-
-
-@pytest.mark.slow
-def test_hsdp_2x2_equals_one_process(tmp_path, tmp_path_factory):
-    single = reference(tmp_path_factory, *FLUX)
-    runs = run_layouts(4, {"hsdp2x2": [*FLUX, "--parallelism.data_parallel_replicate_degree", "2",
-                                       "--parallelism.data_parallel_shard_degree", "2",
-                                       "--training.local_batch_size", "1"]}, tmp_path)
-    for name, got in runs.items():
-        assert_same(got, single), name
-
-
-@pytest.mark.slow
-def test_tp2_and_cp2_equal_one_process(tmp_path, tmp_path_factory):
-    single = reference(tmp_path_factory, *FLUX)
-    runs = run_layouts(2, {"tp2": [*FLUX, "--parallelism.tensor_parallel_degree", "2",
-                                   "--training.local_batch_size", "4"],
-                           "cp2": [*FLUX, "--parallelism.context_parallel_degree", "2",
-                                   "--training.local_batch_size", "4"]}, tmp_path)
-    for name, got in runs.items():
+    for name, got in run_layouts(ranks, layouts, tmp_path).items():
         assert_same(got, single), name

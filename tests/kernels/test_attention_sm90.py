@@ -25,6 +25,8 @@ import sys
 
 import pytest
 
+from tests import sm90
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMEM_LIMIT = 232448  # bytes of shared memory per block on H100/H200 (227 KiB)
 # The configs autotuning is expected to pick at head_dim 128; they must not spill.
@@ -34,16 +36,6 @@ PRIMARY = {
     "dq": {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8},
     "sm90": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8},
 }
-
-
-def _ptxas():
-    import triton
-
-    bindir = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    for name in ("ptxas-blackwell", "ptxas"):
-        if (bindir / name).exists():
-            return str(bindir / name)
-    return None
 
 
 def _compile(kernel, args, constexprs, num_warps, num_stages):
@@ -62,7 +54,7 @@ def _compile(kernel, args, constexprs, num_warps, num_stages):
     compiled = triton.compile(ASTSource(kernel, signature, cexprs, attrs), target=target, options=options.__dict__)
     ptx = compiled.asm["ptx"]
     spills = None
-    ptxas = _ptxas()
+    ptxas = sm90.ptxas()
     if ptxas:
         import tempfile
 
@@ -149,20 +141,7 @@ def main(argv):
 
 
 def _run(all_configs: bool):
-    env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.kernels.test_attention_sm90"] + (["--all"] if all_configs else [])
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
-    assert r.returncode == 0, r.stderr[-4000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-def _require_nvidia_backend():
-    import triton
-
-    if not (pathlib.Path(triton.__file__).parent / "backends" / "nvidia").is_dir():
-        pytest.skip("this Triton build has no NVIDIA backend to compile for sm_90a")
-    if _ptxas() is None:
-        pytest.skip("this Triton build ships no ptxas")
+    return sm90.run_compile_module("tests.kernels.test_attention_sm90", all_configs, timeout=1800, stderr_tail=4000)
 
 
 def _check(rows, all_configs):
@@ -187,13 +166,13 @@ def _check(rows, all_configs):
 
 
 def test_kernels_compile_for_sm90_primary_configs():
-    _require_nvidia_backend()
+    sm90.require_nvidia_backend()
     _check(_run(False), False)
 
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm90_all_configs():
-    _require_nvidia_backend()
+    sm90.require_nvidia_backend()
     _check(_run(True), True)
 
 

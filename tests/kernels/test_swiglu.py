@@ -5,8 +5,6 @@ Triton kernels run under TRITON_INTERPRET=1 (set in tests/conftest.py), so shape
 """
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,6 +14,7 @@ from titan_kernels import backend
 from titan_kernels.ops import swiglu as swiglu_ops
 from titan_kernels.reference import swiglu as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels import swiglu_checks as checks
 from tests.kernels.helpers import TOL, backends_here, cpu_capability, cpu_capability_params, rel_err
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -26,32 +25,17 @@ def randn(*shape, dtype=torch.float32, scale=2.0):
     return (torch.randn(*shape, dtype=torch.float64) * scale).to(dtype).to(TEST_DEVICE)
 
 
+def textbook(g, u):
+    return F.silu(g) * u
+
+
 def f64(gate, up, dy):
     """y, dgate, dup in float64 by autograd of the textbook formula, from the inputs as stored."""
-    g = gate.detach().double().requires_grad_()
-    u = up.detach().double().requires_grad_()
-    y = F.silu(g) * u
-    dg, du = torch.autograd.grad(y, (g, u), dy.double())
-    return y.detach(), dg, du
+    return checks.f64(gate, up, dy, textbook)
 
 
-def run(be, gate, up, dy):
-    g = gate.detach().requires_grad_()
-    u = up.detach().requires_grad_()
-    with tk.use_backend(be):
-        y = tk.swiglu(g, u)
-        dg, du = torch.autograd.grad(y, (g, u), dy)
-    return y, dg, du
-
-
-def check(be, gate, up, dtype, what=""):
-    dy = randn(*gate.shape, dtype=dtype)
-    y, dg, du = run(be, gate, up, dy)
-    y64, dg64, du64 = f64(gate, up, dy)
-    assert y.dtype == dtype and y.shape == gate.shape and y.is_contiguous(), what
-    assert dg.dtype == dtype and du.dtype == dtype, what
-    for name, a, b in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
-        assert rel_err(a, b) < TOL[dtype], (what, name, rel_err(a, b))
+def check(be, gate, up, what=""):
+    checks.check(be, gate, up, {}, textbook, what)
 
 
 # --------------------------------------------------------------------------- forward + backward vs float64
@@ -62,7 +46,7 @@ def check(be, gate, up, dtype, what=""):
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 33), (2, 5, 96), (4, 3, 2, 17), (3, 2500)],
                          ids=["1", "7", "3x33", "2x5x96", "4d", "wide"])
 def test_matches_float64(be, dtype, shape):
-    check(be, randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), dtype)
+    check(be, randn(*shape, dtype=dtype), randn(*shape, dtype=dtype))
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -80,18 +64,13 @@ def test_strided_views(be, dtype):
         "expanded": (randn(1, h, dtype=dtype).expand(9, h), randn(9, h, dtype=dtype)),
     }
     for name, (g, u) in views.items():
-        check(be, g, u, dtype, name)
+        check(be, g, u, name)
 
 
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (3, 0), (0,)])
 def test_zero_size(be, shape):
-    g = torch.randn(shape, device=TEST_DEVICE, requires_grad=True)
-    u = torch.randn(shape, device=TEST_DEVICE, requires_grad=True)
-    with tk.use_backend(be):
-        y = tk.swiglu(g, u)
-        y.sum().backward()
-    assert y.shape == shape and g.grad.shape == shape and u.grad.shape == shape
+    checks.check_zero_size(be, shape, {})
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -100,8 +79,8 @@ def test_extreme_gates_stay_finite(be):
     # exp(-g) overflows to inf for g < -88 in float32: sigmoid must still come out 0, not NaN.
     g = torch.tensor([[-1e4, -100.0, -88.7, -20.0, 0.0, 20.0, 88.7, 100.0, 1e4]], device=TEST_DEVICE)
     u = torch.full_like(g, 0.5)
-    check(be, g, u, torch.float32)
-    _, dg, du = run(be, g, u, torch.ones_like(g))
+    check(be, g, u)
+    _, dg, du = checks.run(be, g, u, torch.ones_like(g), {})
     assert torch.isfinite(dg).all() and torch.isfinite(du).all()
 
 
@@ -124,34 +103,13 @@ def test_inputs_untouched_and_outputs_fresh():
 
 @pytest.mark.parametrize("be", BACKENDS)
 def test_fast_path_equals_op_path(be):
-    g, u, dy = randn(5, 40), randn(5, 40), randn(5, 40)
-    fast = run(be, g, u, dy)
-    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
-    y = torch.ops.titan.swiglu(gg, uu, backend=be)  # the dispatcher path with its registered autograd
-    dg, du = torch.autograd.grad(y, (gg, uu), dy)
-    for a, b in zip(fast, (y, dg, du)):
-        assert torch.equal(a, b)
+    checks.check_fast_path_equals_op_path(be, randn(5, 40), randn(5, 40), randn(5, 40), {})
 
 
 @pytest.mark.parametrize("path", ["fast", "op"])
-def test_backward_uses_the_forward_backend(path, monkeypatch):
-    """A forward under use_backend("reference") runs the reference backward, even outside the block."""
-    calls = []
-    with contextlib.ExitStack() as stack:
-        for impl in list(backend.implementations(swiglu_ops.OP)):
-            def spy_bwd(*a, _name=impl.name, _bwd=impl.kernels.backward):
-                calls.append(_name)
-                return _bwd(*a)
-            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.kernels.forward, spy_bwd), impl.family))
-        g = randn(3, 8).requires_grad_()
-        u = randn(3, 8).requires_grad_()
-        with tk.use_backend("reference"):
-            if path == "fast":
-                y = tk.swiglu(g, u)
-            else:
-                y = torch.ops.titan.swiglu(g, u)  # backend None: resolved by the autograd setup
-        y.sum().backward()
-    assert calls == ["reference"]
+def test_backward_uses_the_forward_backend(path):
+    """A forward under use_backend("reference") runs the reference backward (no scalars), even outside the block."""
+    assert checks.backward_calls(path, randn(3, 8), randn(3, 8), {}) == [("reference", ())]
 
 
 # --------------------------------------------------------------------------- second order
@@ -193,23 +151,7 @@ def test_reference_formulas_gradcheck_and_gradgradcheck_float64():
 @pytest.mark.parametrize("path", ["fast", "op"])
 def test_double_backward_matches_float64(be, path):
     """The op takes no float64, so its second derivatives (float32) are checked against float64 autograd."""
-    g, u, dy, vg, vu = (randn(4, 19) for _ in range(5))
-
-    def hvp(fn, g, u, dy, vg, vu):
-        g = g.detach().requires_grad_()
-        u = u.detach().requires_grad_()
-        dy = dy.detach().requires_grad_()
-        dg, du = torch.autograd.grad(fn(g, u), (g, u), dy, create_graph=True)
-        return torch.autograd.grad((dg * vg).sum() + (du * vu).sum(), (g, u, dy))
-
-    def ours(g, u):
-        with tk.use_backend(be):
-            return tk.swiglu(g, u) if path == "fast" else torch.ops.titan.swiglu(g, u, backend=be)
-
-    got = hvp(ours, g, u, dy, vg, vu)
-    want = hvp(lambda a, b: F.silu(a) * b, *(t.double() for t in (g, u, dy, vg, vu)))
-    for name, a, b in zip(("d2/dgate", "d2/dup", "d2/ddy"), got, want):
-        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+    checks.check_double_backward(be, path, {}, textbook, *(randn(4, 19) for _ in range(5)))
 
 
 # --------------------------------------------------------------------------- op contract
@@ -217,13 +159,9 @@ def test_double_backward_matches_float64(be, path):
 
 @pytest.mark.parametrize("be", BACKENDS)
 def test_opcheck(be):
-    g = randn(3, 17).requires_grad_()
-    u = randn(3, 17).requires_grad_()
-    dy = randn(3, 17).requires_grad_()
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.0, None, 0.0, be))
-    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, 1.0, None, 0.0, be))
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (randn(2, 5, 8, dtype=torch.bfloat16),
-                                                          randn(2, 5, 8, dtype=torch.bfloat16), 1.0, None, 0.0, be))
+    g, u, dy = (randn(3, 17).requires_grad_() for _ in range(3))
+    b16 = randn(2, 5, 8, dtype=torch.bfloat16), randn(2, 5, 8, dtype=torch.bfloat16)
+    checks.opcheck(be, g, u, dy, b16, [(1.0, None, 0.0)])
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -246,31 +184,17 @@ def test_compile_fullgraph(be):
 
 
 def test_fake_tensor_shapes():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        g = torch.empty(3, 4, 10, dtype=torch.bfloat16)
-        y = tk.swiglu(g, torch.empty(3, 4, 10, dtype=torch.bfloat16))
-        dg, du = torch.ops.titan.swiglu_backward(y, g, g)
-    assert y.shape == (3, 4, 10) and y.dtype == torch.bfloat16
-    assert dg.shape == du.shape == (3, 4, 10)
+    checks.check_fake_tensor_shapes({})
 
 
 # --------------------------------------------------------------------------- kernels
 
 
 def test_triton_fixed_configs():
-    st = backend.backend_status("triton", TEST_DEVICE)
-    if not st.available:
-        pytest.skip(f"triton backend unavailable: {st.reason}")
+    g, u, dy = randn(9, 70), randn(70, 9).t(), randn(9, 70)
+    checks.check_triton_fixed_configs(g, u, dy, f64(g, u, dy), {})
     from titan_kernels.triton import swiglu as tri
 
-    g, u, dy = randn(9, 70), randn(70, 9).t(), randn(9, 70)
-    y64, dg64, du64 = f64(g, u, dy)
-    for cfg in ({"block_m": 2, "block_n": 16, "num_warps": 1}, {"block_m": 16, "block_n": 128}, {}):
-        y = tri.swiglu_fwd(g, u, **cfg)
-        dg, du = tri.swiglu_bwd(dy, g, u, **cfg)
-        assert rel_err(y, y64) < 1e-5 and rel_err(dg, dg64) < 1e-5 and rel_err(du, du64) < 1e-5, cfg
     assert tri.default_config(14336)["block_n"] == tri.MAX_BLOCK_N
 
 
@@ -278,15 +202,7 @@ def test_triton_fixed_configs():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_native_every_isa(cap, dtype):
     with cpu_capability(cap):
-        h = 77  # not a multiple of any vector width
-        fused = randn(5, 2 * h, dtype=dtype)
-        cases = [
-            (randn(2, 3, h, dtype=dtype), randn(2, 3, h, dtype=dtype)),  # contiguous: one flat range
-            (randn(700, 61, dtype=dtype), randn(700, 61, dtype=dtype)),  # several threads' worth
-            (fused[:, :h], fused[:, h:]),  # strided rows
-            (randn(h, 6, dtype=dtype).t(), randn(6, h, dtype=dtype)),  # non-unit last stride: copied
-        ]
-        for g, u in cases:
+        for g, u in checks.native_cases(randn, dtype):
             dy = randn(*g.shape, dtype=dtype)
             y = torch.ops.titan.swiglu_fwd_native(g, u)
             dg, du = torch.ops.titan.swiglu_bwd_native(dy, g, u)
@@ -295,17 +211,15 @@ def test_native_every_isa(cap, dtype):
 
 
 def test_native_errors_name_the_argument():
-    if not backend.backend_status("cpu", "cpu").available:
-        pytest.skip("native cpu backend unavailable")
+    checks.native_cpu_backend()
     g = torch.randn(3, 4)
-    with pytest.raises(ValueError, match="up: expected shape"):
-        torch.ops.titan.swiglu_fwd_native(g, torch.randn(3, 5))
-    with pytest.raises(TypeError, match="up: expected dtype"):
-        torch.ops.titan.swiglu_fwd_native(g, torch.randn(3, 4, dtype=torch.bfloat16))
-    with pytest.raises(TypeError, match="gate: expected dtype"):
-        torch.ops.titan.swiglu_fwd_native(g.double(), g.double())
-    with pytest.raises(ValueError, match="dy: expected shape"):
-        torch.ops.titan.swiglu_bwd_native(torch.randn(4), g, g)
+    fwd, bwd = torch.ops.titan.swiglu_fwd_native, torch.ops.titan.swiglu_bwd_native
+    checks.assert_raises_each([
+        (fwd, (g, torch.randn(3, 5)), ValueError, "up: expected shape"),
+        (fwd, (g, torch.randn(3, 4, dtype=torch.bfloat16)), TypeError, "up: expected dtype"),
+        (fwd, (g.double(), g.double()), TypeError, "gate: expected dtype"),
+        (bwd, (torch.randn(4), g, g), ValueError, "dy: expected shape"),
+    ])
 
 
 # --------------------------------------------------------------------------- errors

@@ -10,6 +10,7 @@ Triton kernels run under TRITON_INTERPRET=1 (set in tests/conftest.py), so shape
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from titan_kernels import backend
 from titan_kernels.ops import swiglu as swiglu_ops
 from titan_kernels.reference import swiglu as ref
 from tests.conftest import TEST_DEVICE
+from tests.kernels import swiglu_checks as checks
 from tests.kernels.helpers import TOL, backends_here, cpu_capability, cpu_capability_params, rel_err
 
 BACKENDS = backends_here(names=("reference", "triton", "cpu"))
@@ -39,11 +41,7 @@ def gate64(gate, up, alpha, limit, up_offset):
 
 def f64(gate, up, dy, scalars):
     """y, dgate, dup in float64 by autograd of ``gate64``, from the inputs as stored."""
-    g = gate.detach().double().requires_grad_()
-    u = up.detach().double().requires_grad_()
-    y = gate64(g, u, **scalars)
-    dg, du = torch.autograd.grad(y, (g, u), dy.double())
-    return y.detach(), dg, du
+    return checks.f64(gate, up, dy, functools.partial(gate64, **scalars))
 
 
 def straddling(*shape, dtype=torch.float32, limit=7.0):
@@ -58,24 +56,8 @@ def straddling(*shape, dtype=torch.float32, limit=7.0):
     return x.to(dtype).to(TEST_DEVICE)
 
 
-def run(be, gate, up, dy, scalars):
-    g = gate.detach().requires_grad_()
-    u = up.detach().requires_grad_()
-    with tk.use_backend(be):
-        y = tk.swiglu(g, u, **scalars)
-        dg, du = torch.autograd.grad(y, (g, u), dy)
-    return y, dg, du
-
-
 def check(be, gate, up, scalars, what=""):
-    dtype = gate.dtype
-    dy = torch.randn(gate.shape, dtype=torch.float64).to(dtype).to(TEST_DEVICE)
-    got = run(be, gate, up, dy, scalars)
-    want = f64(gate, up, dy, scalars)
-    assert got[0].dtype == dtype and got[0].shape == gate.shape and got[0].is_contiguous(), what
-    for name, a, b in zip(("y", "dgate", "dup"), got, want):
-        assert a.dtype == dtype, (what, name)
-        assert rel_err(a, b) < TOL[dtype], (what, name, rel_err(a, b))
+    checks.check(be, gate, up, scalars, functools.partial(gate64, **scalars), what)
 
 
 # --------------------------------------------------------------------------- forward + backward vs float64
@@ -131,7 +113,7 @@ def test_clamp_boundaries_follow_torch_clamp(be, dtype):
     u = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, lim, -lim, above, 1.0, nan], dtype=dtype)
     g, u = g.to(TEST_DEVICE), u.to(TEST_DEVICE)
     dy = torch.ones_like(g)
-    y, dg, du = run(be, g, u, dy, GPT_OSS)
+    y, dg, du = checks.run(be, g, u, dy, GPT_OSS)
     y64, dg64, du64 = f64(g, u, dy, GPT_OSS)
     for name, a, b in (("y", y, y64), ("dgate", dg, dg64), ("dup", du, du64)):
         assert torch.equal(a.isnan(), b.isnan()), (name, a, b)
@@ -148,7 +130,7 @@ def test_no_limit_lets_nan_through(be):
     g = torch.tensor([float("nan"), 1.0, 50.0, -50.0], device=TEST_DEVICE)
     u = torch.tensor([1.0, float("nan"), 20.0, -20.0], device=TEST_DEVICE)
     scalars = {"alpha": 1.702, "limit": None, "up_offset": 1.0}
-    y, dg, du = run(be, g, u, torch.ones_like(g), scalars)
+    y, dg, du = checks.run(be, g, u, torch.ones_like(g), scalars)
     y64, dg64, du64 = f64(g, u, torch.ones_like(g), scalars)
     for a, b in ((y, y64), (dg, dg64), (du, du64)):
         assert torch.equal(a.isnan(), b.isnan()), (a, b)
@@ -158,12 +140,7 @@ def test_no_limit_lets_nan_through(be):
 @pytest.mark.parametrize("be", BACKENDS)
 @pytest.mark.parametrize("shape", [(0, 16), (2, 0, 16), (3, 0)])
 def test_zero_size(be, shape):
-    g = torch.randn(shape, device=TEST_DEVICE, requires_grad=True)
-    u = torch.randn(shape, device=TEST_DEVICE, requires_grad=True)
-    with tk.use_backend(be):
-        y = tk.swiglu(g, u, **GPT_OSS)
-        y.sum().backward()
-    assert y.shape == shape and g.grad.shape == shape and u.grad.shape == shape
+    checks.check_zero_size(be, shape, GPT_OSS)
 
 
 # --------------------------------------------------------------------------- the plain default path
@@ -191,7 +168,7 @@ def test_defaults_are_the_plain_kernels_call(be):
         for name, kw in (("default", {}), ("spelled", {"alpha": 1, "limit": None, "up_offset": 0.0}),
                          ("gpt_oss", GPT_OSS)):
             calls.clear()
-            got[name] = run(be, g, u, dy, kw)
+            got[name] = checks.run(be, g, u, dy, kw)
             assert calls == ([("fwd", 2), ("bwd", 3)] if name != "gpt_oss" else [("fwd", 5), ("bwd", 6)]), name
     for a, b in zip(got["default"], got["spelled"]):
         assert torch.equal(a, b)
@@ -204,33 +181,14 @@ def test_defaults_are_the_plain_kernels_call(be):
 
 @pytest.mark.parametrize("be", BACKENDS)
 def test_fast_path_equals_op_path(be):
-    g, u, dy = straddling(5, 40), straddling(5, 40), torch.randn(5, 40, device=TEST_DEVICE)
-    fast = run(be, g, u, dy, GPT_OSS)
-    gg, uu = g.clone().requires_grad_(), u.clone().requires_grad_()
-    y = torch.ops.titan.swiglu(gg, uu, 1.702, 7.0, 1.0, be)  # the dispatcher path with its registered autograd
-    dg, du = torch.autograd.grad(y, (gg, uu), dy)
-    for a, b in zip(fast, (y, dg, du)):
-        assert torch.equal(a, b)
+    checks.check_fast_path_equals_op_path(be, straddling(5, 40), straddling(5, 40),
+                                          torch.randn(5, 40, device=TEST_DEVICE), GPT_OSS)
 
 
 @pytest.mark.parametrize("path", ["fast", "op"])
 def test_backward_gets_the_forward_backend_and_scalars(path):
-    calls = []
-    with contextlib.ExitStack() as stack:
-        for impl in list(backend.implementations(swiglu_ops.OP)):
-            def spy_bwd(*a, _name=impl.name, _bwd=impl.kernels.backward):
-                calls.append((_name, a[3:]))
-                return _bwd(*a)
-            stack.enter_context(backend.replace_impl(swiglu_ops.OP, impl.name, (impl.kernels.forward, spy_bwd), impl.family))
-        g = straddling(3, 8).requires_grad_()
-        u = straddling(3, 8).requires_grad_()
-        with tk.use_backend("reference"):
-            if path == "fast":
-                y = tk.swiglu(g, u, alpha=2, limit=3, up_offset=-1)
-            else:
-                y = torch.ops.titan.swiglu(g, u, 2.0, 3.0, -1.0, None)  # backend None: resolved by the setup
-        y.sum().backward()
-    assert calls == [("reference", (2.0, 3.0, -1.0))]
+    scalars = {"alpha": 2, "limit": 3, "up_offset": -1}  # integers: the op path gets them as floats
+    assert checks.backward_calls(path, straddling(3, 8), straddling(3, 8), scalars) == [("reference", (2.0, 3.0, -1.0))]
 
 
 # --------------------------------------------------------------------------- second order
@@ -280,22 +238,7 @@ def test_double_backward_matches_float64(be, path):
     """Second derivatives (the kernels' float32 gradients, the reference's double backward) against
     float64 autograd through torch.clamp, with values beyond the limits."""
     g, u, dy, vg, vu = straddling(4, 19), straddling(4, 19), *(torch.randn(4, 19, device=TEST_DEVICE) for _ in range(3))
-
-    def hvp(fn, g, u, dy, vg, vu):
-        g = g.detach().requires_grad_()
-        u = u.detach().requires_grad_()
-        dy = dy.detach().requires_grad_()
-        dg, du = torch.autograd.grad(fn(g, u), (g, u), dy, create_graph=True)
-        return torch.autograd.grad((dg * vg).sum() + (du * vu).sum(), (g, u, dy))
-
-    def ours(g, u):
-        with tk.use_backend(be):
-            return tk.swiglu(g, u, **GPT_OSS) if path == "fast" else torch.ops.titan.swiglu(g, u, 1.702, 7.0, 1.0, be)
-
-    got = hvp(ours, g, u, dy, vg, vu)
-    want = hvp(lambda a, b: gate64(a, b, **GPT_OSS), *(t.double() for t in (g, u, dy, vg, vu)))
-    for name, a, b in zip(("d2/dgate", "d2/dup", "d2/ddy"), got, want):
-        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
+    checks.check_double_backward(be, path, GPT_OSS, functools.partial(gate64, **GPT_OSS), g, u, dy, vg, vu)
 
 
 # --------------------------------------------------------------------------- op contract
@@ -306,11 +249,8 @@ def test_opcheck(be):
     g = straddling(3, 17).requires_grad_()
     u = straddling(3, 17).requires_grad_()
     dy = torch.randn(3, 17, device=TEST_DEVICE).requires_grad_()
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.702, 7.0, 1.0, be))
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (g, u, 1.702, None, 1.0, be))
-    torch.library.opcheck(torch.ops.titan.swiglu_backward.default, (dy, g, u, 1.702, 7.0, 1.0, be))
     b16 = straddling(2, 5, 8, dtype=torch.bfloat16)
-    torch.library.opcheck(torch.ops.titan.swiglu.default, (b16, b16.flip(-1), 1.702, 7.0, 1.0, be))
+    checks.opcheck(be, g, u, dy, (b16, b16.flip(-1)), [(1.702, 7.0, 1.0), (1.702, None, 1.0)])
 
 
 @pytest.mark.parametrize("be", BACKENDS)
@@ -352,45 +292,26 @@ def test_compile_scalars_as_arguments():
 def test_fake_tensor_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    checks.check_fake_tensor_shapes(GPT_OSS)
     with FakeTensorMode():
         g = torch.empty(3, 4, 10, dtype=torch.bfloat16)
-        y = tk.swiglu(g, torch.empty(3, 4, 10, dtype=torch.bfloat16), **GPT_OSS)
-        dg, du = torch.ops.titan.swiglu_backward(y, g, g, 1.702, 7.0, 1.0, None)
         with pytest.raises(ValueError, match="limit: expected None"):
             torch.ops.titan.swiglu(g, g, 1.0, -1.0, 0.0, None)
-    assert y.shape == (3, 4, 10) and y.dtype == torch.bfloat16
-    assert dg.shape == du.shape == (3, 4, 10)
 
 
 # --------------------------------------------------------------------------- kernels
 
 
 def test_triton_fixed_configs():
-    st = backend.backend_status("triton", TEST_DEVICE)
-    if not st.available:
-        pytest.skip(f"triton backend unavailable: {st.reason}")
-    from titan_kernels.triton import swiglu as tri
-
     g, u, dy = straddling(9, 70), straddling(70, 9).t(), torch.randn(9, 70, device=TEST_DEVICE)
-    want = f64(g, u, dy, GPT_OSS)
-    for cfg in ({"block_m": 2, "block_n": 16, "num_warps": 1}, {"block_m": 16, "block_n": 128}, {}):
-        y = tri.swiglu_fwd(g, u, 1.702, 7.0, 1.0, **cfg)
-        dg, du = tri.swiglu_bwd(dy, g, u, 1.702, 7.0, 1.0, **cfg)
-        assert all(rel_err(a, b) < 1e-5 for a, b in zip((y, dg, du), want)), cfg
+    checks.check_triton_fixed_configs(g, u, dy, f64(g, u, dy, GPT_OSS), GPT_OSS)
 
 
 @pytest.mark.parametrize("cap", cpu_capability_params())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_native_every_isa(cap, dtype):
     with cpu_capability(cap):
-        h = 77  # not a multiple of any vector width
-        fused = straddling(5, 2 * h, dtype=dtype)
-        cases = [
-            (straddling(2, 3, h, dtype=dtype), straddling(2, 3, h, dtype=dtype)),  # contiguous: one flat range
-            (straddling(700, 61, dtype=dtype), straddling(700, 61, dtype=dtype)),  # several threads' worth
-            (fused[:, ::2], fused[:, 1::2]),  # interleaved: non-unit last stride
-            (fused[:, :h], fused[:, h:]),  # strided rows
-        ]
+        cases = checks.native_cases(straddling, dtype)
         for scalars in VARIANTS:
             for g, u in cases:
                 dy = torch.randn(g.shape).to(dtype)
@@ -441,18 +362,15 @@ def test_errors_name_the_argument():
 
 
 def test_native_errors_name_the_argument():
-    if not backend.backend_status("cpu", "cpu").available:
-        pytest.skip("native cpu backend unavailable")
+    checks.native_cpu_backend()
     g = torch.randn(3, 4)
     fwd, bwd = torch.ops.titan.swiglu_clamped_fwd_native, torch.ops.titan.swiglu_clamped_bwd_native
-    with pytest.raises(ValueError, match="alpha: expected a finite value > 0"):
-        fwd(g, g, 0.0, 7.0, 1.0)
-    with pytest.raises(ValueError, match="limit: expected None"):
-        fwd(g, g, 1.702, float("nan"), 1.0)
-    with pytest.raises(ValueError, match="up_offset: expected a finite value"):
-        bwd(g, g, g, 1.702, 7.0, float("-inf"))
-    with pytest.raises(ValueError, match="up: expected shape"):
-        fwd(g, torch.randn(3, 5), 1.702, 7.0, 1.0)
-    with pytest.raises(ValueError, match="limit: expected None"):  # the Meta kernel checks the same
-        fwd(g.to("meta"), g.to("meta"), 1.702, -7.0, 1.0)
+    checks.assert_raises_each([
+        (fwd, (g, g, 0.0, 7.0, 1.0), ValueError, "alpha: expected a finite value > 0"),
+        (fwd, (g, g, 1.702, float("nan"), 1.0), ValueError, "limit: expected None"),
+        (bwd, (g, g, g, 1.702, 7.0, float("-inf")), ValueError, "up_offset: expected a finite value"),
+        (fwd, (g, torch.randn(3, 5), 1.702, 7.0, 1.0), ValueError, "up: expected shape"),
+        # The Meta kernel checks the same.
+        (fwd, (g.to("meta"), g.to("meta"), 1.702, -7.0, 1.0), ValueError, "limit: expected None"),
+    ])
     assert fwd(g.to("meta"), g.to("meta"), 1.702, 7.0, 1.0).shape == (3, 4)

@@ -3,6 +3,8 @@ import json
 from functools import partial
 from pathlib import Path
 
+import torch
+
 from trainer.models.llama3.args import LLAMA31_ROPE_SCALING, Llama3Args
 from trainer.registry import build_model
 from trainer.registry import model_args as family_model_args
@@ -19,8 +21,22 @@ def tiny_llama(dim: int, vocab_size: int, multiple_of: int, max_seq_len: int, **
 
 
 def rel(a, b) -> float:
-    """Relative norm error of ``a`` against ``b``, in float64."""
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+    """Relative norm error of ``a`` against ``b``, in float64 (against a zero ``b``: ``a``'s norm over 1e-30)."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def assert_matches_float64(module, x, out, x64, want, params64: dict, tol: float = 1e-5) -> None:
+    """``out`` (``module(x)``) against ``want``, its float64 reference from ``x64`` and the float64
+    parameters ``params64`` (by ``module``'s names): the values, then, for one random output gradient,
+    the gradients of the input and of every parameter."""
+    assert rel(out, want) < tol
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want.backward(dout.double())
+    assert rel(x.grad, x64.grad) < tol
+    for name, p in module.named_parameters():
+        assert rel(p.grad, params64[name].grad) < tol, name
 
 
 def cpu_model(args, seed: int = 0):
@@ -48,6 +64,17 @@ def train_records(dump_folder, *argv: str) -> list[dict]:
     assert train.main(config) == 0
     return [json.loads(line) for line in (Path(dump_folder) / "metrics.jsonl").read_text().splitlines()]
 
+
+
+def assert_debugmodel_learns(dump_folder, family: str, *argv: str, seq_len: int = 128) -> list[dict]:
+    """8 steps of ``family``'s debugmodel (batch 4, lr 2e-3 after 2 warmup steps, ``argv`` on top): the
+    loss falls by more than 0.5. Returns the steps' records."""
+    records = train_records(dump_folder, "--model.name", family, "--flavor", "debugmodel", "--training.steps", "8",
+                            "--training.seq_len", str(seq_len), "--training.local_batch_size", "4",
+                            "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3", *argv)
+    losses = [r["loss"] for r in records]
+    assert losses[-1] < losses[0] - 0.5, losses
+    return records
 
 def config_error(argv: list[str]) -> str:
     """The ConfigError message ``parse_args(argv)`` raises, checked to be one line."""

@@ -17,7 +17,7 @@ from trainer.models.deepseek_v3.args import DEEPSEEK_V3_FLAVORS, DeepSeekV3Args
 from trainer.models.common.losses import future_labels
 from trainer.models.common.moe_args import MoEArgs
 from trainer.registry import build_model
-from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
+from tests.trainer.helpers import assert_debugmodel_learns, assert_near_published, cpu_model, rel
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_custom_flavor_round_trip, assert_refused_in_one_line
 
@@ -154,11 +154,7 @@ def test_mtp_loss_and_its_gradient_equal_a_recomputation_by_hand():
 
 @pytest.mark.parametrize("mtp", [1, 0])
 def test_debugmodel_trains_with_mtp_on_and_off(tmp_path, mtp):
-    records = train_records(tmp_path, "--model.name", "deepseek_v3", "--flavor", "debugmodel", "--model.mtp_layers",
-                            str(mtp), "--training.steps", "8", "--training.seq_len", "64", "--training.local_batch_size",
-                            "4", "--lr_scheduler.warmup_steps", "2", "--optimizer.lr", "2e-3")
-    losses = [r["loss"] for r in records]
-    assert losses[-1] < losses[0] - 0.5, losses
+    records = assert_debugmodel_learns(tmp_path, "deepseek_v3", "--model.mtp_layers", str(mtp), seq_len=64)
     assert ("mtp_loss" in records[-1]) == bool(mtp)
     if mtp:
         assert records[-1]["mtp_loss"] < records[0]["mtp_loss"]

@@ -10,7 +10,7 @@ from trainer.hf import args_from_hf_config, hf_config
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, YARN, GptOssArgs
 from trainer.models.common.moe_args import MoEArgs
 from trainer.registry import build_model
-from tests.trainer.helpers import assert_near_published, cpu_model, train_records
+from tests.trainer.helpers import assert_debugmodel_learns, assert_near_published, cpu_model
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_refused_in_one_line
 
@@ -79,11 +79,7 @@ def test_export_loads_in_transformers_and_the_converter_round_trips(tmp_path):
 
 
 def test_debugmodel_trains(tmp_path):
-    losses = [r["loss"] for r in train_records(
-        tmp_path, "--model.name", "gpt_oss", "--flavor", "debugmodel", "--training.steps", "8",
-        "--training.seq_len", "128", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "2e-3")]
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert_debugmodel_learns(tmp_path, "gpt_oss")
 
 
 def test_configs_we_cannot_reproduce_are_refused_in_one_line():

@@ -13,7 +13,7 @@ from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
 from trainer.models.llama4.model import temperature_scale
 from trainer.models.common.moe_args import MoEArgs
 from trainer.registry import build_model
-from tests.trainer.helpers import assert_near_published, cpu_model, rel, train_records
+from tests.trainer.helpers import assert_debugmodel_learns, assert_matches_float64, assert_near_published, cpu_model
 from tests.trainer.hf_parity import assert_converter_round_trip, assert_logits_loss_and_gradients_equal, hf_pair
 from tests.trainer.hf_parity import assert_custom_flavor_round_trip, assert_refused_in_one_line
 
@@ -128,11 +128,7 @@ def test_export_loads_in_transformers_and_the_converter_round_trips(tmp_path):
 
 
 def test_debugmodel_trains(tmp_path):
-    losses = [r["loss"] for r in train_records(
-        tmp_path, "--model.name", "llama4", "--flavor", "debugmodel", "--training.steps", "8",
-        "--training.seq_len", "128", "--training.local_batch_size", "4", "--lr_scheduler.warmup_steps", "2",
-        "--optimizer.lr", "2e-3")]
-    assert losses[-1] < losses[0] - 0.5, losses
+    assert_debugmodel_learns(tmp_path, "llama4")
 
 
 def test_custom_flavor_trains_from_and_to_a_hugging_face_folder(tmp_path, monkeypatch):
@@ -239,10 +235,4 @@ def test_score_before_experts_scales_each_experts_input(top_k):
         rows.append(y)
     shared = torch.nn.functional.silu(tokens @ w["shared_experts.w1.weight"].t()) * (tokens @ w["shared_experts.w3.weight"].t())
     want = (torch.stack(rows) + shared @ w["shared_experts.w2.weight"].t()).view(2, 5, 16)
-    assert rel(out, want) < 1e-5
-    dout = torch.randn_like(out)
-    out.backward(dout)
-    want.backward(dout.double())
-    assert rel(x.grad, x64.grad) < 1e-5
-    for name, p in moe.named_parameters():
-        assert rel(p.grad, w[name].grad) < 1e-5, name
+    assert_matches_float64(moe, x, out, x64, want, w)

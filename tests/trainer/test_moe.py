@@ -10,6 +10,7 @@ from torch.utils.checkpoint import checkpoint
 
 from trainer.models.common.moe import MoE, load_metrics, sequence_balance_loss, update_load_balance
 from trainer.models.common.moe_args import MoEArgs
+from tests.trainer.helpers import assert_matches_float64
 
 
 def _moe(dim=12, **kw) -> MoE:
@@ -72,13 +73,7 @@ def test_forward_and_gradients_match_a_float64_loop(kw):
         for n, p in m64.named_parameters():
             p.copy_(params64[n])
     ref = _reference_with_grad(m64, x64)
-    assert _rel(out, ref) < 1e-5
-    g = torch.randn_like(out)
-    out.backward(g)
-    ref.backward(g.double())
-    assert _rel(x.grad, x64.grad) < 1e-5
-    for n, p in m.named_parameters():
-        assert _rel(p.grad, dict(m64.named_parameters())[n].grad) < 1e-5, n
+    assert_matches_float64(m, x, out, x64, ref, dict(m64.named_parameters()))
 
 
 def _reference_with_grad(m64: MoE, x64: torch.Tensor) -> torch.Tensor:

@@ -190,7 +190,7 @@ class KVCache:
 
     def kind_key(self) -> tuple:
         """Equal for the caches that read the same slots (they share one decode plan per step)."""
-        return (type(self), self.size(), getattr(self, "window", None), getattr(self, "chunk", None))
+        return (type(self), self.size())
 
     # -- shared ----------------------------------------------------------------------------------------
 
@@ -238,35 +238,36 @@ class FullCache(KVCache):
         return positions
 
 
-class SlidingWindowCache(KVCache):
-    """A sliding window of ``window`` keys (the query's own included): a ring buffer of that many slots."""
+class _RingCache(KVCache):
+    """A kind whose query reads at most ``span`` keys: a ring of that many slots (fewer where the
+    batch's longest sequence is shorter)."""
 
-    def __init__(self, state: CacheState, window: int) -> None:
+    def __init__(self, state: CacheState, span: int) -> None:
         super().__init__(state)
-        self.window = window
+        self.span = span
 
     def size(self) -> int:
-        return min(self.window, self.state.capacity)
+        return min(self.span, self.state.capacity)
+
+    def kind_key(self) -> tuple:
+        return (*super().kind_key(), self.span)  # two spans can cap to one size yet keep other slots
+
+
+class SlidingWindowCache(_RingCache):
+    """A sliding window of ``span`` keys (the query's own included)."""
 
     def keep(self, positions, lengths):
-        return positions >= lengths - self.window
+        return positions >= lengths - self.span
 
     def visible(self, position: int) -> int:
-        return min(position + 1, self.window)
+        return min(position + 1, self.span)
 
 
-class ChunkedCache(KVCache):
-    """Chunked attention (chunks of ``chunk`` absolute positions): the current chunk only."""
-
-    def __init__(self, state: CacheState, chunk: int) -> None:
-        super().__init__(state)
-        self.chunk = chunk
-
-    def size(self) -> int:
-        return min(self.chunk, self.state.capacity)
+class ChunkedCache(_RingCache):
+    """Chunked attention (chunks of ``span`` absolute positions): the current chunk only."""
 
     def keep(self, positions, lengths):
-        return positions >= (lengths - 1) // self.chunk * self.chunk
+        return positions >= (lengths - 1) // self.span * self.span
 
     def visible(self, position: int) -> int:
-        return position % self.chunk + 1
+        return position % self.span + 1

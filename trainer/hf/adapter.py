@@ -74,6 +74,29 @@ def expert_hf_shape(want: tuple[int, ...], name: str) -> tuple[int, ...]:
     return (b, a)
 
 
+def fuse_gate_up(state_dict: dict, key: str, w1: str, w3: str, interleaved: bool) -> torch.Tensor | None:
+    """The fused ``gate_up_proj`` (E, in, 2 out) that our ``key`` (``w1`` or ``w3`` of one layer, or
+    their biases) exports to, gate and up as halves of the last dim or ``interleaved`` in its even and
+    odd columns; None for a w3 whose w1 is in ``state_dict`` (that one exports the pair). Raises
+    KeyError when one of the pair is missing: a half cannot be written alone."""
+    if key == w3 and w1 in state_dict:
+        return None
+    if w1 not in state_dict or w3 not in state_dict:
+        raise KeyError(f"{key}: w1 and w3 make one gate_up_proj; convert them together ({w1}, {w3})")
+    gate, up = state_dict[w1], state_dict[w3]
+    return torch.stack([gate, up], dim=-1).flatten(-2) if interleaved else torch.cat([gate, up], dim=-1)
+
+
+def split_gate_up(key: str, t: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``fuse_gate_up``: our gate (w1) and up (w3) from the Hugging Face tensor ``key``.
+    Raises ValueError for an odd number of columns."""
+    if t.shape[-1] % 2:
+        pairs = "interleaved gate and up pairs" if interleaved else "gate and up halves"
+        raise ValueError(f"{key}: {t.shape[-1]} columns are not {pairs}")
+    gate, up = (t[..., 0::2], t[..., 1::2]) if interleaved else t.chunk(2, dim=-1)
+    return gate.contiguous(), up.contiguous()
+
+
 class HFAdapter:
     """The mapping of one family to Hugging Face (module docstring). Subclasses set ``title``,
     ``model_types``, ``key_map`` and implement ``config`` and ``args_from_config``."""

@@ -100,6 +100,23 @@ def _int_fields(cfg: dict, keys: tuple[str, ...], what: str, where: str) -> None
         raise HFCheckpointError(f"{where}: {what} config lacks integer {', '.join(missing)}")
 
 
+
+def decoder_fields(cfg: dict, theta: float, scaling: dict | None, *, norm_eps: float, max_seq_len: int) -> dict:
+    """Our args' decoder fields as transformers reads them from config.json (a null value taken as
+    absent): sizes, heads (kv heads default to the heads, head_dim to hidden_size / heads), the rotary
+    ``theta`` and ``scaling`` already read, tied embeddings; ``norm_eps`` and ``max_seq_len``: the
+    family's defaults for ``rms_norm_eps`` and ``max_position_embeddings``."""
+    def get(key, default):
+        value = cfg.get(key)
+        return default if value is None else value
+
+    heads = cfg["num_attention_heads"]
+    return dict(dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=heads,
+                n_kv_heads=get("num_key_value_heads", heads), head_dim=get("head_dim", cfg["hidden_size"] // heads),
+                vocab_size=cfg["vocab_size"], norm_eps=float(get("rms_norm_eps", norm_eps)), rope_theta=theta,
+                rope_scaling=scaling, max_seq_len=int(get("max_position_embeddings", max_seq_len)),
+                tie_word_embeddings=bool(get("tie_word_embeddings", False)))
+
 def refuse_activation_and_quantization(cfg: dict, where: str, hint: str = "dequantize first") -> None:
     """Raise HFCheckpointError (one line naming the field) for a config.json whose ``hidden_act`` is not
     SiLU (transformers' default when absent) or that carries a ``quantization_config`` (its weights

@@ -72,6 +72,18 @@ class ParallelModel:
         return self.cp.shard(t) if self.cp is not None else t
 
 
+def checkpoint_and_compile(module: nn.Module, config, dims: ParallelDims, device: torch.device,
+                           layer_modes: list[str] | None) -> None:
+    """``config``'s activation checkpointing of ``module``'s blocks (``layer_modes``: per block index,
+    over ``activation_checkpoint.mode``), then its torch.compile: after TP and CP, before FSDP, in
+    every model's parallelize."""
+    apply_ac(module, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
+             layer_modes=dict(enumerate(layer_modes or [])), device=device)
+    if config.compile.enable and "model" in config.compile.components:
+        # Ring attention communicates point to point: it runs eagerly between compiled regions.
+        apply_compile(module, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
+
+
 def parallelize_decoder(
     model: nn.Module,
     config,
@@ -157,11 +169,7 @@ def parallelize_decoder(
         expert_params += shard_experts(stage, mesh, dims.ep, dims.tp)
         if dims.cp_enabled:
             cp = apply_cp(stage, mesh["cp"])
-        apply_ac(stage, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
-                 layer_modes=dict(enumerate(layer_modes or [])), device=device)
-        if config.compile.enable and "model" in config.compile.components:
-            # Ring attention communicates point to point: it runs eagerly between compiled regions.
-            apply_compile(stage, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
+        checkpoint_and_compile(stage, config, dims, device, layer_modes)
         if use_fsdp:
             apply_fsdp(stage, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                        reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, dims.pp_enabled),

@@ -25,11 +25,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
-from trainer.parallel.activation_checkpoint import apply_ac
-from trainer.parallel.compile import apply_compile
 from trainer.parallel.context_parallel import ContextParallel
 from trainer.parallel.fsdp import apply_fsdp, reshard_after_forward
-from trainer.parallel.parallelize import ParallelModel
+from trainer.parallel.parallelize import ParallelModel, checkpoint_and_compile
 from trainer.parallel.tensor_parallel import check_tp_divisibility
 
 
@@ -109,10 +107,7 @@ def parallelize_flux(model: nn.Module, config, dims, mesh, device: torch.device,
         cp = ContextParallel(mesh["cp"])
         for block in model.blocks():
             block.context_parallel = cp
-    apply_ac(model, config.activation_checkpoint.mode, config.activation_checkpoint.selective_ac_option,
-             layer_modes=dict(enumerate(layer_modes or [])), device=device)
-    if config.compile.enable and "model" in config.compile.components:
-        apply_compile(model, fullgraph=not dims.cp_enabled, backend=config.compile.backend)
+    checkpoint_and_compile(model, config, dims, device, layer_modes)
     if use_fsdp:
         apply_fsdp(model, dims.dp_mesh(mesh), param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                    reshard_after_forward=reshard_after_forward(p.fsdp_reshard_after_forward, False))

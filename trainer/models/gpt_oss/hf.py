@@ -18,9 +18,9 @@ import re
 
 import torch
 
-from trainer.hf.adapter import DECODER_KEYS
+from trainer.hf.adapter import DECODER_KEYS, fuse_gate_up, split_gate_up
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
-from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
+from trainer.hf.common import decoder_fields, refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.gpt_oss.args import GPT_OSS_FLAVORS, GptOssArgs
 from trainer.models.llama3.hf import RotaryPermutingAdapter
@@ -80,11 +80,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 out.update(super().to_hf({key: t}, args))
             elif m.group(2) == "w2":
                 out[self.hf_names(args, key)[0]] = t
-            elif m.group(2) == "w1" or key.replace("experts.w3", "experts.w1") not in state_dict:
-                w1, w3 = self.export_group(key)
-                if w1 not in state_dict or w3 not in state_dict:
-                    raise KeyError(f"{key}: w1 and w3 make one gate_up_proj; convert them together ({w1}, {w3})")
-                out[self.hf_names(args, key)[0]] = torch.stack([state_dict[w1], state_dict[w3]], dim=-1).flatten(-2)
+            elif (fused := fuse_gate_up(state_dict, key, *self.export_group(key), interleaved=True)) is not None:
+                out[self.hf_names(args, key)[0]] = fused
         return out
 
     def from_hf(self, state_dict, args):
@@ -97,9 +94,7 @@ class GptOssAdapter(RotaryPermutingAdapter):
                 if which == "down_proj":
                     out[f"{base}.w2{bias}"] = t
                 else:
-                    if t.shape[-1] % 2:
-                        raise ValueError(f"{key}: {t.shape[-1]} columns are not interleaved gate and up pairs")
-                    out[f"{base}.w1{bias}"], out[f"{base}.w3{bias}"] = t[..., 0::2].contiguous(), t[..., 1::2].contiguous()
+                    out[f"{base}.w1{bias}"], out[f"{base}.w3{bias}"] = split_gate_up(key, t, interleaved=True)
                 out.setdefault(f"layers.{layer}.feed_forward.expert_bias",
                                torch.zeros(t.shape[0], dtype=torch.float32))
             else:
@@ -168,14 +163,8 @@ class GptOssAdapter(RotaryPermutingAdapter):
                           route_norm=True, router_bias=True, expert_proj_bias=True,
                           swiglu_alpha=float(get("swiglu_alpha", 1.702)), swiglu_limit=float(get("swiglu_limit", 7.0)),
                           swiglu_up_offset=1.0)
-            heads = cfg["num_attention_heads"]
-            args = GptOssArgs(
-                dim=cfg["hidden_size"], n_layers=n_layers, n_heads=heads, n_kv_heads=get("num_key_value_heads", heads),
-                head_dim=get("head_dim", cfg["hidden_size"] // heads), vocab_size=cfg["vocab_size"],
-                norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-                max_seq_len=int(get("max_position_embeddings", 131072)),
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)), sliding_window=get("sliding_window", 128),
-                layer_types=types, moe=moe)
+            args = GptOssArgs(**decoder_fields(cfg, theta, scaling, norm_eps=1e-5, max_seq_len=131072),
+                              sliding_window=get("sliding_window", 128), layer_types=types, moe=moe)
         return args, matching_flavor(args, GPT_OSS_FLAVORS)
 
 

@@ -23,9 +23,9 @@ import re
 
 import torch
 
-from trainer.hf.adapter import DECODER_KEYS, HFAdapter
+from trainer.hf.adapter import DECODER_KEYS, HFAdapter, fuse_gate_up, split_gate_up
 from trainer.hf.common import DTYPE_NAMES, HFCheckpointError, _int_fields, _rope_from_config, config_errors
-from trainer.hf.common import refuse_activation_and_quantization, rope_to_config
+from trainer.hf.common import decoder_fields, refuse_activation_and_quantization, rope_to_config
 from trainer.hf.compare import matching_flavor
 from trainer.models.llama4.args import LLAMA4_FLAVORS, Llama4Args
 from trainer.models.common.moe_args import MoEArgs
@@ -81,11 +81,8 @@ class Llama4Adapter(HFAdapter):
                 rest[key] = t
             elif m.group(2) == "w2":
                 out[self.hf_names(args, key)[0]] = t
-            elif m.group(2) == "w1" or key.replace("experts.w3", "experts.w1") not in state_dict:
-                w1, w3 = self.export_group(key)
-                if w1 not in state_dict or w3 not in state_dict:
-                    raise KeyError(f"{key}: w1 and w3 make one gate_up_proj; convert them together ({w1}, {w3})")
-                out[self.hf_names(args, key)[0]] = torch.cat([state_dict[w1], state_dict[w3]], dim=-1)
+            elif (fused := fuse_gate_up(state_dict, key, *self.export_group(key), interleaved=False)) is not None:
+                out[self.hf_names(args, key)[0]] = fused
         out.update(super().to_hf(rest, args))
         return out
 
@@ -102,10 +99,7 @@ class Llama4Adapter(HFAdapter):
             if m.group(2) == "down_proj":
                 out[f"{base}.experts.w2"] = t
             else:
-                if t.shape[-1] % 2:
-                    raise ValueError(f"{key}: {t.shape[-1]} columns are not gate and up halves")
-                gate, up = t.chunk(2, dim=-1)
-                out[f"{base}.experts.w1"], out[f"{base}.experts.w3"] = gate.contiguous(), up.contiguous()
+                out[f"{base}.experts.w1"], out[f"{base}.experts.w3"] = split_gate_up(key, t, interleaved=False)
             out.setdefault(f"{base}.expert_bias", torch.zeros(t.shape[0], dtype=torch.float32))
         out.update(super().from_hf(rest, args))
         return out
@@ -192,13 +186,8 @@ class Llama4Adapter(HFAdapter):
             moe = MoEArgs(num_experts=get("num_local_experts", 16), top_k=get("num_experts_per_tok", 1),
                           hidden_dim=get("intermediate_size", 8192), num_shared_experts=1, score_func="sigmoid",
                           route_norm=False, score_before_experts=True) if has_moe else None
-            heads = cfg["num_attention_heads"]
             args = Llama4Args(
-                dim=cfg["hidden_size"], n_layers=n, n_heads=heads, n_kv_heads=get("num_key_value_heads", heads),
-                head_dim=get("head_dim", cfg["hidden_size"] // heads), vocab_size=cfg["vocab_size"],
-                norm_eps=float(get("rms_norm_eps", 1e-5)), rope_theta=theta, rope_scaling=scaling,
-                max_seq_len=int(get("max_position_embeddings", 131072)),
-                tie_word_embeddings=bool(get("tie_word_embeddings", False)), attention_chunk=int(chunk),
+                **decoder_fields(cfg, theta, scaling, norm_eps=1e-5, max_seq_len=131072), attention_chunk=int(chunk),
                 hidden_dim=get("intermediate_size_mlp", 16384), nope_layers=nope,
                 nope_layer_interval=get("no_rope_layer_interval", 4), moe_layers=moe_layers if has_moe else None,
                 interleave_moe_layer_step=step, use_qk_norm=bool(get("use_qk_norm", True)),
