@@ -190,15 +190,25 @@ def measure_peak(impl: str, n: int, d: int, v: int, dtype: torch.dtype = torch.f
 @pytest.mark.filterwarnings("ignore:Benchmark fixture was not used")  # a memory check; the argument keeps the
 @pytest.mark.parametrize("shape", [MEMORY_SHAPE], ids=lambda s: "x".join(map(str, s)))  # headline's signature
 def test_cross_entropy_peak_memory(benchmark, shape):
-    """Forward+backward at (8192, 256, 32000) fp32: ours <= 1/4 of the unfused logits + gradient."""
+    """Forward+backward at (8192, 256, 32000) fp32: ours <= 1/4 of the unfused logits + gradient.
+
+    The target is the size of the unfused logits and their gradient, so the unfused loss itself is
+    measured (for the printed ratio) only on CUDA or with ``BENCH_STRICT``: on the CPU it is a 3 GB,
+    15-35 s process that the default run does not need (measured 2026-12-07: 3,006 MiB against 139 MiB, 21.6x).
+    """
     n, d, v = shape
     target = 2 * n * v * 4 / 4
-    ours, unfused = measure_peak("titan", n, d, v), measure_peak("eager", n, d, v)
-    for name, m in (("titan", ours), ("eager", unfused)):
+    runs = {"titan": measure_peak("titan", n, d, v)}
+    if DEV.type == "cuda" or common.strict():
+        runs["eager"] = measure_peak("eager", n, d, v)
+    for name, m in runs.items():
         assert m.get("valid", True), f"{name}: the peak came from start-up, not from the measured call: {m}"
+    ours = runs["titan"]
+    unfused = (f"unfused eager {runs['eager']['peak_bytes'] / 2**20:.0f} MiB (ratio "
+               f"{runs['eager']['peak_bytes'] / max(ours['peak_bytes'], 1):.1f}x)" if "eager" in runs
+               else "unfused eager not measured (BENCH_STRICT=1 measures it)")
     line = (f"linear_cross_entropy peak memory fwd+bwd {n}x{d}x{v} fp32 on {DEV.type}: titan "
-            f"{ours['peak_bytes'] / 2**20:.0f} MiB, unfused eager {unfused['peak_bytes'] / 2**20:.0f} MiB "
-            f"(ratio {unfused['peak_bytes'] / max(ours['peak_bytes'], 1):.1f}x); target <= "
+            f"{ours['peak_bytes'] / 2**20:.0f} MiB, {unfused}; target <= "
             f"{target / 2**20:.0f} MiB (1/4 of logits + gradient, {2 * n * v * 4 / 2**20:.0f} MiB)")
     print(line)
     assert ours["peak_bytes"] <= target, line
