@@ -37,15 +37,16 @@ _MAX_PLANS = 4096
 
 
 def _plain_plan(ck, q, k, v, causal, softmax_scale, return_lse) -> tuple | None:
-    """(record, dispatch key, [the choice ``op.call_planned`` keeps]) of a plain dense call, after validating it (raising as ``flash_attn``
-    does); None for a case the general path takes (no work to do, options that are not bools). Cached
-    per ``ck``: shapes, dtypes, devices and the options, everything the outcome depends on. Not under
-    torch.compile (the caller checks): traced code takes the op."""
+    """(record, dispatch key, [the choice ``op.call_planned`` keeps]) of a plain dense call, after
+    validating it (raising as ``flash_attn`` does); None for a case the general path takes (no work to
+    do, meta tensors, options that are not bools). Cached per ``ck``: shapes, dtypes, devices and the
+    options, everything the outcome depends on. Not under torch.compile (the caller checks): traced
+    code takes the op."""
     if type(causal) is not bool or type(return_lse) is not bool:
         return None
     scale = validate_dense(q, k, v, softmax_scale)
     a = _args(q, k, None, scale, causal, _FULL, 0.0, None, return_lse)
-    plan = None if (q.numel() == 0 or k.shape[1] == 0) else (a, _d.case_key(q, k, v, None, a), [None])
+    plan = None if (q.numel() == 0 or k.shape[1] == 0 or q.is_meta) else (a, _d.case_key(q, k, v, None, a), [None])
     if softmax_scale is None or type(softmax_scale) is float:  # (hashable, as validated)
         if len(_plain_plans) >= _MAX_PLANS:
             _plain_plans.clear()

@@ -209,8 +209,8 @@ def _backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, si
 
 
 def _save(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, sinks = inputs[:6]
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
+    # (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1], inputs[3], inputs[4], inputs[5])
     ctx.flat = inputs[6:14]  # the record's flat arguments, return_lse last
 
 
@@ -332,11 +332,12 @@ _eager_apply = flash_attn_def.eager_apply
 def call_planned(q, k, v, plan: tuple):
     """A validated dense call without sinks whose record and dispatch key were decided once for its
     case: ``plan`` = (record, key, [the kept choice or None]) (``api.flash_attn``, which calls it only
-    for plain ``torch.Tensor`` q, k, v when nothing is being compiled). ``eager_route`` inline: the
+    for plain ``torch.Tensor`` q, k, v, not on the meta device, when nothing is being compiled).
+    ``eager_route`` inline: the
     fast path's body when nothing needs the dispatcher; the op's autograd.Function (``Op.eager_apply``,
     with the plan) when only a gradient is recorded; else the op."""
     a = plan[0]
-    if _dispatch_modes() or _function_modes() or _transforms() or q.is_meta:
+    if _dispatch_modes() or _function_modes() or _transforms():  # (no plan is made for meta tensors)
         out, lse = flash_attn_def(q, k, v, None, None, None, *a.flat)
     elif (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
         out, lse = _eager_apply(unwrap_dead(q), unwrap_dead(k), unwrap_dead(v), None, None, None,
