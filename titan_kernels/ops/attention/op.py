@@ -25,6 +25,7 @@ and lse are fresh contiguous tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -156,6 +157,14 @@ def _fast_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, max_
     return out, (lse.contiguous() if return_lse else lse)
 
 
+# A planned call's kernel runs where no gradient is recorded (the fast path, or the body of the op's
+# autograd.Function, which runs with grad off), so it runs below autograd's view and in-place tracking
+# (the ADInplaceOrView dispatch key, as a custom op's body runs below Autograd): the backend's views (aten's
+# kernel takes q/k/v as (b, h, s, d) views and returns out as one) get no autograd metadata, about a
+# microsecond of a small call; out is then a fresh tensor, not a view of the kernel's buffer.
+_no_view_tracking = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or contextlib.nullcontext
+
+
 def _planned_run(plan, q, k, v, backend, request):
     """(out, lse) of a planned call (``call_planned``: dense, no sinks; out contiguous, lse in the
     kernel's layout): ``run_forward``'s first try inline, with the choice kept in the plan while the
@@ -170,7 +179,8 @@ def _planned_run(plan, q, k, v, backend, request):
         choice = _backend.choose(OP, key[0], key, backend=backend, case=lambda: _d.make_case(q, k, v, None, a))
         memo[0] = (epoch, backend, request, choice)
     try:
-        out, lse = choice.kernels.forward(q, k, v, None, None, a)
+        with _no_view_tracking():
+            out, lse = choice.kernels.forward(q, k, v, None, None, a)
     except (RuntimeError, NotImplementedError) as e:
         _failed(choice, key, e)
         out, lse = _run(backend, q, k, v, None, a, False, False, lambda kern: kern.forward(q, k, v, None, None, a))
