@@ -116,6 +116,9 @@ _hints: dict[str, str] = {}                            # op -> appended to "no b
 _failed: dict[tuple, str] = {}                         # (op, name, device, key) -> why it raised at run time
 _choices: dict[tuple, Choice] = {}
 _names: dict[str, tuple[str, ...]] = {}                # op -> implementation_names(op), cached
+# Bumped whenever cached choices are forgotten (``clear_choices``, ``mark_failed``): a choice an op keeps
+# beside one case of its own (attention's planned calls) is valid while the epoch it was made in holds.
+EPOCH = [0]
 
 
 def _kernels(fns: Any) -> Any:
@@ -171,6 +174,7 @@ def clear_choices() -> None:
     _choices.clear()
     _failed.clear()
     _names.clear()
+    EPOCH[0] += 1
 
 
 def registered_ops() -> tuple[str, ...]:
@@ -360,5 +364,6 @@ def mark_failed(op: str, choice: Choice, device: torch.device, key: Any, error: 
     why = f"raised at run time: {type(error).__name__}: {msg}"
     _failed[(op, choice.backend, device.type, key)] = why
     _choices.clear()
+    EPOCH[0] += 1
     warnings.warn(f"titan {op}: backend {choice.backend!r} {why}; falling back to the next backend for such calls",
                   RuntimeWarning, stacklevel=3)

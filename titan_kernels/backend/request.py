@@ -25,6 +25,7 @@ from titan_kernels.backend.status import device_type
 ENV_VAR = "TITAN_KERNELS_BACKEND"
 AUTO = "auto"  # the request that means "choose automatically", whatever the context says
 
+_choices = registry._choices  # (the choices' cache: its hits are read inline in ``choose``)
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("titan_backend", default=None)
 _env: list = [None, False]  # [the variable's value (None: unset or automatic), checked]
 
@@ -85,8 +86,14 @@ def requested_backend(op: str | None = None) -> str | None:
     With ``op``: None also when the request names nothing ``op`` implements (another op's own
     implementation, or a family it lacks): a context request applies to the ops that have it.
     """
-    name = _context_request()
-    if name is not None and op is not None and name not in registry.implementation_names(op):
+    name = _override.get()  # (_context_request, inline: every op call)
+    if name is None:
+        if _env[0] is None:
+            return None
+        name = _env_request()
+    elif name == AUTO:
+        return None
+    if op is not None and name not in registry.implementation_names(op):
         return None
     return name
 
@@ -139,13 +146,20 @@ def choose(op: str, device: torch.device | str | None, key: Any = None, *, case:
     dev = device if type(device) is torch.device else _as_device(device)  # (inline: every op call)
     if backend is not None:
         if backend == AUTO:
-            return registry.choose(op, dev, key, case, None, None, "")
-        return registry.choose(op, dev, key, case, backend, None, f"requested by backend={backend!r}")
+            backend = None
+        # registry.choose's cache hit, inline (every op call); the same key
+        hit = _choices.get((op, dev, backend, None, key))
+        if hit is not None:
+            return hit
+        return registry.choose(op, dev, key, case, backend, None, f"requested by backend={backend!r}" if backend else "")
     request = _override.get()
     if request is None:
         request = _env_request() if _env[0] is not None else None
     elif request == AUTO:
         request = None
+    hit = _choices.get((op, dev, None, request, key))
+    if hit is not None:
+        return hit
     return registry.choose(op, dev, key, case, None, request,
                            f"requested by use_backend({request!r}) or {ENV_VAR}" if request else "")
 

@@ -69,6 +69,39 @@ def _placements_for_given(rule: Callable) -> Callable:
     return given
 
 
+# ``torch.autograd.Function.apply`` is a Python prologue (bind the arguments when the class defines a
+# setup_context, route to functorch when a transform is active, unwrap dead functorch wrappers) before
+# the C apply (``_FunctionBase.apply``): about 2 us of a 20 us small call. The eager fast path runs only
+# when ``eager_route`` found no functorch transform active, and its Function defines no setup_context,
+# so it calls the C apply directly and unwraps dead wrappers itself (``_live``), as the prologue would.
+_C_APPLY = getattr(getattr(torch._C, "_FunctionBase", None), "__dict__", {}).get("apply")
+_unwrap_if_dead = getattr(getattr(torch._C, "_functorch", None), "unwrap_if_dead", None)
+
+
+def _direct_apply(cls: type) -> Callable:
+    """``cls.apply`` without ``Function.apply``'s Python prologue (see ``_C_APPLY``); ``cls.apply``
+    where this torch has no C apply to bind."""
+    if _C_APPLY is None or _unwrap_if_dead is None:
+        return cls.apply
+    try:
+        return _C_APPLY.__get__(None, cls)
+    except TypeError:
+        return cls.apply
+
+
+def _identity(t):
+    return t
+
+
+# A tensor with a dead functorch wrapper unwrapped (``Function.apply``'s own step), else the tensor.
+unwrap_dead: Callable = _unwrap_if_dead if _unwrap_if_dead is not None else _identity
+
+
+def _live(tensors: tuple) -> tuple:
+    """The tensors with dead functorch wrappers unwrapped (``unwrap_dead``; None entries stay None)."""
+    return tuple([t if t is None else unwrap_dead(t) for t in tensors])
+
+
 def no_context(ctx, inputs, output) -> None:
     """The setup_context of an op whose backward refuses: nothing to save."""
 
@@ -87,7 +120,8 @@ class _Direction:
 
     def __init__(self, op: "Op", suffix: str, body: Callable, fake: Callable, setup: Callable | None,
                  grads: Callable | None, mutates_args: tuple[str, ...], materialize_grads: bool,
-                 differentiable: bool = True, fast_body: Callable | None = None, signature: Callable | None = None):
+                 differentiable: bool = True, fast_body: Callable | None = None, signature: Callable | None = None,
+                 planned_body: Callable | None = None):
         self.qualname = f"titan::{op.name}{suffix}"
         _check_backend_last(body, self.qualname)
         self.body = fast_body or body  # what the fast path runs
@@ -118,17 +152,20 @@ class _Direction:
 
         self.custom_op.register_autograd(backward, setup_context=setup_context)
 
-        fast, pick = self.body, self.tensors
+        fast, planned, pick, n = self.body, planned_body, self.tensors, len(positions)
 
         # The eager fast path: the same body, setup and grads, as an autograd.Function of this op. It is
-        # applied to the call's tensors and then the whole argument tuple (``backend`` last): autograd
-        # sees the tensors, the body its arguments, and Function.apply's per-argument cost is paid for
-        # the tensors only. Its backward returns the body's gradients of those tensors.
+        # applied to the call's tensors and then the whole argument tuple (``backend`` last), and for a
+        # planned call (``Op.eager_apply``) the plan after it: autograd sees the tensors, the body its
+        # arguments (a planned call's body, ``planned_body(plan, args)``, the plan and the arguments as
+        # one tuple), and Function.apply's per-argument cost is paid for the tensors only. Its backward
+        # returns the body's gradients of those tensors (a trailing None for the plan, which autograd
+        # drops when no plan was given).
         def fn_forward(ctx, *tensors_then_args):
-            args = tensors_then_args[-1]
+            args = tensors_then_args[n]
             if not materialize_grads:
-                ctx.set_materialize_grads(False)
-            out = fast(*args)
+                ctx.materialize_grads = False  # (what ctx.set_materialize_grads(False) sets, without its call)
+            out = fast(*args) if len(tensors_then_args) == n + 1 else planned(tensors_then_args[n + 1], args)
             if setup_context is not no_context:  # (setup_context inline: every call)
                 request = args[-1]
                 ctx.backend = request if request is not None else capture_request(name)
@@ -137,12 +174,13 @@ class _Direction:
             return out
 
         def fn_backward(ctx, *grad_outputs):
-            return (*pick(backward(ctx, *grad_outputs)), None)
+            return (*pick(backward(ctx, *grad_outputs)), None, None)
 
         self.fn_cls = type(f"{op.name}{suffix}_eager", (torch.autograd.Function,), {
             "forward": staticmethod(fn_forward), "backward": staticmethod(fn_backward),
             "__doc__": f"The eager fast path of {self.qualname}.",
         })
+        self.apply = _direct_apply(self.fn_cls)  # only where eager_route said FAST_GRAD: see _C_APPLY
 
     def call(self, args: tuple) -> Any:
         """The body on ``args`` (its arguments, ``backend`` last): directly in plain eager mode (through
@@ -153,7 +191,7 @@ class _Direction:
             if route == FAST or (route == FAST_GRAD and self.fn_cls is None):
                 return self.body(*args)
             if route == FAST_GRAD:
-                return self.fn_cls.apply(*tensors, args)
+                return self.apply(*_live(tensors), args)
         return self.overload(*args)
 
 
@@ -212,7 +250,8 @@ class Op:
                backward_grads: Callable | None = None, sharding: Callable | None = None,
                backward_sharding: Callable | None = None, mutates_args: tuple[str, ...] = (),
                materialize_grads: bool = True, differentiable: bool = True,
-               fast_forward: Callable | None = None, signature: Callable | None = None) -> "Op":
+               fast_forward: Callable | None = None, signature: Callable | None = None,
+               planned_forward: Callable | None = None) -> "Op":
         """Build ``titan::{name}`` from ``forward`` (its body; the schema from its annotations, last
         parameter ``backend: str | None = None``) and ``fake``; with ``grads``, its autograd
         (``setup(ctx, inputs, output)`` saves, ``grads(ctx, *grad_outputs)`` returns one gradient per
@@ -222,14 +261,24 @@ class Op:
         ``materialize_grads`` False: ``grads`` receives None for an output with no gradient.
         ``differentiable`` False: no autograd at all (an optimizer step; ``mutates_args`` names what
         it writes in place). ``fast_forward``: the forward body of the eager fast path where it may
-        skip what only the op path needs (the fake's output strides). ``signature``: the kernel
+        skip what only the op path needs (the fake's output strides). ``planned_forward(plan, args)``:
+        the fast forward body of a planned call (``eager_apply``), given what its caller decided once
+        per case and the body's arguments as one tuple; it returns what the body would. ``signature``: the kernel
         contract the forward's schema is taken from (e.g. the reference function, annotated), the
         body then taking its arguments plus ``backend``."""
         if backward is not None:
             self._backward = _Direction(self, "_backward", backward, backward_fake, backward_setup, backward_grads,
                                         (), True)
         self._forward = _Direction(self, "", forward, fake, setup, grads, mutates_args, materialize_grads,
-                                   differentiable, fast_forward, signature)
+                                   differentiable, fast_forward, signature, planned_forward)
+        # The forward's eager autograd.Function, applied directly (the C apply, see _C_APPLY), for an
+        # op's own planned call: ``eager_apply(*tensors, args, plan)`` with ``tensors`` the body's
+        # tensor arguments in order, each through ``unwrap_dead``; ``args`` its arguments, ``backend``
+        # last (``capture_request``); ``plan`` what the caller decided once per case, given with the
+        # arguments to ``planned_forward``. Only where ``eager_route`` is FAST_GRAD (no functorch
+        # transform active).
+        # The same setup and grads as every other path (one autograd definition).
+        self.eager_apply = self._forward.apply if self._forward.fn_cls is not None else None
         if torch.distributed.is_available():  # (registered once torch.distributed.tensor is imported)
             for direction, rule in ((self._forward, sharding), (self._backward, backward_sharding)):
                 if rule is not None:
@@ -256,8 +305,9 @@ class Op:
             if route == FAST or (route == FAST_GRAD and d.fn_cls is None):
                 return d.body(*args, None)
             if route == FAST_GRAD:
-                return d.fn_cls.apply(*tensors, (*args, capture_request(self.request_of)))
+                return d.apply(*_live(tensors), (*args, capture_request(self.request_of)))
         return d.overload(*args, capture_request(self.request_of))
+
 
     def call(self, *args: Any) -> Any:
         """The forward on ``args`` with its ``backend`` given last (a request, ``AUTO`` or an

@@ -31,20 +31,22 @@ def _check_backend_arg(backend) -> str | None:
 
 
 _TENSOR = torch.Tensor
-_plain_plans: dict[tuple, tuple | None] = {}  # the plain calls' cases -> (record, dispatch key) or None
+_is_compiling = torch.compiler.is_compiling  # (bound once: flash_attn tests it on every call)
+_plain_plans: dict[tuple, tuple | None] = {}  # the plain calls' cases -> (record, dispatch key, [choice]) or None
 _MAX_PLANS = 4096
 
 
 def _plain_plan(ck, q, k, v, causal, softmax_scale, return_lse) -> tuple | None:
-    """(record, dispatch key) of a plain dense call, after validating it (raising as ``flash_attn``
-    does); None for a case the general path takes (no work to do, options that are not bools). Cached
-    per ``ck``: shapes, dtypes, devices and the options, everything the outcome depends on. Not under
-    torch.compile (the caller checks): traced code takes the op."""
+    """(record, dispatch key, [the choice ``op.call_planned`` keeps]) of a plain dense call, after
+    validating it (raising as ``flash_attn`` does); None for a case the general path takes (no work to
+    do, meta tensors, options that are not bools). Cached per ``ck``: shapes, dtypes, devices and the
+    options, everything the outcome depends on. Not under torch.compile (the caller checks): traced
+    code takes the op."""
     if type(causal) is not bool or type(return_lse) is not bool:
         return None
     scale = validate_dense(q, k, v, softmax_scale)
     a = _args(q, k, None, scale, causal, _FULL, 0.0, None, return_lse)
-    plan = None if (q.numel() == 0 or k.shape[1] == 0) else (a, _d.case_key(q, k, v, None, a))
+    plan = None if (q.numel() == 0 or k.shape[1] == 0 or q.is_meta) else (a, _d.case_key(q, k, v, None, a), [None])
     if softmax_scale is None or type(softmax_scale) is float:  # (hashable, as validated)
         if len(_plain_plans) >= _MAX_PLANS:
             _plain_plans.clear()
@@ -104,7 +106,7 @@ def flash_attn(
     backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     if (sinks is None and backend is None and window_size is _FULL and softcap == 0.0 and chunk_size is None
-            and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not torch.compiler.is_compiling()):
+            and type(q) is _TENSOR and type(k) is _TENSOR and type(v) is _TENSOR and not _is_compiling()):
         # The common call (full or causal, nothing else): its validation, record and dispatch key are
         # decided once per case and cached (a tiny call's cost is its Python).
         ck = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, causal,
@@ -114,7 +116,7 @@ def flash_attn(
         except (KeyError, TypeError):  # a new case (TypeError: an unhashable argument, which validation names)
             plan = _plain_plan(ck, q, k, v, causal, softmax_scale, return_lse)
         if plan is not None:
-            return call_planned(q, k, v, *plan)
+            return call_planned(q, k, v, plan)
     # (inline, not through helpers: this runs on every call, and a tiny call's cost is its Python)
     if backend is not None:
         backend = _check_backend_arg(backend)

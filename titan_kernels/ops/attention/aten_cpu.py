@@ -137,11 +137,7 @@ def _dense_fwd(q, k, v, a: AttentionArgs):
         out, lse = _dense_fwd(_pad_to(q, d), _pad_to(k, d), _pad_to(v, d), a)
         return out[..., :dv], lse
     if not a.local and (a.right < 0 or qs[1] == k.shape[1]):  # _plain, inline: every call
-        qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if qt.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1:  # see _bhsd
-            qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
-        o, lse = _cpu_flash(qt, kt, vt, 0.0, a.causal, scale=a.scale)
-        return o.transpose(1, 2), lse
+        return _plain_fwd(q, k, v, a)
     b, sq, h, _ = q.shape
     sk = k.shape[1]
     pieces = plan(sq, sk, a, _block_rows(a))
@@ -234,9 +230,29 @@ def _per_document_bwd(dout, q, k, v, out, lse, dlse, cu_q, cu_k, a):
     return dq, dk, dv
 
 
+def _plain_fwd(q, k, v, a: AttentionArgs):
+    """A dense call the kernel takes as is (``_plain``, equal head dims), on (b, h, s, d) views."""
+    if q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and q.shape[-1] > 1:
+        # (a contiguous tensor's head_dim has unit stride, but where it is 1: is_contiguous ignores it)
+        o, lse = _cpu_flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, a.causal, scale=a.scale)
+        return o.transpose(1, 2), lse
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if qt.stride(-1) != 1 or kt.stride(-1) != 1 or vt.stride(-1) != 1:  # see _bhsd
+        qt, kt, vt = _bhsd(q), _bhsd(k), _bhsd(v)
+    o, lse = _cpu_flash(qt, kt, vt, 0.0, a.causal, scale=a.scale)
+    return o.transpose(1, 2), lse
+
+
 def cpu_flash_fwd(q, k, v, cu_q, cu_k, a: AttentionArgs):
     """aten's CPU flash kernel: dense or varlen (per document), with its own LSE."""
     if cu_q is None:
+        qs = q.shape
+        if not a.local and (a.right < 0 or qs[1] == k.shape[1]) and v.shape[-1] == qs[-1]:  # the common call
+            if q.is_contiguous() and k.is_contiguous() and v.is_contiguous() and qs[-1] > 1:  # _plain_fwd, inline
+                o, lse = _cpu_flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, a.causal,
+                                    scale=a.scale)
+                return o.transpose(1, 2), lse
+            return _plain_fwd(q, k, v, a)
         return _dense_fwd(q, k, v, a)
     return _per_document(q, k, v, cu_q, cu_k, a)
 

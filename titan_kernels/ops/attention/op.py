@@ -25,17 +25,22 @@ and lse are fresh contiguous tensors.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from titan_kernels import backend as _backend
 from titan_kernels.attention_mask import AttentionArgs
+from titan_kernels.backend import AUTO, requested_backend
+from titan_kernels.backend.registry import EPOCH as _EPOCH
 from titan_kernels.ops._common import FAST, eager_route_untraced, needs_grad
+from titan_kernels.ops._scaffold import unwrap_dead
 from titan_kernels.ops.attention import dispatch as _d
 from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad
 
 flash_attn_def = _d.flash_attn_def
+OP = _d.OP
 _record = functools.lru_cache(maxsize=1024)(AttentionArgs.from_op)  # frozen: one record per distinct call
 
 # ----------------------------------------------------------------------------- run one backend
@@ -152,6 +157,43 @@ def _fast_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, max_
     return out, (lse.contiguous() if return_lse else lse)
 
 
+# A planned call's kernel runs where no gradient is recorded (the fast path, or the body of the op's
+# autograd.Function, which runs with grad off), so it runs below autograd's view and in-place tracking
+# (the ADInplaceOrView dispatch key, as a custom op's body runs below Autograd): the backend's views (aten's
+# kernel takes q/k/v as (b, h, s, d) views and returns out as one) get no autograd metadata, about a
+# microsecond of a small call; out is then a fresh tensor, not a view of the kernel's buffer.
+_no_view_tracking = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or contextlib.nullcontext
+
+
+def _planned_run(plan, q, k, v, backend, request):
+    """(out, lse) of a planned call (``call_planned``: dense, no sinks; out contiguous, lse in the
+    kernel's layout): ``run_forward``'s first try inline, with the choice kept in the plan while the
+    registry's cached choices hold (``EPOCH``) and the request is the same: ``backend`` (what
+    ``choose`` gets) and, where it is None, ``request`` (the context's, ``requested_backend``)."""
+    a, key, memo = plan
+    m = memo[0]
+    if m is not None and m[0] == _EPOCH[0] and m[1] == backend and m[2] == request:
+        choice = m[3]
+    else:
+        epoch = _EPOCH[0]  # (read first: a choice made while the cache is cleared is not kept as valid)
+        choice = _backend.choose(OP, key[0], key, backend=backend, case=lambda: _d.make_case(q, k, v, None, a))
+        memo[0] = (epoch, backend, request, choice)
+    try:
+        with _no_view_tracking():
+            out, lse = choice.kernels.forward(q, k, v, None, None, a)
+    except (RuntimeError, NotImplementedError) as e:
+        _failed(choice, key, e)
+        out, lse = _run(backend, q, k, v, None, a, False, False, lambda kern: kern.forward(q, k, v, None, None, a))
+    return out.contiguous(), lse
+
+
+def _planned_forward(plan, args):
+    # ``_fast_forward`` of a planned call (the scaffold's ``planned_forward``): args the op's
+    # arguments, the request last.
+    out, lse = _planned_run(plan, args[0], args[1], args[2], args[-1], None)
+    return out, (lse.contiguous() if plan[0].return_lse else lse)
+
+
 def _fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *args):
     return (torch.empty(_out_shape(q, v), dtype=q.dtype, device=q.device),
             q.new_empty(_lse_shape(q, cu_seqlens_q), dtype=torch.float32))
@@ -177,8 +219,8 @@ def _backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, si
 
 
 def _save(ctx, inputs, output):
-    q, k, v, cu_q, cu_k, sinks = inputs[:6]
-    ctx.save_for_backward(q, k, v, output[0], output[1], cu_q, cu_k, sinks)
+    # (q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, sinks)
+    ctx.save_for_backward(inputs[0], inputs[1], inputs[2], output[0], output[1], inputs[3], inputs[4], inputs[5])
     ctx.flat = inputs[6:14]  # the record's flat arguments, return_lse last
 
 
@@ -270,7 +312,7 @@ def _backward_sharding(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k
 
 flash_attn_def.define(forward, _fake, setup=_save, grads=_grads, backward=backward, backward_fake=_backward_fake,
                       sharding=_sharding, backward_sharding=_backward_sharding, materialize_grads=False,
-                      fast_forward=_fast_forward)
+                      fast_forward=_fast_forward, planned_forward=_planned_forward)
 
 
 def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
@@ -289,14 +331,28 @@ def call(q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, backend: str | None):
     return (out, lse) if a.return_lse else out
 
 
-def call_planned(q, k, v, a: AttentionArgs, key: tuple):
-    """A validated dense call without sinks whose record and dispatch key were decided once for its
-    case (``api.flash_attn``, which calls it only when nothing is being compiled): the fast path's
-    body when nothing needs the dispatcher, else the op through the scaffold (which takes its own
-    fast path when only a gradient is recorded)."""
-    if eager_route_untraced((q, k, v)) == FAST:
-        out, lse = run_forward(None, q, k, v, None, None, None, a, key)
-        return (out, lse.contiguous()) if a.return_lse else out
-    out, lse = flash_attn_def(q, k, v, None, None, None, *a.op_args())
-    return (out, lse) if a.return_lse else out
+# eager_route_untraced's tests, bound once (call_planned runs them inline: every call).
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_modes = torch._C._is_torch_function_mode_enabled
+_transforms = torch._C._are_functorch_transforms_active
+_grad_enabled = torch.is_grad_enabled
+_eager_apply = flash_attn_def.eager_apply
 
+
+def call_planned(q, k, v, plan: tuple):
+    """A validated dense call without sinks whose record and dispatch key were decided once for its
+    case: ``plan`` = (record, key, [the kept choice or None]) (``api.flash_attn``, which calls it only
+    for plain ``torch.Tensor`` q, k, v, not on the meta device, when nothing is being compiled).
+    ``eager_route`` inline: the
+    fast path's body when nothing needs the dispatcher; the op's autograd.Function (``Op.eager_apply``,
+    with the plan) when only a gradient is recorded; else the op."""
+    a = plan[0]
+    if _dispatch_modes() or _function_modes() or _transforms():  # (no plan is made for meta tensors)
+        out, lse = flash_attn_def(q, k, v, None, None, None, *a.flat)
+    elif (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
+        out, lse = _eager_apply(unwrap_dead(q), unwrap_dead(k), unwrap_dead(v), None, None, None,
+                                (q, k, v, None, None, None, *a.flat, requested_backend(OP) or AUTO), plan)
+    else:
+        out, lse = _planned_run(plan, q, k, v, None, requested_backend(OP))
+        return (out, lse.contiguous()) if a.return_lse else out
+    return (out, lse) if a.return_lse else out
