@@ -43,6 +43,18 @@ def test_eval_equals_the_in_run_validation_loss(run, capsys):
     assert r["bytes"] <= r["tokens"] and "step 3" in r["checkpoint"]
 
 
+def test_eval_without_validation_enable_reads_the_held_out_split(run, capsys):
+    """The README's ``python -m trainer.eval --job.dump_folder outputs --validation.steps 20``: no
+    ``--validation.enable`` and no validation dataset still evaluates the training source's held-out part
+    (it was refused as "unknown dataset ''"), giving the loss of the run that had validation on."""
+    folder, _ = run
+    flags = [a for a in RUN if a != "--validation.enable"]
+    assert eval_main([*flags, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    without = _json_lines(capsys)[0]
+    assert eval_main([*RUN, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    assert _json_lines(capsys)[0]["loss"] == without["loss"]
+
+
 def test_validation_writes_the_sample_completions(run):
     folder, records = run
     samples = [r for r in records if "samples" in r]
