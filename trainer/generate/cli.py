@@ -28,6 +28,7 @@ Exit codes: 0 done; 1 no usable checkpoint, tokenizer or prompt (one line); 2 a 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -70,7 +71,8 @@ def parse(argv: list[str]):
         raise SystemExit(0)
     for name, ok, expected in (("max_new_tokens", ns.max_new_tokens >= 1, "an integer >= 1"),
                                ("batch_size", ns.batch_size >= 1, "an integer >= 1"),
-                               ("temperature", ns.temperature >= 0, "a number >= 0 (0 = greedy)"),
+                               ("temperature", math.isfinite(ns.temperature) and ns.temperature >= 0,
+                                "a finite number >= 0 (0 = greedy)"),
                                ("top_k", ns.top_k >= 0, "an integer >= 0 (0 = all tokens)"),
                                ("top_p", 0 < ns.top_p <= 1, "a number in (0, 1]")):
         if not ok:
