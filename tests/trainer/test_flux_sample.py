@@ -93,3 +93,16 @@ def test_training_starts_from_a_pipeline_folder(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
     assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))  # the autoencoder's outputs kept
+
+
+@pytest.mark.parametrize("flag", ["--true_cfg_scale", "--guidance"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_guidance_that_is_not_finite_is_one_line_and_writes_nothing(tmp_path, capsys, flag, value):
+    """``--true_cfg_scale nan`` (or inf, or ``--guidance nan``) wrote an image of NaN and said "wrote"."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    out = tmp_path / "out.png"
+    assert generate_main(["--prompt", "a", "--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+                          "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1",
+                          flag, value, "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: {flag}: expected a finite number, got {float(value)!r}" and not out.exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -114,6 +115,10 @@ def run(opts, config) -> Path:
 
     if not opts.output.endswith((".png", ".safetensors")):
         raise ValueError(f"--output: expected a .png or .safetensors path, got {opts.output!r}")
+    for key in ("true_cfg_scale", "guidance"):  # NaN / inf: an image of NaN, written as if fine
+        value = getattr(opts, key)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{key}: expected a finite number, got {value!r}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     f = config.flux
     model, args, _ = load_model(config, device)
