@@ -139,6 +139,40 @@ def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert eval_main(["--job.dump_folder", str(tmp_path)]) == 1
 
 
+@pytest.mark.parametrize("where", ["step", "run"])
+def test_a_damaged_metadata_file_is_one_line(tmp_path, capsys, where):
+    """A step folder whose ``.metadata`` is not DCP's (truncated, overwritten) was a raw UnpicklingError
+    traceback from trainer.generate and trainer.eval."""
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"junk\n")
+    path = str(step if where == "step" else tmp_path / "checkpoint")
+    assert generate_main(["--checkpoint.initial_load_path", path, "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: ") and "cannot be read" in err and str(step) in err
+    assert eval_main(["--checkpoint.initial_load_path", path, "--training.dataset_path",
+                      "tests/data/tinyshakespeare.txt", "--no_progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.eval: error: ") and "cannot be read" in err
+
+
+def test_truncated_weights_without_a_manifest_are_one_line(run, tmp_path, capsys):
+    """A step folder without a manifest (loaded unverified) whose .distcp file is cut short: DCP's
+    CheckpointException (a BaseException) escaped as a traceback of every rank."""
+    import shutil
+
+    folder, _ = run
+    step = tmp_path / "step-3"
+    shutil.copytree(folder / "checkpoint" / "step-3", step)
+    (step / "manifest.json").unlink()
+    for f in step.glob("*.distcp"):
+        with open(f, "r+b") as fh:
+            fh.truncate(1000)
+    assert generate_main(["--checkpoint.initial_load_path", str(step), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m trainer.generate: error: checkpoint {step}: its ") and "cannot be read" in err
+
+
 def test_the_readme_generation_commands_are_valid(monkeypatch):
     """The README's ``-m trainer.generate`` / ``-m trainer.eval`` commands: every option exists and, where
     no placeholder (DIR, a file to bring) stands in, the whole command line parses."""

@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.folder import CheckpointError, complete_steps, load_weights, read_model_args
+from trainer.checkpoint.folder import (CheckpointError, UnreadableCheckpoint, complete_steps, load_weights,
+                                      read_model_args)
 from trainer.data import build_tokenizer
 from trainer.registry import build_model, model_args
 
@@ -97,6 +98,8 @@ def source_args(config, source: Source, vocab_size: int, max_seq_len: int) -> An
     else:
         try:
             args, _ = read_model_args(source.path)
+        except UnreadableCheckpoint:
+            raise
         except CheckpointError:  # an old checkpoint: the configured flavor says what it is
             args = model_args(config.model.name, config.model.flavor, vocab_size, max_seq_len)
     if vocab_size > args.vocab_size:
