@@ -106,3 +106,19 @@ def test_a_guidance_that_is_not_finite_is_one_line_and_writes_nothing(tmp_path, 
                           flag, value, "--output", str(out)]) == 1
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == f"error: {flag}: expected a finite number, got {float(value)!r}" and not out.exists()
+
+
+def test_an_output_that_cannot_be_written_or_no_t5_tokens_is_one_line_before_sampling(tmp_path, capsys):
+    """``--output FILE/x.png`` (a file where the folder would be) said only "[Errno 17] File exists", after
+    sampling; ``--max_sequence_length 0`` was a reshape error from the T5 encoder."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    (tmp_path / "afile").write_text("")
+    base = ["--prompt", "a", "--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+            "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1"]
+    assert generate_main(base + ["--output", str(tmp_path / "afile" / "x.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --output: cannot create the folder of") and "File exists" in err
+    assert generate_main(base + ["--max_sequence_length", "0", "--output", str(tmp_path / "y.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --max_sequence_length: expected an integer >= 1, got 0"
+    assert not (tmp_path / "y.png").exists()

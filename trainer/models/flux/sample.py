@@ -119,6 +119,12 @@ def run(opts, config) -> Path:
         value = getattr(opts, key)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{key}: expected a finite number, got {value!r}")
+    if opts.max_sequence_length is not None and opts.max_sequence_length < 1:
+        raise ValueError(f"--max_sequence_length: expected an integer >= 1, got {opts.max_sequence_length}")
+    try:  # before sampling, not after it
+        Path(opts.output).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output: cannot create the folder of {opts.output!r} ({exc.strerror})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     f = config.flux
     model, args, _ = load_model(config, device)
