@@ -55,6 +55,19 @@ def test_eval_without_validation_enable_reads_the_held_out_split(run, capsys):
     assert _json_lines(capsys)[0]["loss"] == without["loss"]
 
 
+def test_json_stdout_is_json_lines_alone(run, capsys):
+    """``--json`` promises one object per line on stdout, but the log line "[trainer] ... generating from
+    ..." (and eval's) came first on stdout, breaking ``| jq``."""
+    folder, _ = run
+    assert generate_main(["--job.dump_folder", str(folder), "--prompt", "To be", "--prompt", "KING",
+                          "--max_new_tokens", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [json.loads(line)["prompt"] for line in out.out.splitlines()] == ["To be", "KING"]
+    assert "generating from" in out.err
+    assert eval_main([*RUN, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    assert len([json.loads(line) for line in capsys.readouterr().out.splitlines()]) == 1
+
+
 def test_validation_writes_the_sample_completions(run):
     folder, records = run
     samples = [r for r in records if "samples" in r]
@@ -115,7 +128,7 @@ def test_stop_strings_streaming_and_the_throughput_line(run, capsys):
         assert cut["finish"] == "stop" and cut["completion"] == text[:text.find(stop)]
     assert generate_main(base) == 0
     out = capsys.readouterr()
-    assert ("\nTo be" + text + "\n") in out.out and "tokens/s" in out.err and "prefill" in out.err
+    assert out.out == "To be" + text + "\n" and "tokens/s" in out.err and "prefill" in out.err  # the text alone
 
 
 @pytest.mark.parametrize("argv, message", [

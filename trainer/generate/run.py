@@ -73,6 +73,8 @@ def run_decoder(config, options) -> int:
     """Generate for ``options.prompt`` with the decoder ``config`` names (``trainer.generate.cli``)."""
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     setup_logging(rank)
+    for handler in logger.handlers:  # stdout is the text (or --json's lines) alone: the log goes to stderr
+        handler.setStream(sys.stderr)
     device = torch.device("cuda", env_int("LOCAL_RANK", 0)) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
