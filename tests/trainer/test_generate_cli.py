@@ -186,6 +186,23 @@ def test_truncated_weights_without_a_manifest_are_one_line(run, tmp_path, capsys
     assert err.startswith(f"python -m trainer.generate: error: checkpoint {step}: its ") and "cannot be read" in err
 
 
+def test_max_new_tokens_beyond_memory_is_one_line(run, capsys, monkeypatch):
+    """--max_new_tokens 1000000000: the rotary table / KV cache allocation raised a RuntimeError traceback
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 32000000064 bytes")."""
+    folder, _ = run
+    import trainer.generate.run as run_module
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 32000000064 bytes. Error code 12")
+
+    monkeypatch.setattr(run_module, "materialize", no_memory)
+    assert generate_main(["--job.dump_folder", str(folder), "--prompt", "x", "--max_new_tokens", "1000000000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: --max_new_tokens 1000000000: out of memory")
+    assert "1,000,000,002 tokens" in err
+
+
 def test_the_readme_generation_commands_are_valid(monkeypatch):
     """The README's ``-m trainer.generate`` / ``-m trainer.eval`` commands: every option exists and, where
     no placeholder (DIR, a file to bring) stands in, the whole command line parses."""

@@ -79,7 +79,7 @@ def run_decoder(config, options) -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     lead = rank == 0
-    mesh = None
+    mesh, need = None, options.max_new_tokens
     try:
         params = SamplingParams(options.temperature, options.top_k, options.top_p)
         source = resolve_source(config)
@@ -136,6 +136,14 @@ def run_decoder(config, options) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         if lead:
             print(f"python -m trainer.generate: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # the rotary table and the KV cache are sized for the longest sequence
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+        if lead:
+            print(f"python -m trainer.generate: error: --max_new_tokens {options.max_new_tokens}: out of memory for "
+                  f"the KV cache and rotary table of sequences of up to {need:,} tokens (batches of "
+                  f"{options.batch_size}); pass a smaller --max_new_tokens or --batch_size", file=sys.stderr)
         return 1
     finally:
         if world > 1:
