@@ -145,6 +145,15 @@ def test_bad_options_are_one_line(argv, message, capsys, tmp_path):
     assert message in err and "\n" not in err
 
 
+def test_stop_reads_the_shell_escapes_of_the_readme():
+    """The README's ``--stop "\\n\\n"`` reaches argv as backslash-n twice (bash keeps it in double quotes):
+    it never matched a blank line, so generation ran to --max_new_tokens past every paragraph."""
+    from trainer.generate.cli import parse
+
+    ns, _ = parse(["--stop", r"\n\n", "--stop", r"a\\nb", "--stop", r"\t|\q", "--stop", "é"])
+    assert ns.stop == ["\n\n", "a\\nb", "\t|\\q", "é"]
+
+
 def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert generate_main(["--job.dump_folder", str(tmp_path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err.strip()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 
 GEN_OPTIONS_HELP = "generation options (the other flags are the trainer's: python -m trainer --help)"
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass; 1 = all (default)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random draws (default 0)")
     g.add_argument("--batch_size", type=int, default=8, help="prompts generated together (default 8)")
-    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeatable); \\n, \\t, \\r and \\\\ in it are read as escapes")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt and line on stdout")
     g.add_argument("--no_stream", action="store_true", help="do not stream the first completion")
     g.add_argument("-h", "--help", action="store_true")
@@ -83,6 +85,9 @@ def parse(argv: list[str]):
                 ns.prompt += [line.rstrip("\n") for line in fh if line.strip()]
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--prompts_file: cannot read {ns.prompts_file}: {exc.__class__.__name__}") from None
+    # `--stop "\n\n"` (the README's) reaches us as backslash-n twice from the shell: read the escapes
+    ns.stop = [re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], s)
+               for s in ns.stop]
     if any(not s for s in ns.stop):
         raise ValueError("--stop: expected a non-empty string")
     from trainer.config import parse_args
