@@ -122,3 +122,21 @@ def test_an_output_that_cannot_be_written_or_no_t5_tokens_is_one_line_before_sam
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == "error: --max_sequence_length: expected an integer >= 1, got 0"
     assert not (tmp_path / "y.png").exists()
+
+
+def test_text_generation_or_eval_of_a_flux_checkpoint_is_one_line(tmp_path, capsys):
+    """A Flux checkpoint given to the text decoder's generate / eval (no --model.name flux) was an
+    AttributeError traceback ('Rope' object has no attribute 'reset_parameters')."""
+    from trainer.eval import main as eval_main
+    from trainer.generate.cli import main as text_main
+
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    dcp = hf_to_dcp(folder / "transformer", tmp_path / "dcp")
+    for path in (folder / "transformer", dcp):
+        assert text_main(["--checkpoint.initial_load_path", str(path), "--prompt", "x"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"python -m trainer.generate: error: --checkpoint.initial_load_path: {path} holds a flux model, "
+                       f"not a text decoder; sample it with python -m trainer.generate --model.name flux")
+    assert eval_main(["--checkpoint.initial_load_path", str(dcp), "--training.dataset_path",
+                      "tests/data/tinyshakespeare.txt", "--no_progress"]) == 1
+    assert "holds a flux model, not a text decoder" in capsys.readouterr().err
