@@ -135,6 +135,8 @@ def test_stop_strings_streaming_and_the_throughput_line(run, capsys):
     (["--max_new_tokens", "0"], "--max_new_tokens: expected an integer >= 1"),
     (["--top_p", "1.5"], "--top_p: expected a number in"),
     (["--temperature", "inf"], "--temperature: expected a finite number >= 0"),
+    (["--prompt", b"ab\xff".decode("utf-8", "surrogateescape")], "--prompt: expected UTF-8 text, got the byte 0xff at"),
+    (["--prompt", "x", "--stop", b"\xfe".decode("utf-8", "surrogateescape")], "--stop: expected UTF-8 text"),
     (["--temperature", "nan"], "--temperature: expected a finite number >= 0"),
     (["--training.stpes", "3"], "did you mean --training.steps"),
     ([], "no prompt"),

@@ -90,6 +90,13 @@ def parse(argv: list[str]):
                for s in ns.stop]
     if any(not s for s in ns.stop):
         raise ValueError("--stop: expected a non-empty string")
+    for key, texts in (("prompt", ns.prompt), ("stop", ns.stop)):  # argv bytes that are not UTF-8 come as surrogates
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"--{key}: expected UTF-8 text, got the byte 0x{ord(text[exc.start]) & 0xFF:02x} "
+                                 f"at character {exc.start} of {text!r}") from None
     from trainer.config import parse_args
 
     return ns, parse_args(rest)
