@@ -140,3 +140,17 @@ def test_text_generation_or_eval_of_a_flux_checkpoint_is_one_line(tmp_path, caps
     assert eval_main(["--checkpoint.initial_load_path", str(dcp), "--training.dataset_path",
                       "tests/data/tinyshakespeare.txt", "--no_progress"]) == 1
     assert "holds a flux model, not a text decoder" in capsys.readouterr().err
+
+
+def test_a_negative_prompt_without_true_cfg_or_a_prompt_not_utf8_is_one_line(tmp_path, capsys):
+    """--negative_prompt without --true_cfg_scale > 1 was ignored without a word; a --prompt of argv bytes
+    that are not UTF-8 was the codec's message naming no option."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    base = ["--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+            "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1", "--output", str(tmp_path / "o.png")]
+    assert generate_main(["--prompt", "a", "--negative_prompt", "b", *base]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --negative_prompt: used only with --true_cfg_scale > 1, got 1.0"
+    assert generate_main(["--prompt", b"\xff".decode("utf-8", "surrogateescape"), *base]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --prompt: expected UTF-8 text")
+    assert not (tmp_path / "o.png").exists()

@@ -119,6 +119,13 @@ def run(opts, config) -> Path:
         value = getattr(opts, key)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{key}: expected a finite number, got {value!r}")
+    if opts.negative_prompt is not None and not opts.true_cfg_scale > 1:  # used only by true CFG: not ignored
+        raise ValueError(f"--negative_prompt: used only with --true_cfg_scale > 1, got {opts.true_cfg_scale}")
+    for text in [*opts.prompt, opts.negative_prompt or ""]:  # argv bytes that are not UTF-8 come as surrogates
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--prompt: expected UTF-8 text, got {text!r}") from None
     if opts.max_sequence_length is not None and opts.max_sequence_length < 1:
         raise ValueError(f"--max_sequence_length: expected an integer >= 1, got {opts.max_sequence_length}")
     try:  # before sampling, not after it
