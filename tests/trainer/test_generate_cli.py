@@ -214,6 +214,17 @@ def test_max_new_tokens_beyond_memory_is_one_line(run, capsys, monkeypatch):
     assert "1,000,000,002 tokens" in err
 
 
+def test_a_model_name_other_than_the_checkpoints_is_one_line(run, capsys):
+    """--model.name qwen3 on a Llama 3 checkpoint generated from the Llama 3 model without a word."""
+    folder, _ = run
+    assert generate_main(["--job.dump_folder", str(folder), "--model.name", "qwen3", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: --model.name qwen3: step 3 of ")
+    assert err.endswith("holds a llama3 model; drop --model.name or pass --model.name llama3")
+    assert generate_main(["--job.dump_folder", str(folder), "--model.name=llama3", "--prompt", "x",
+                          "--max_new_tokens", "2"]) == 0
+
+
 def test_the_readme_generation_commands_are_valid(monkeypatch):
     """The README's ``-m trainer.generate`` / ``-m trainer.eval`` commands: every option exists and, where
     no placeholder (DIR, a file to bring) stands in, the whole command line parses."""

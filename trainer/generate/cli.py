@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("no prompt: pass --prompt TEXT (repeatable) or --prompts_file FILE", 2)
     from trainer.generate.run import run_decoder
 
+    options.family = name  # the --model.name given (None: not given), checked against the checkpoint's
     return run_decoder(config, options)
 
 

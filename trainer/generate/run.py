@@ -17,6 +17,7 @@ from trainer.errors import CheckpointError
 from trainer.generate.load import load_tokenizer, materialize, resolve_source, source_args
 from trainer.generate.loop import Timing, generate
 from trainer.generate.sampler import SamplingParams
+from trainer.registry import family_of
 
 logger = logging.getLogger("trainer")
 
@@ -90,6 +91,10 @@ def run_decoder(config, options) -> int:
         need = max(max(max(len(prompts[i]) for i in b) + options.max_new_tokens, sum(len(prompts[i]) for i in b))
                    for b in batches)
         args = source_args(config, source, tokenizer.vocab_size, need)
+        family = getattr(options, "family", None)
+        if family and family != family_of(args):  # the checkpoint's own family was used without a word
+            raise ValueError(f"--model.name {family}: {source.what} holds a {family_of(args)} model; drop "
+                             f"--model.name or pass --model.name {family_of(args)}")
         mesh = _tp_mesh(config, world, device)
         with contextlib.ExitStack() as stack:
             if config.kernels.backend != "auto":
