@@ -134,7 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"python -m trainer.eval: error: {exc}", file=sys.stderr)
         return 2
+    # evaluating is validating: the held-out split of the training source (no [validation] dataset)
+    # is read only when validation is on, so it is on here whether or not --validation.enable is passed
+    config.validation.enable = True
     setup_logging(0)
+    if ns.json:  # stdout is the one JSON object alone: the log goes to stderr
+        import logging
+
+        for handler in logging.getLogger("trainer").handlers:
+            handler.setStream(sys.stderr)
     try:
         r = evaluate_checkpoint(config, progress=not ns.no_progress)
     except (CheckpointError, ValueError, RuntimeError, OSError) as exc:

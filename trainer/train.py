@@ -373,7 +373,10 @@ class Trainer:
         """The validator of the family's task (the training forward under no_grad on the validation loader)."""
         if self.val_loader is None:
             return
-        self.validator = self.task.build_validator(self)
+        try:  # Flux's reads the sample captions (and their images) now
+            self.validator = self.task.build_validator(self)
+        except (ValueError, RuntimeError, OSError) as exc:
+            raise data_error(exc, dataset_key(self.config, "validation")) from None
         v = self.config.validation
         logger.info("validation: %s, %s every %d steps and at the end", self.val_loader.source.name,
                     "the whole split" if v.steps == -1 else f"{v.steps} batches", v.freq)

@@ -135,3 +135,12 @@ def test_tensor_and_pipeline_parallel_and_muon_with_offload_equal_without(tmp_pa
     assert_equal_runs(got["muon_off"], got["muon"])
     assert_equal_runs(got["tp2_off"], got["tp2"])
     assert_equal_runs(got["pp2_off"], got["pp2"])
+
+
+def test_activation_offload_under_tensor_parallel_without_fsdp_equals_without(tmp_path):
+    """TP 2 alone (its parameters DTensors, not FSDP's) with activation offload died at the first forward:
+    "RuntimeError: Attempted to access the data pointer on an invalid python storage" (the offloader read
+    the DTensor parameters' storage, not their local shards')."""
+    tp = ["--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"]
+    got = run_layouts(2, {"tp2": tp, "tp2_act_off": [*tp, "--activation_checkpoint.mode", "offload"]}, tmp_path)
+    assert_equal_runs(got["tp2_act_off"], got["tp2"])

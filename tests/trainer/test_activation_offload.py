@@ -77,6 +77,17 @@ def test_per_layer_rules_and_their_errors():
             parse_per_layer([rule], 4)
 
 
+def test_per_layer_rules_that_overlap_are_refused():
+    """'0-1:offload,1-3:full' gave layer 1 the later rule's mode without a word."""
+    from tests.trainer.helpers import config_error
+
+    for rules in (["0-1:offload", "1-3:full"], ["2:full", "0-3:none"], ["1:op", "1:op"]):
+        with pytest.raises(ValueError, match="is in both"):
+            parse_per_layer(rules, 4)
+    err = config_error(["--activation_checkpoint.per_layer", "0-1:offload,1-3:full"])
+    assert "--activation_checkpoint.per_layer: layer 1 is in both '0-1:offload' and '1-3:full'" in err
+
+
 def test_budget_keeps_the_last_blocks_and_offloads_where_pcie_keeps_up():
     fast = BlockCosts(keep_bytes=10.0, full_bytes=1.0, forward_s=1.0, pcie_bytes_per_s=100.0)  # copy 0.1 s
     slow = BlockCosts(keep_bytes=10.0, full_bytes=1.0, forward_s=1.0, pcie_bytes_per_s=2.0)  # copy 5 s

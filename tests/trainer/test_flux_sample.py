@@ -93,3 +93,64 @@ def test_training_starts_from_a_pipeline_folder(tmp_path):
     assert [r["step"] for r in records if "loss" in r] == [1, 2]
     assert all(math.isfinite(r["loss"]) for r in records if "loss" in r)
     assert any((tmp_path / "cache" / "latents").rglob("*.safetensors"))  # the autoencoder's outputs kept
+
+
+@pytest.mark.parametrize("flag", ["--true_cfg_scale", "--guidance"])
+@pytest.mark.parametrize("value", ["nan", "inf"])
+def test_a_guidance_that_is_not_finite_is_one_line_and_writes_nothing(tmp_path, capsys, flag, value):
+    """``--true_cfg_scale nan`` (or inf, or ``--guidance nan``) wrote an image of NaN and said "wrote"."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    out = tmp_path / "out.png"
+    assert generate_main(["--prompt", "a", "--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+                          "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1",
+                          flag, value, "--output", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: {flag}: expected a finite number, got {float(value)!r}" and not out.exists()
+
+
+def test_an_output_that_cannot_be_written_or_no_t5_tokens_is_one_line_before_sampling(tmp_path, capsys):
+    """``--output FILE/x.png`` (a file where the folder would be) said only "[Errno 17] File exists", after
+    sampling; ``--max_sequence_length 0`` was a reshape error from the T5 encoder."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    (tmp_path / "afile").write_text("")
+    base = ["--prompt", "a", "--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+            "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1"]
+    assert generate_main(base + ["--output", str(tmp_path / "afile" / "x.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --output: cannot create the folder of") and "File exists" in err
+    assert generate_main(base + ["--max_sequence_length", "0", "--output", str(tmp_path / "y.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --max_sequence_length: expected an integer >= 1, got 0"
+    assert not (tmp_path / "y.png").exists()
+
+
+def test_text_generation_or_eval_of_a_flux_checkpoint_is_one_line(tmp_path, capsys):
+    """A Flux checkpoint given to the text decoder's generate / eval (no --model.name flux) was an
+    AttributeError traceback ('Rope' object has no attribute 'reset_parameters')."""
+    from trainer.eval import main as eval_main
+    from trainer.generate.cli import main as text_main
+
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    dcp = hf_to_dcp(folder / "transformer", tmp_path / "dcp")
+    for path in (folder / "transformer", dcp):
+        assert text_main(["--checkpoint.initial_load_path", str(path), "--prompt", "x"]) == 1
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err == (f"python -m trainer.generate: error: --checkpoint.initial_load_path: {path} holds a flux model, "
+                       f"not a text decoder; sample it with python -m trainer.generate --model.name flux")
+    assert eval_main(["--checkpoint.initial_load_path", str(dcp), "--training.dataset_path",
+                      "tests/data/tinyshakespeare.txt", "--no_progress"]) == 1
+    assert "holds a flux model, not a text decoder" in capsys.readouterr().err
+
+
+def test_a_negative_prompt_without_true_cfg_or_a_prompt_not_utf8_is_one_line(tmp_path, capsys):
+    """--negative_prompt without --true_cfg_scale > 1 was ignored without a word; a --prompt of argv bytes
+    that are not UTF-8 was the codec's message naming no option."""
+    folder = save_tiny_pipeline(tmp_path / "pipe", True)
+    base = ["--height", "16", "--width", "16", "--flux.pipeline_path", str(folder),
+            "--job.dump_folder", str(tmp_path / "d"), "--num_inference_steps", "1", "--output", str(tmp_path / "o.png")]
+    assert generate_main(["--prompt", "a", "--negative_prompt", "b", *base]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "error: --negative_prompt: used only with --true_cfg_scale > 1, got 1.0"
+    assert generate_main(["--prompt", b"\xff".decode("utf-8", "surrogateescape"), *base]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --prompt: expected UTF-8 text")
+    assert not (tmp_path / "o.png").exists()

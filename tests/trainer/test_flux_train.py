@@ -107,6 +107,29 @@ def test_bad_files_are_one_line_naming_the_file(tmp_path):
         open_source(str(tmp_path / "bad.jsonl"))
 
 
+def test_a_caption_that_is_not_utf8_is_one_line_naming_it(tmp_path):
+    """The message was codec's alone ('utf-8' codec can't decode byte 0xff...), naming no file."""
+    _write_set(tmp_path)
+    (tmp_path / "img" / "001.txt").write_bytes(b"\xff\xfered")
+    with pytest.raises(ValueError, match=r"001\.txt: not UTF-8 text \(byte 0\)"):
+        open_source(str(tmp_path / "img")).item(1)
+
+
+def test_an_unreadable_image_among_the_validation_samples_is_one_line(tmp_path, capsys):
+    """The validator reads its sample captions (and images) at start-up: a corrupt image there was a raw
+    ValueError traceback, not the one line training gives for the same file."""
+    from trainer.__main__ import main
+
+    _write_set(tmp_path, n=4)
+    (tmp_path / "img" / "002.png").write_bytes(b"not a png")  # not in the first training batch (checked at start)
+    code = main(["--model.name", "flux", "--flavor", "debugmodel", "--training.steps", "1",
+                 "--training.local_batch_size", "2", "--flux.img_size", "16", "--validation.enable",
+                 "--training.dataset_path", str(tmp_path / "img"), "--job.dump_folder", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1 and err.startswith("python -m trainer: error: --training.dataset_path: ")
+    assert err.endswith("002.png: not a readable image (UnidentifiedImageError)")
+
+
 def test_preprocess_resizes_and_center_crops():
     img = np.zeros((40, 80, 3), dtype=np.uint8)
     img[:, 20:60] = 255  # the center square is white

@@ -133,6 +133,19 @@ def test_cached_decoding_across_chunk_and_window_boundaries_equals_the_full_forw
     _assert_cached_equals_full(model, prompts, results)
 
 
+def test_a_tiny_temperature_samples_the_argmax_not_nan():
+    """--temperature 1e-40 divided the logits into +-inf, the softmax into NaN and torch.multinomial
+    raised a traceback; shifted by the row's maximum first, it is (nearly) greedy."""
+    logits = torch.tensor([[0.5, 3.0, -2.0, 1.0], [7.0, -1.0, 2.0, 6.5]])
+    for t in (1e-40, 1e-30):
+        params = SamplingParams(t, 0, 1.0)
+        assert sample(logits, params, torch.Generator().manual_seed(0)).tolist() == [1, 0]
+        assert sample(logits, SamplingParams(t, 0, 0.5), torch.Generator().manual_seed(0)).tolist() == [1, 0]
+    # a usual temperature: the same distribution as before the shift
+    shifted = torch.softmax(filter_logits(logits, SamplingParams(0.7)), -1)
+    assert torch.allclose(shifted, torch.softmax(logits / 0.7, -1), atol=1e-7)
+
+
 def test_sampling_filters_and_reproduces_with_a_seed():
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]])
     kept = filter_logits(logits, SamplingParams(1.0, top_k=2)).isfinite()

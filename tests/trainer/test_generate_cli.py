@@ -43,6 +43,31 @@ def test_eval_equals_the_in_run_validation_loss(run, capsys):
     assert r["bytes"] <= r["tokens"] and "step 3" in r["checkpoint"]
 
 
+def test_eval_without_validation_enable_reads_the_held_out_split(run, capsys):
+    """The README's ``python -m trainer.eval --job.dump_folder outputs --validation.steps 20``: no
+    ``--validation.enable`` and no validation dataset still evaluates the training source's held-out part
+    (it was refused as "unknown dataset ''"), giving the loss of the run that had validation on."""
+    folder, _ = run
+    flags = [a for a in RUN if a != "--validation.enable"]
+    assert eval_main([*flags, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    without = _json_lines(capsys)[0]
+    assert eval_main([*RUN, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    assert _json_lines(capsys)[0]["loss"] == without["loss"]
+
+
+def test_json_stdout_is_json_lines_alone(run, capsys):
+    """``--json`` promises one object per line on stdout, but the log line "[trainer] ... generating from
+    ..." (and eval's) came first on stdout, breaking ``| jq``."""
+    folder, _ = run
+    assert generate_main(["--job.dump_folder", str(folder), "--prompt", "To be", "--prompt", "KING",
+                          "--max_new_tokens", "3", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [json.loads(line)["prompt"] for line in out.out.splitlines()] == ["To be", "KING"]
+    assert "generating from" in out.err
+    assert eval_main([*RUN, "--job.dump_folder", str(folder), "--json", "--no_progress"]) == 0
+    assert len([json.loads(line) for line in capsys.readouterr().out.splitlines()]) == 1
+
+
 def test_validation_writes_the_sample_completions(run):
     folder, records = run
     samples = [r for r in records if "samples" in r]
@@ -103,12 +128,16 @@ def test_stop_strings_streaming_and_the_throughput_line(run, capsys):
         assert cut["finish"] == "stop" and cut["completion"] == text[:text.find(stop)]
     assert generate_main(base) == 0
     out = capsys.readouterr()
-    assert ("\nTo be" + text + "\n") in out.out and "tokens/s" in out.err and "prefill" in out.err
+    assert out.out == "To be" + text + "\n" and "tokens/s" in out.err and "prefill" in out.err  # the text alone
 
 
 @pytest.mark.parametrize("argv, message", [
     (["--max_new_tokens", "0"], "--max_new_tokens: expected an integer >= 1"),
     (["--top_p", "1.5"], "--top_p: expected a number in"),
+    (["--temperature", "inf"], "--temperature: expected a finite number >= 0"),
+    (["--prompt", b"ab\xff".decode("utf-8", "surrogateescape")], "--prompt: expected UTF-8 text, got the byte 0xff at"),
+    (["--prompt", "x", "--stop", b"\xfe".decode("utf-8", "surrogateescape")], "--stop: expected UTF-8 text"),
+    (["--temperature", "nan"], "--temperature: expected a finite number >= 0"),
     (["--training.stpes", "3"], "did you mean --training.steps"),
     ([], "no prompt"),
 ])
@@ -118,11 +147,82 @@ def test_bad_options_are_one_line(argv, message, capsys, tmp_path):
     assert message in err and "\n" not in err
 
 
+def test_stop_reads_the_shell_escapes_of_the_readme():
+    """The README's ``--stop "\\n\\n"`` reaches argv as backslash-n twice (bash keeps it in double quotes):
+    it never matched a blank line, so generation ran to --max_new_tokens past every paragraph."""
+    from trainer.generate.cli import parse
+
+    ns, _ = parse(["--stop", r"\n\n", "--stop", r"a\\nb", "--stop", r"\t|\q", "--stop", "é"])
+    assert ns.stop == ["\n\n", "a\\nb", "\t|\\q", "é"]
+
+
 def test_a_folder_without_a_checkpoint_is_one_line(tmp_path, capsys):
     assert generate_main(["--job.dump_folder", str(tmp_path), "--prompt", "x"]) == 1
     err = capsys.readouterr().err.strip()
     assert "no checkpoint" in err and "\n" not in err
     assert eval_main(["--job.dump_folder", str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("where", ["step", "run"])
+def test_a_damaged_metadata_file_is_one_line(tmp_path, capsys, where):
+    """A step folder whose ``.metadata`` is not DCP's (truncated, overwritten) was a raw UnpicklingError
+    traceback from trainer.generate and trainer.eval."""
+    step = tmp_path / "checkpoint" / "step-3"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"junk\n")
+    path = str(step if where == "step" else tmp_path / "checkpoint")
+    assert generate_main(["--checkpoint.initial_load_path", path, "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: ") and "cannot be read" in err and str(step) in err
+    assert eval_main(["--checkpoint.initial_load_path", path, "--training.dataset_path",
+                      "tests/data/tinyshakespeare.txt", "--no_progress"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.eval: error: ") and "cannot be read" in err
+
+
+def test_truncated_weights_without_a_manifest_are_one_line(run, tmp_path, capsys):
+    """A step folder without a manifest (loaded unverified) whose .distcp file is cut short: DCP's
+    CheckpointException (a BaseException) escaped as a traceback of every rank."""
+    import shutil
+
+    folder, _ = run
+    step = tmp_path / "step-3"
+    shutil.copytree(folder / "checkpoint" / "step-3", step)
+    (step / "manifest.json").unlink()
+    for f in step.glob("*.distcp"):
+        with open(f, "r+b") as fh:
+            fh.truncate(1000)
+    assert generate_main(["--checkpoint.initial_load_path", str(step), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"python -m trainer.generate: error: checkpoint {step}: its ") and "cannot be read" in err
+
+
+def test_max_new_tokens_beyond_memory_is_one_line(run, capsys, monkeypatch):
+    """--max_new_tokens 1000000000: the rotary table / KV cache allocation raised a RuntimeError traceback
+    ("DefaultCPUAllocator: can't allocate memory: you tried to allocate 32000000064 bytes")."""
+    folder, _ = run
+    import trainer.generate.run as run_module
+
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate "
+                           "memory: you tried to allocate 32000000064 bytes. Error code 12")
+
+    monkeypatch.setattr(run_module, "materialize", no_memory)
+    assert generate_main(["--job.dump_folder", str(folder), "--prompt", "x", "--max_new_tokens", "1000000000"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: --max_new_tokens 1000000000: out of memory")
+    assert "1,000,000,002 tokens" in err
+
+
+def test_a_model_name_other_than_the_checkpoints_is_one_line(run, capsys):
+    """--model.name qwen3 on a Llama 3 checkpoint generated from the Llama 3 model without a word."""
+    folder, _ = run
+    assert generate_main(["--job.dump_folder", str(folder), "--model.name", "qwen3", "--prompt", "x"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("python -m trainer.generate: error: --model.name qwen3: step 3 of ")
+    assert err.endswith("holds a llama3 model; drop --model.name or pass --model.name llama3")
+    assert generate_main(["--job.dump_folder", str(folder), "--model.name=llama3", "--prompt", "x",
+                          "--max_new_tokens", "2"]) == 0
 
 
 def test_the_readme_generation_commands_are_valid(monkeypatch):

@@ -108,3 +108,14 @@ def test_budget_mode_keeps_what_fits_for_a_run():
     assert "offload" not in slow[1:] and slow.count("none") >= 9  # at 8 GB/s recomputing is cheaper
     with pytest.raises(ValueError, match="below the least the activations need"):
         run_layer_modes(parse_args([*argv[:-4], "--activation_checkpoint.memory_budget_gib", "0.01"]), args)
+
+
+@pytest.mark.parametrize("flag,value", [("--pcie_gbps", "inf"), ("--pcie_gbps", "nan"), ("--pcie_gbps", "0"),
+                                        ("--host_memory_gib", "-1"), ("--host_memory_gib", "inf")])
+def test_a_pcie_rate_or_host_memory_that_is_not_finite_and_positive_is_one_line(capsys, flag, value):
+    """``--pcie_gbps inf`` priced every offload at 0 s and planned on; a bad value is named with what it got."""
+    with pytest.raises(SystemExit) as info:
+        main(["--flavor", "70B", "--ngpu", "8", flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"python -m trainer.plan: error: {flag}: expected a finite number > 0, got {float(value)!r}"

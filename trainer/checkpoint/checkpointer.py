@@ -73,6 +73,7 @@ from trainer.run import signals
 from trainer.checkpoint.compatibility import optimizer_mismatch, state_dtype_change
 from trainer.checkpoint.folder import (
     CheckpointError,
+    UnreadableCheckpoint,
     complete_steps,
     model_args_record,
     read_model_args,
@@ -388,7 +389,7 @@ class Checkpointer:
                 try:
                     result = self._load_step(path, s)
                 except CheckpointError as exc:
-                    if legacy and isinstance(exc, _Unreadable):
+                    if legacy and isinstance(exc, (_Unreadable, UnreadableCheckpoint)):
                         problem = str(exc)
                     else:
                         raise

@@ -12,12 +12,17 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from trainer.checkpoint.lineage import STEP_RE
 from trainer.registry import args_from_record, family_of
 from trainer.errors import CheckpointError  # noqa: F401  (defined on the ground floor)
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A file of a DCP checkpoint cannot be read (damaged), unlike one that records no model args."""
 
 
 def complete_steps(folder: str | os.PathLike) -> list[int]:
@@ -45,12 +50,20 @@ def read_model_args(path: str | os.PathLike) -> tuple[Any, str]:
     Raises CheckpointError when the checkpoint does not record them (written before they were).
     """
     path = Path(path)
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    try:
+        keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as exc:  # a truncated or foreign .metadata: pickle raises anything
+        raise UnreadableCheckpoint(f"checkpoint {path}: its .metadata cannot be read ({type(exc).__name__}); the "
+                                   f"checkpoint is damaged or not a DCP checkpoint") from None
     if "model_args" not in keys:
         raise CheckpointError(f"checkpoint {path} does not record its model arguments (written by an older "
                               f"version); pass --flavor to say which flavor it is")
     state = {"model_args": ""}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)  # a local read: may run on one rank only
+    try:
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)  # a local read: may run on one rank only
+    except (Exception, CheckpointException) as exc:
+        raise UnreadableCheckpoint(f"checkpoint {path}: its model args cannot be read ({type(exc).__name__}); the "
+                                   f"checkpoint is damaged or not a DCP checkpoint") from None
     rec = json.loads(state["model_args"])
     return args_from_record(rec["model_args"], rec.get("model", "llama3")), rec.get("flavor", "")
 
@@ -77,5 +90,11 @@ def resolve_step_folder(path: str | os.PathLike, what: str = "checkpoint.initial
 def load_weights(model: nn.Module, path: str | os.PathLike) -> None:
     """Load the ``model`` entries of a DCP checkpoint or export at ``path`` into ``model`` (cast to its dtypes)."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as exc:  # a BaseException holding every rank's traceback: its last
+        # line says why
+        why = [line.strip() for line in str(exc).splitlines() if line.strip()][-1:] or [type(exc).__name__]
+        raise UnreadableCheckpoint(f"checkpoint {path}: its weights cannot be read ({why[0].split('. ')[0][:200]}); the "
+                                   f"checkpoint is damaged or not a DCP checkpoint") from None
     set_model_state_dict(model, state["model"], options=StateDictOptions(strict=True))

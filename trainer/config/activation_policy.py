@@ -36,9 +36,10 @@ def parse_per_layer(rules: list[str], n_layers: int | None = None, key: str = "a
 
     Raises:
         ValueError: a rule not ``LAYERS:MODE``, a mode not in ``LAYER_MODES``, a bad or reversed range,
-            or (with ``n_layers``) a layer id >= n_layers; the message names ``key``.
+            a layer in two rules, or (with ``n_layers``) a layer id >= n_layers; the message names ``key``.
     """
     out: dict[int, str] = {}
+    rule_of: dict[int, str] = {}
     for rule in rules:
         layers, colon, mode = (x.strip() for x in rule.partition(":"))
         if not colon or not layers or not mode:
@@ -54,7 +55,10 @@ def parse_per_layer(rules: list[str], n_layers: int | None = None, key: str = "a
         if n_layers is not None and last >= n_layers:
             raise ValueError(f"--{key}: layer {last} in {rule!r} does not exist (the model has {n_layers} layers)")
         for i in range(first, last + 1):
-            out[i] = mode
+            if i in rule_of:  # the later rule silently won: say which two disagree or repeat
+                raise ValueError(f"--{key}: layer {i} is in both {rule_of[i]!r} and {rule!r}; give each layer one "
+                                 f"mode")
+            out[i], rule_of[i] = mode, rule
     return out
 
 

@@ -504,8 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--ngpu, --seq_len, --top and --gpus_per_node must be >= 1")
     if ns.local_batch_size is not None and ns.local_batch_size < 1:
         parser.error("--local_batch_size must be >= 1")
-    if not (ns.pcie_gbps > 0 and ns.host_memory_gib > 0):
-        parser.error("--pcie_gbps and --host_memory_gib must be > 0")
+    for key in ("pcie_gbps", "host_memory_gib"):  # inf: offload priced at 0 s, as --training.pcie_bandwidth_gbps refuses
+        value = getattr(ns, key)
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"--{key}: expected a finite number > 0, got {value!r}")
     gpus_per_node = ns.gpus_per_node if ns.ngpu >= ns.gpus_per_node else ns.ngpu
     if ns.ngpu % gpus_per_node:
         parser.error(f"--ngpu {ns.ngpu} is not a whole number of nodes of --gpus_per_node {gpus_per_node}")

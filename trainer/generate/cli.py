@@ -28,7 +28,9 @@ Exit codes: 0 done; 1 no usable checkpoint, tokenizer or prompt (one line); 2 a 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 
 GEN_OPTIONS_HELP = "generation options (the other flags are the trainer's: python -m trainer --help)"
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass; 1 = all (default)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random draws (default 0)")
     g.add_argument("--batch_size", type=int, default=8, help="prompts generated together (default 8)")
-    g.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    g.add_argument("--stop", action="append", default=[],
+                   help="a stop string (repeatable); \\n, \\t, \\r and \\\\ in it are read as escapes")
     g.add_argument("--json", action="store_true", help="one JSON object per prompt and line on stdout")
     g.add_argument("--no_stream", action="store_true", help="do not stream the first completion")
     g.add_argument("-h", "--help", action="store_true")
@@ -70,7 +73,8 @@ def parse(argv: list[str]):
         raise SystemExit(0)
     for name, ok, expected in (("max_new_tokens", ns.max_new_tokens >= 1, "an integer >= 1"),
                                ("batch_size", ns.batch_size >= 1, "an integer >= 1"),
-                               ("temperature", ns.temperature >= 0, "a number >= 0 (0 = greedy)"),
+                               ("temperature", math.isfinite(ns.temperature) and ns.temperature >= 0,
+                                "a finite number >= 0 (0 = greedy)"),
                                ("top_k", ns.top_k >= 0, "an integer >= 0 (0 = all tokens)"),
                                ("top_p", 0 < ns.top_p <= 1, "a number in (0, 1]")):
         if not ok:
@@ -81,8 +85,18 @@ def parse(argv: list[str]):
                 ns.prompt += [line.rstrip("\n") for line in fh if line.strip()]
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"--prompts_file: cannot read {ns.prompts_file}: {exc.__class__.__name__}") from None
+    # `--stop "\n\n"` (the README's) reaches us as backslash-n twice from the shell: read the escapes
+    ns.stop = [re.sub(r"\\([ntr\\])", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group(1)], s)
+               for s in ns.stop]
     if any(not s for s in ns.stop):
         raise ValueError("--stop: expected a non-empty string")
+    for key, texts in (("prompt", ns.prompt), ("stop", ns.stop)):  # argv bytes that are not UTF-8 come as surrogates
+        for text in texts:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ValueError(f"--{key}: expected UTF-8 text, got the byte 0x{ord(text[exc.start]) & 0xFF:02x} "
+                                 f"at character {exc.start} of {text!r}") from None
     from trainer.config import parse_args
 
     return ns, parse_args(rest)
@@ -127,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("no prompt: pass --prompt TEXT (repeatable) or --prompts_file FILE", 2)
     from trainer.generate.run import run_decoder
 
+    options.family = name  # the --model.name given (None: not given), checked against the checkpoint's
     return run_decoder(config, options)
 
 

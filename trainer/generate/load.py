@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.folder import CheckpointError, complete_steps, load_weights, read_model_args
+from trainer.checkpoint.folder import (CheckpointError, UnreadableCheckpoint, complete_steps, load_weights,
+                                      read_model_args)
 from trainer.data import build_tokenizer
-from trainer.registry import build_model, model_args
+from trainer.registry import build_model, model_args, spec_of
 
 logger = logging.getLogger("trainer")
 HF_STEP_RE = re.compile(r"^hf-step-(\d+)$")
@@ -97,8 +98,14 @@ def source_args(config, source: Source, vocab_size: int, max_seq_len: int) -> An
     else:
         try:
             args, _ = read_model_args(source.path)
+        except UnreadableCheckpoint:
+            raise
         except CheckpointError:  # an old checkpoint: the configured flavor says what it is
             args = model_args(config.model.name, config.model.flavor, vocab_size, max_seq_len)
+    spec = spec_of(args)
+    if spec.generate is not None:  # Flux: its own sampler; the text decoder's build fails deep inside
+        raise ValueError(f"--checkpoint.initial_load_path: {source.path} holds a {spec.name} model, not a text "
+                         f"decoder; sample it with python -m trainer.generate --model.name {spec.name}")
     if vocab_size > args.vocab_size:
         raise ValueError(f"--model.tokenizer_path: the tokenizer has {vocab_size} tokens but the model's embedding "
                          f"has {args.vocab_size}; use the model's own tokenizer")

@@ -17,6 +17,7 @@ from trainer.errors import CheckpointError
 from trainer.generate.load import load_tokenizer, materialize, resolve_source, source_args
 from trainer.generate.loop import Timing, generate
 from trainer.generate.sampler import SamplingParams
+from trainer.registry import family_of
 
 logger = logging.getLogger("trainer")
 
@@ -73,11 +74,13 @@ def run_decoder(config, options) -> int:
     """Generate for ``options.prompt`` with the decoder ``config`` names (``trainer.generate.cli``)."""
     world, rank = env_int("WORLD_SIZE", 1), env_int("RANK", 0)
     setup_logging(rank)
+    for handler in logger.handlers:  # stdout is the text (or --json's lines) alone: the log goes to stderr
+        handler.setStream(sys.stderr)
     device = torch.device("cuda", env_int("LOCAL_RANK", 0)) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     lead = rank == 0
-    mesh = None
+    mesh, need = None, options.max_new_tokens
     try:
         params = SamplingParams(options.temperature, options.top_k, options.top_p)
         source = resolve_source(config)
@@ -88,6 +91,10 @@ def run_decoder(config, options) -> int:
         need = max(max(max(len(prompts[i]) for i in b) + options.max_new_tokens, sum(len(prompts[i]) for i in b))
                    for b in batches)
         args = source_args(config, source, tokenizer.vocab_size, need)
+        family = getattr(options, "family", None)
+        if family and family != family_of(args):  # the checkpoint's own family was used without a word
+            raise ValueError(f"--model.name {family}: {source.what} holds a {family_of(args)} model; drop "
+                             f"--model.name or pass --model.name {family_of(args)}")
         mesh = _tp_mesh(config, world, device)
         with contextlib.ExitStack() as stack:
             if config.kernels.backend != "auto":
@@ -134,6 +141,14 @@ def run_decoder(config, options) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         if lead:
             print(f"python -m trainer.generate: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # the rotary table and the KV cache are sized for the longest sequence
+        if not (isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)):
+            raise
+        if lead:
+            print(f"python -m trainer.generate: error: --max_new_tokens {options.max_new_tokens}: out of memory for "
+                  f"the KV cache and rotary table of sequences of up to {need:,} tokens (batches of "
+                  f"{options.batch_size}); pass a smaller --max_new_tokens or --batch_size", file=sys.stderr)
         return 1
     finally:
         if world > 1:

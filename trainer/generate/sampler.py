@@ -37,7 +37,9 @@ class SamplingParams:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``logits`` (batch, vocab) float32 after temperature, top-k and top-p: the removed tokens at -inf."""
-    logits = logits / params.temperature
+    # shifted so that the largest is 0 first (the softmax is the same): a tiny temperature then sends
+    # the others to -inf, not every logit to +-inf and the probabilities to NaN
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]

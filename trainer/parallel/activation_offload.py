@@ -32,6 +32,13 @@ from torch import nn
 OFFLOAD_MIN_BYTES = 2**14
 
 
+def _storage_ptr(p: torch.Tensor) -> int:
+    """The address of a parameter's storage; a DTensor's (tensor parallel without FSDP: its storage is
+    not a real one and raised "invalid python storage") is its local shard's."""
+    local = getattr(p, "_local_tensor", p)
+    return local.untyped_storage().data_ptr()
+
+
 class _Handle:
     __slots__ = ("host", "device_copy", "d2h", "h2d")
 
@@ -73,7 +80,7 @@ class ActivationOffloader:
             if not torch.is_grad_enabled():  # validation: nothing is saved
                 return inner(*args, **kw)
             # Under FSDP2 the block holds its gathered parameters now (its pre-forward hook ran).
-            rec = _Block({p.untyped_storage().data_ptr() for p in block.parameters()})
+            rec = _Block({_storage_ptr(p) for p in block.parameters()})
             self._pending = [b for b in self._pending if not b.fetched]
             self._pending.append(rec)
             with torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, rec),

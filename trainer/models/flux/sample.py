@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -114,6 +115,23 @@ def run(opts, config) -> Path:
 
     if not opts.output.endswith((".png", ".safetensors")):
         raise ValueError(f"--output: expected a .png or .safetensors path, got {opts.output!r}")
+    for key in ("true_cfg_scale", "guidance"):  # NaN / inf: an image of NaN, written as if fine
+        value = getattr(opts, key)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{key}: expected a finite number, got {value!r}")
+    if opts.negative_prompt is not None and not opts.true_cfg_scale > 1:  # used only by true CFG: not ignored
+        raise ValueError(f"--negative_prompt: used only with --true_cfg_scale > 1, got {opts.true_cfg_scale}")
+    for text in [*opts.prompt, opts.negative_prompt or ""]:  # argv bytes that are not UTF-8 come as surrogates
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"--prompt: expected UTF-8 text, got {text!r}") from None
+    if opts.max_sequence_length is not None and opts.max_sequence_length < 1:
+        raise ValueError(f"--max_sequence_length: expected an integer >= 1, got {opts.max_sequence_length}")
+    try:  # before sampling, not after it
+        Path(opts.output).parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"--output: cannot create the folder of {opts.output!r} ({exc.strerror})") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     f = config.flux
     model, args, _ = load_model(config, device)

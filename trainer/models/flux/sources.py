@@ -73,7 +73,11 @@ class ImageFolder:
 
     def item(self, i: int) -> tuple[np.ndarray, str]:
         p = self.images[i]
-        return _decode(p, str(p)), p.with_suffix(".txt").read_text(encoding="utf-8").strip()
+        try:
+            caption = p.with_suffix(".txt").read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError as exc:  # the message alone named no file
+            raise ValueError(f"{p.with_suffix('.txt')}: not UTF-8 text (byte {exc.start})") from None
+        return _decode(p, str(p)), caption
 
 
 class JsonlManifest:
