@@ -280,3 +280,16 @@ def test_c4_test_is_the_sample_we_ship():
     assert docs[0].startswith("First Citizen:")  # public-domain text (tests/data/tinyshakespeare.txt)
     assert SAMPLES["c4_test"].stat().st_size < 200_000
     assert parse_args(["--training.dataset", "c4_test"]).training.dataset == "c4_test"
+
+
+def test_a_bad_value_is_reported_once_not_again_for_the_default_put_back():
+    # Collecting every error puts a bad key back to its default and validates again; the budget's
+    # default (0) is itself refused in budget mode, which must not come out as a second error about
+    # a value the user did not give.
+    with pytest.raises(ConfigError) as info:
+        parse_args(["--activation_checkpoint.mode", "budget", "--activation_checkpoint.memory_budget_gib", "-1",
+                    "--optimizer.lr", "-3"])
+    lines = str(info.value).splitlines()
+    assert lines[0] == "2 configuration errors:", lines
+    assert "--activation_checkpoint.memory_budget_gib: expected a finite value >= 0, got -1.0" in lines[2], lines
+    assert "got 0" not in str(info.value)

@@ -276,6 +276,7 @@ def value_errors(config: JobConfig, limit: int = 32) -> list[str]:
     config = copy.deepcopy(config)
     defaults = JobConfig()
     errors: list[str] = []
+    named: set[tuple[str, str]] = set()  # the keys the errors so far name
     while len(errors) < limit:
         try:
             derived = copy.deepcopy(config)
@@ -286,11 +287,14 @@ def value_errors(config: JobConfig, limit: int = 32) -> list[str]:
             line = str(exc)
         if line in errors:  # putting the key back did not clear it: a relation of other keys
             break
-        errors.append(line)
         m = re.match(r"^(?:[^:]*: )?--([a-z_0-9]+)\.([a-z_0-9]+)[:\s]", line)
+        if m is not None and m.groups() in named:  # about the default put back, not the user's value
+            break
+        errors.append(line)
         if m is None or m.group(1) not in _HINTS or m.group(2) not in _HINTS[m.group(1)]:
             break
         section, key = m.groups()
+        named.add((section, key))
         if getattr(getattr(config, section), key) == getattr(getattr(defaults, section), key):
             break
         setattr(getattr(config, section), key, copy.deepcopy(getattr(getattr(defaults, section), key)))
