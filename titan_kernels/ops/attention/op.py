@@ -89,16 +89,15 @@ def _failed(choice, key, error) -> None:
     _backend.mark_failed(_d.OP, choice, key[0], key, error)
 
 
-def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs, key: tuple | None = None):
+def run_forward(request, q, k, v, cu_q, cu_k, sinks, a: AttentionArgs):
     """(out, lse) of one call on the chosen backend, sinks applied; out contiguous, lse in the
-    kernel's layout. ``key``: the call's dispatch key when the caller has it (``call_planned``)."""
-    if key is None and ((q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q)):
+    kernel's layout (a planned call: ``_planned_run``)."""
+    if (q.numel() == 0 or k.shape[1] == 0) if cu_q is None else _trivial(q, k, cu_q):
         out = torch.zeros(_out_shape(q, v), dtype=q.dtype, device=q.device)
         lse = torch.full(_lse_shape(q, cu_q), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         # The first try inline, without _run's closures: most of a small call's overhead otherwise.
-        if key is None:
-            key = _d.case_key(q, k, v, cu_q, a)
+        key = _d.case_key(q, k, v, cu_q, a)
         choice = _backend.choose(_d.OP, key[0], key, backend=request, case=lambda: _d.make_case(q, k, v, cu_q, a))
         try:
             out, lse = choice.kernels.forward(q, k, v, cu_q, cu_k, a)
