@@ -9,6 +9,7 @@
 
 #include <torch/library.h>
 
+#include "autograd_node.h"
 #include "cpu/kernels.h"
 
 TORCH_LIBRARY_FRAGMENT(titan, m) {
@@ -68,6 +69,10 @@ PyMethodDef kMethods[] = {
     {"set_cpu_capability", set_cpu_capability, METH_O,
      "Use the CPU kernels built for 'default', 'avx2' or 'avx512' (or 'auto'); ValueError if this CPU "
      "or build lacks it. For tests and benchmarks."},
+    {"autograd_apply", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(titan::autograd_apply)),
+     METH_FASTCALL,
+     "autograd_apply(spec, plan, args, *inputs): an eager planned call's autograd node with a Python "
+     "backward (csrc/autograd_node.h)."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef kModule = {PyModuleDef_HEAD_INIT, "_C", "Native titan kernels (registers torch.ops.titan.*_native).", -1,

@@ -265,6 +265,17 @@ def test_cmake_builds_torch_extension(tmp_path):
         x = torch.randn(4, 40)
         y, h, rstd = torch.ops.titan.rms_norm_fwd_native(x, None, None, 1e-6)
         assert torch.allclose(y, torch.nn.functional.rms_norm(x, (40,), eps=1e-6), atol=1e-6)
+        # the autograd node (csrc/autograd_node.cpp, linked against torch_python): y = 2x, dy/dx = 2
+        class Ctx:
+            def save_for_backward(self, *t):
+                self.to_save = t
+        def forward(plan, args):
+            ctx = Ctx(); ctx.save_for_backward(args[0]); return args[0] * 2, ctx
+        def backward(ctx, g):
+            return (g * 2,)
+        a = torch.randn(3, requires_grad=True)
+        mod.autograd_apply((forward, backward, "double"), None, (a,), a).sum().backward()
+        assert torch.equal(a.grad, torch.full((3,), 2.0))
         print("OK", mod.cpu_capability())
     """)
     r = _run([sys.executable, "-c", check], timeout=120)

@@ -41,3 +41,9 @@ def status(kind: str) -> tuple[bool, str]:
         why = _build_error() if kind == "cuda" else ""
         return False, f"the native extension was built without {kind} kernels" + (f" ({why})" if why else "")
     return True, ""
+
+
+def autograd_apply():
+    """The extension's ``autograd_apply`` (csrc/autograd_node.h), or None where it is not built."""
+    mod, _ = _load()
+    return getattr(mod, "autograd_apply", None)

@@ -23,6 +23,8 @@ forward did (eager or traced, plain tensors or DTensor), so one definition serve
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import operator
 import typing
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 import torch
 
+from titan_kernels import _native
 from titan_kernels import backend as _backend
 from titan_kernels.backend import Kernels, LazyKernel, capture_request
 from titan_kernels.ops import _sharding
@@ -102,6 +105,27 @@ def _live(tensors: tuple) -> tuple:
     return tuple([t if t is None else unwrap_dead(t) for t in tensors])
 
 
+# Where no gradient is recorded (an autograd.Function's forward, a planned call's no-grad body), views
+# need no autograd metadata: the body runs below the ADInplaceOrView dispatch key, as a custom op's
+# body runs below Autograd (about a microsecond of a small attention call: its kernel's views).
+below_views: Callable = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or contextlib.nullcontext
+
+
+class NativeContext:
+    """The ctx an op's ``setup`` and ``grads`` get on the native planned path: what they use of an
+    autograd.Function's ctx (``save_for_backward``; ``saved_tensors`` in the backward; attributes)."""
+
+    def save_for_backward(self, *tensors) -> None:
+        self.to_save = tensors  # (taken, and cleared, by the native node)
+
+
+def planned_carrier(direction: "_Direction") -> Callable:
+    """The planned call of ``direction``: the native node with its ``native_spec`` where the extension
+    has one (``titan_kernels._C.autograd_apply``), else its autograd.Function."""
+    native = _native.autograd_apply()
+    return direction.planned_apply if native is None else functools.partial(native, direction.native_spec)
+
+
 def no_context(ctx, inputs, output) -> None:
     """The setup_context of an op whose backward refuses: nothing to save."""
 
@@ -133,7 +157,7 @@ class _Direction:
         self.custom_op = torch.library.custom_op(self.qualname, body, mutates_args=mutates_args, schema=schema)
         self.custom_op.register_fake(fake)
         self.overload = getattr(torch.ops.titan, op.name + suffix).default
-        self.fn_cls = None
+        self.fn_cls = self.planned_apply = self.native_spec = None
         if not differentiable:  # an optimizer's step: no autograd at all (its public function refuses grads)
             return
         name = op.request_of
@@ -152,20 +176,18 @@ class _Direction:
 
         self.custom_op.register_autograd(backward, setup_context=setup_context)
 
-        fast, planned, pick, n = self.body, planned_body, self.tensors, len(positions)
+        fast, pick, n = self.body, self.tensors, len(positions)
 
-        # The eager fast path: the same body, setup and grads, as an autograd.Function of this op. It is
-        # applied to the call's tensors and then the whole argument tuple (``backend`` last), and for a
-        # planned call (``Op.eager_apply``) the plan after it: autograd sees the tensors, the body its
-        # arguments (a planned call's body, ``planned_body(plan, args)``, the plan and the arguments as
-        # one tuple), and Function.apply's per-argument cost is paid for the tensors only. Its backward
-        # returns the body's gradients of those tensors (a trailing None for the plan, which autograd
-        # drops when no plan was given).
+        # The eager fast path: the same body, setup and grads, as an autograd.Function of this op,
+        # applied to the call's tensors and then the whole argument tuple (``backend`` last): autograd
+        # sees the tensors, the body its arguments, and Function.apply's per-argument cost is paid for
+        # the tensors only. Its backward returns the body's gradients of those tensors (None for the
+        # argument tuple).
         def fn_forward(ctx, *tensors_then_args):
             args = tensors_then_args[n]
             if not materialize_grads:
                 ctx.materialize_grads = False  # (what ctx.set_materialize_grads(False) sets, without its call)
-            out = fast(*args) if len(tensors_then_args) == n + 1 else planned(tensors_then_args[n + 1], args)
+            out = fast(*args)
             if setup_context is not no_context:  # (setup_context inline: every call)
                 request = args[-1]
                 ctx.backend = request if request is not None else capture_request(name)
@@ -174,13 +196,63 @@ class _Direction:
             return out
 
         def fn_backward(ctx, *grad_outputs):
-            return (*pick(backward(ctx, *grad_outputs)), None, None)
+            return (*pick(backward(ctx, *grad_outputs)), None)
 
-        self.fn_cls = type(f"{op.name}{suffix}_eager", (torch.autograd.Function,), {
-            "forward": staticmethod(fn_forward), "backward": staticmethod(fn_backward),
-            "__doc__": f"The eager fast path of {self.qualname}.",
-        })
+        self.fn_cls = self._function("eager", fn_forward, fn_backward)
         self.apply = _direct_apply(self.fn_cls)  # only where eager_route said FAST_GRAD: see _C_APPLY
+        if planned_body is None or setup_context is no_context:
+            return
+
+        # A planned call (``Op.eager_apply``): ``(plan, args, *tensors)`` with ``tensors`` a leading run
+        # of the body's tensors (those that may carry a gradient; the rest are None in ``args``).
+        # ``planned_body(plan, args)`` returns (the body's outputs, what the call returns: those outputs
+        # or the first alone): an output the caller drops is not an output of the node, so autograd
+        # does not track it (a tenth of a small call), and its gradient reaches ``grads`` as None. The
+        # body runs where no gradient is recorded, below autograd's view tracking (``below_views``).
+        # Two carriers of the same setup and grads: the native node (``titan_kernels._C.autograd_apply``,
+        # about 4 us cheaper a call) where the extension is built, else an autograd.Function.
+        n_outputs = len(self.overload._schema.returns)
+        hidden = {k: (None,) * (n_outputs - k) for k in range(1, n_outputs + 1)}
+
+        def planned_grads(ctx, grad_outputs):
+            return pick(backward(ctx, *grad_outputs, *hidden[len(grad_outputs)]))
+
+        def planned_forward(ctx, plan, args, *tensors):
+            if not materialize_grads:
+                ctx.materialize_grads = False
+            with below_views():
+                out, seen = planned_body(plan, args)
+            request = args[-1]
+            ctx.backend = request if request is not None else capture_request(name)
+            if setup is not None:
+                setup(ctx, args, out)
+            return seen
+
+        def planned_backward(ctx, *grad_outputs):
+            # (the gradients of the tensors not given are None: autograd drops trailing Nones)
+            return (None, None, *planned_grads(ctx, grad_outputs))
+
+        def native_forward(plan, args):  # (run by the native node: grad off, below view tracking)
+            ctx = NativeContext()
+            out, seen = planned_body(plan, args)
+            request = args[-1]
+            ctx.backend = request if request is not None else capture_request(name)
+            if setup is not None:
+                setup(ctx, args, out)
+            return seen, ctx
+
+        def native_backward(ctx, *grad_outputs):
+            return planned_grads(ctx, grad_outputs)
+
+        if not materialize_grads or n_outputs == 1:
+            self.planned_apply = _direct_apply(self._function("planned", planned_forward, planned_backward))
+            self.native_spec = (native_forward, native_backward, self.qualname)
+
+    def _function(self, kind: str, forward: Callable, backward: Callable) -> type:
+        return type(f"{self.qualname.split('::')[1]}_{kind}", (torch.autograd.Function,), {
+            "forward": staticmethod(forward), "backward": staticmethod(backward),
+            "__doc__": f"The {kind} eager path of {self.qualname}.",
+        })
 
     def call(self, args: tuple) -> Any:
         """The body on ``args`` (its arguments, ``backend`` last): directly in plain eager mode (through
@@ -263,7 +335,9 @@ class Op:
         it writes in place). ``fast_forward``: the forward body of the eager fast path where it may
         skip what only the op path needs (the fake's output strides). ``planned_forward(plan, args)``:
         the fast forward body of a planned call (``eager_apply``), given what its caller decided once
-        per case and the body's arguments as one tuple; it returns what the body would. ``signature``: the kernel
+        per case and the body's arguments as one tuple; it returns (what the body would, what the call
+        returns: that, or its first output alone where the caller drops the rest, which then get no
+        gradient; more than one output needs ``materialize_grads`` False). ``signature``: the kernel
         contract the forward's schema is taken from (e.g. the reference function, annotated), the
         body then taking its arguments plus ``backend``."""
         if backward is not None:
@@ -271,14 +345,20 @@ class Op:
                                         (), True)
         self._forward = _Direction(self, "", forward, fake, setup, grads, mutates_args, materialize_grads,
                                    differentiable, fast_forward, signature, planned_forward)
-        # The forward's eager autograd.Function, applied directly (the C apply, see _C_APPLY), for an
-        # op's own planned call: ``eager_apply(*tensors, args, plan)`` with ``tensors`` the body's
-        # tensor arguments in order, each through ``unwrap_dead``; ``args`` its arguments, ``backend``
-        # last (``capture_request``); ``plan`` what the caller decided once per case, given with the
-        # arguments to ``planned_forward``. Only where ``eager_route`` is FAST_GRAD (no functorch
-        # transform active).
-        # The same setup and grads as every other path (one autograd definition).
-        self.eager_apply = self._forward.apply if self._forward.fn_cls is not None else None
+        # The forward's planned call, for an op's own public function that decided the case once:
+        # ``eager_apply(plan, args, *tensors)`` with ``tensors`` a leading run of the body's tensor
+        # arguments that holds every one that may need a gradient, each through ``unwrap_dead``;
+        # ``args`` its arguments, ``backend`` last (``capture_request``); ``plan`` what the caller
+        # decided, given with the arguments to ``planned_forward``. Only where ``eager_route`` is
+        # FAST_GRAD (no functorch transform active). The same setup and grads as every other path
+        # (one autograd definition); the direct C apply (see _C_APPLY).
+        self.eager_apply = None
+        if self._forward.planned_apply is not None:
+            def first_planned_call(*call):  # (the extension is loaded at the first call, not at import)
+                self.eager_apply = planned_carrier(self._forward)
+                return self.eager_apply(*call)
+
+            self.eager_apply = first_planned_call
         if torch.distributed.is_available():  # (registered once torch.distributed.tensor is imported)
             for direction, rule in ((self._forward, sharding), (self._backward, backward_sharding)):
                 if rule is not None:

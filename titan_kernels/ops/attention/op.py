@@ -25,7 +25,6 @@ and lse are fresh contiguous tensors.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -35,7 +34,7 @@ from titan_kernels.attention_mask import AttentionArgs
 from titan_kernels.backend import AUTO, requested_backend
 from titan_kernels.backend.registry import EPOCH as _EPOCH
 from titan_kernels.ops._common import FAST, eager_route_untraced, needs_grad
-from titan_kernels.ops._scaffold import unwrap_dead
+from titan_kernels.ops._scaffold import below_views, unwrap_dead
 from titan_kernels.ops.attention import dispatch as _d
 from titan_kernels.ops.attention.sinks import apply_attention_sinks, attention_sinks_grad
 
@@ -156,17 +155,9 @@ def _fast_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, max_seqlen_q, max_
     return out, (lse.contiguous() if return_lse else lse)
 
 
-# A planned call's kernel runs where no gradient is recorded (the fast path, or the body of the op's
-# autograd.Function, which runs with grad off), so it runs below autograd's view and in-place tracking
-# (the ADInplaceOrView dispatch key, as a custom op's body runs below Autograd): the backend's views (aten's
-# kernel takes q/k/v as (b, h, s, d) views and returns out as one) get no autograd metadata, about a
-# microsecond of a small call; out is then a fresh tensor, not a view of the kernel's buffer.
-_no_view_tracking = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", None) or contextlib.nullcontext
-
-
 def _planned_run(plan, q, k, v, backend, request):
     """(out, lse) of a planned call (``call_planned``: dense, no sinks; out contiguous, lse in the
-    kernel's layout): ``run_forward``'s first try inline, with the choice kept in the plan while the
+    kernel's layout), where no gradient is recorded (under ``below_views``): ``run_forward``'s first try inline, with the choice kept in the plan while the
     registry's cached choices hold (``EPOCH``) and the request is the same: ``backend`` (what
     ``choose`` gets) and, where it is None, ``request`` (the context's, ``requested_backend``)."""
     a, key, memo = plan
@@ -178,8 +169,7 @@ def _planned_run(plan, q, k, v, backend, request):
         choice = _backend.choose(OP, key[0], key, backend=backend, case=lambda: _d.make_case(q, k, v, None, a))
         memo[0] = (epoch, backend, request, choice)
     try:
-        with _no_view_tracking():
-            out, lse = choice.kernels.forward(q, k, v, None, None, a)
+        out, lse = choice.kernels.forward(q, k, v, None, None, a)
     except (RuntimeError, NotImplementedError) as e:
         _failed(choice, key, e)
         out, lse = _run(backend, q, k, v, None, a, False, False, lambda kern: kern.forward(q, k, v, None, None, a))
@@ -188,9 +178,12 @@ def _planned_run(plan, q, k, v, backend, request):
 
 def _planned_forward(plan, args):
     # ``_fast_forward`` of a planned call (the scaffold's ``planned_forward``): args the op's
-    # arguments, the request last.
+    # arguments, the request last. The caller sees out alone unless it asked for the LSE.
     out, lse = _planned_run(plan, args[0], args[1], args[2], args[-1], None)
-    return out, (lse.contiguous() if plan[0].return_lse else lse)
+    if plan[0].return_lse:
+        lse = lse.contiguous()
+        return (out, lse), (out, lse)
+    return (out, lse), out
 
 
 def _fake(q, k, v, cu_seqlens_q, cu_seqlens_k, sinks, *args):
@@ -335,23 +328,23 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_modes = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._are_functorch_transforms_active
 _grad_enabled = torch.is_grad_enabled
-_eager_apply = flash_attn_def.eager_apply
 
 
 def call_planned(q, k, v, plan: tuple):
     """A validated dense call without sinks whose record and dispatch key were decided once for its
     case: ``plan`` = (record, key, [the kept choice or None]) (``api.flash_attn``, which calls it only
     for plain ``torch.Tensor`` q, k, v, not on the meta device, when nothing is being compiled).
-    ``eager_route`` inline: the
-    fast path's body when nothing needs the dispatcher; the op's autograd.Function (``Op.eager_apply``,
-    with the plan) when only a gradient is recorded; else the op."""
+    ``eager_route`` inline: the fast path's body when nothing needs the dispatcher; the op's planned
+    autograd carrier (``Op.eager_apply``, with the plan) when only a gradient is recorded; else the op."""
     a = plan[0]
     if _dispatch_modes() or _function_modes() or _transforms():  # (no plan is made for meta tensors)
         out, lse = flash_attn_def(q, k, v, None, None, None, *a.flat)
     elif (q.requires_grad or k.requires_grad or v.requires_grad) and _grad_enabled():
-        out, lse = _eager_apply(unwrap_dead(q), unwrap_dead(k), unwrap_dead(v), None, None, None,
-                                (q, k, v, None, None, None, *a.flat, requested_backend(OP) or AUTO), plan)
+        # (out alone, or (out, lse) with return_lse: see _planned_forward)
+        return flash_attn_def.eager_apply(plan, (q, k, v, None, None, None, *a.flat, requested_backend(OP) or AUTO),
+                                          unwrap_dead(q), unwrap_dead(k), unwrap_dead(v))
     else:
-        out, lse = _planned_run(plan, q, k, v, None, requested_backend(OP))
+        with below_views():
+            out, lse = _planned_run(plan, q, k, v, None, requested_backend(OP))
         return (out, lse.contiguous()) if a.return_lse else out
     return (out, lse) if a.return_lse else out

@@ -1,0 +1,265 @@
+// titan_kernels._C.autograd_apply: an autograd node whose backward is a Python callable, the native
+// carrier of an op's one autograd definition (its Python setup and grads, titan_kernels/ops/_scaffold.py)
+// on the eager planned path. It does what torch.autograd.Function does for that path, without its
+// Python ctx object and bookkeeping (about 4 us of a 15 us small attention call on a 2-core CPU,
+// bench/bench_overhead.py):
+// - the forward runs with grad mode off and below autograd's view and in-place tracking (as a custom
+//   op's body runs), so the kernel's views of the inputs cost no autograd metadata;
+// - the node's next edges are the inputs' gradient edges, and it becomes the grad_fn of the outputs;
+// - what the forward saves is kept as SavedVariables: version checks, saved-tensor hooks (activation
+//   offload, checkpointing) and "backward through the graph a second time" behave as for any node;
+// - a Python exception in the backward reaches the caller of backward() as itself.
+// Forward-mode AD is refused (the op defines no jvp), as autograd.Function refuses it.
+#include "autograd_node.h"
+
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <ATen/core/grad_mode.h>
+#include <pybind11/pybind11.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+namespace titan {
+namespace {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::Variable;
+using torch::autograd::variable_list;
+// A node's owning pointer: std::shared_ptr<Node> in older torch, c10::intrusive_ptr<Node> in newer.
+using NodePtr = decltype(torch::autograd::Edge::function);
+
+// The Python objects a node keeps, released with the GIL held (a node may die on an autograd thread).
+struct PyRef {
+  PyObject* obj = nullptr;
+  PyRef() = default;
+  PyRef(const PyRef&) = delete;
+  PyRef& operator=(const PyRef&) = delete;
+  void hold(PyObject* o) {  // (once, with the GIL)
+    Py_XINCREF(o);
+    obj = o;
+  }
+  ~PyRef() {
+    if (obj != nullptr && Py_IsInitialized()) {
+      PyGILState_STATE state = PyGILState_Ensure();
+      Py_DECREF(obj);
+      PyGILState_Release(state);
+    }
+  }
+};
+
+struct PyBackwardNode final : Node {
+  PyRef backward;  // backward(ctx, *grad_outputs) -> one gradient (or None) per input, extras None
+  PyRef ctx;       // the forward's context: its attributes for the backward, saved_tensors set per call
+  std::string op_name;
+  std::vector<SavedVariable> saved;
+
+  std::string name() const override { return op_name; }
+
+  void release_variables() override {
+    pybind11::gil_scoped_acquire gil;  // (a saved-tensor hook is a Python object)
+    for (auto& s : saved) {
+      s.reset_data();  // unpack then raises torch's "backward through the graph a second time"
+    }
+  }
+
+  variable_list apply(variable_list&& grads) override {
+    pybind11::gil_scoped_acquire gil;
+    NodePtr self = getptr();
+    PyObject* saved_tuple = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
+    if (saved_tuple == nullptr) throw python_error();
+    for (size_t i = 0; i < saved.size(); ++i) {
+      Variable t = saved[i].unpack(self);
+      PyObject* item = t.defined() ? THPVariable_Wrap(t) : (Py_INCREF(Py_None), Py_None);
+      if (item == nullptr) {
+        Py_DECREF(saved_tuple);
+        throw python_error();
+      }
+      PyTuple_SET_ITEM(saved_tuple, static_cast<Py_ssize_t>(i), item);
+    }
+    const int set = PyObject_SetAttrString(ctx.obj, "saved_tensors", saved_tuple);
+    Py_DECREF(saved_tuple);
+    if (set != 0) throw python_error();
+
+    PyObject* args = PyTuple_New(static_cast<Py_ssize_t>(grads.size()) + 1);
+    if (args == nullptr) throw python_error();
+    Py_INCREF(ctx.obj);
+    PyTuple_SET_ITEM(args, 0, ctx.obj);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      PyObject* g = grads[i].defined() ? THPVariable_Wrap(grads[i]) : (Py_INCREF(Py_None), Py_None);
+      if (g == nullptr) {
+        Py_DECREF(args);
+        throw python_error();
+      }
+      PyTuple_SET_ITEM(args, static_cast<Py_ssize_t>(i) + 1, g);
+    }
+    PyObject* result = PyObject_Call(backward.obj, args, nullptr);
+    Py_DECREF(args);
+    // The unpacked tensors are the backward's only: a retained graph unpacks again.
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    if (PyObject_SetAttrString(ctx.obj, "saved_tensors", Py_None) != 0) PyErr_Clear();
+    PyErr_Restore(type, value, tb);
+    if (result == nullptr) throw python_error();
+
+    const size_t n_inputs = num_outputs();
+    variable_list out(n_inputs);
+    PyObject* seq = PySequence_Fast(result, "titan autograd node: the backward must return a tuple");
+    Py_DECREF(result);
+    if (seq == nullptr) throw python_error();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* g = PySequence_Fast_GET_ITEM(seq, i);
+      if (g == Py_None) continue;
+      if (static_cast<size_t>(i) >= n_inputs || !THPVariable_Check(g)) {
+        Py_DECREF(seq);
+        TORCH_CHECK(false, op_name, ": the backward returned ", (static_cast<size_t>(i) >= n_inputs ? "a gradient "
+                    "for an input that was not given" : "something other than a tensor or None"), " at position ", i);
+      }
+      out[static_cast<size_t>(i)] = THPVariable_Unpack(g);
+    }
+    Py_DECREF(seq);
+    return out;
+  }
+};
+
+template <typename P>
+struct NodeMaker;
+
+template <>
+struct NodeMaker<std::shared_ptr<Node>> {
+  static std::shared_ptr<Node> make() { return std::make_shared<PyBackwardNode>(); }
+};
+
+template <typename T>
+struct NodeMaker<c10::intrusive_ptr<T>> {
+  static c10::intrusive_ptr<T> make() { return c10::make_intrusive<PyBackwardNode>(); }
+};
+
+bool is_tensor(PyObject* o) { return THPVariable_Check(o); }
+
+}  // namespace
+
+PyObject* autograd_apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs < 3 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != 3) {
+    PyErr_SetString(PyExc_TypeError, "autograd_apply(spec, plan, args, *inputs): spec is (forward, backward, name)");
+    return nullptr;
+  }
+  PyObject* spec = args[0];
+  PyObject* name = PyTuple_GET_ITEM(spec, 2);
+  const char* op_name = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : nullptr;
+  if (op_name == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "autograd_apply: the op's name must be a str");
+    return nullptr;
+  }
+  variable_list inputs;
+  inputs.reserve(static_cast<size_t>(nargs - 3));
+  for (Py_ssize_t i = 3; i < nargs; ++i) {
+    if (args[i] == Py_None) {
+      inputs.emplace_back();
+    } else if (is_tensor(args[i])) {
+      const at::Tensor& t = THPVariable_Unpack(args[i]);
+      if (t._fw_grad(/*level=*/0).defined()) {
+        PyErr_Format(PyExc_RuntimeError, "%s: forward-mode AD (a dual tensor input) is not supported", op_name);
+        return nullptr;
+      }
+      inputs.push_back(t);
+    } else {
+      PyErr_Format(PyExc_TypeError, "%s: autograd_apply input %zd: expected a tensor or None, got %s", op_name,
+                   i - 3, Py_TYPE(args[i])->tp_name);
+      return nullptr;
+    }
+  }
+
+  PyObject* result;
+  {
+    at::AutoGradMode no_grad(false);
+    at::AutoDispatchBelowADInplaceOrView below_views;
+    result = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(spec, 0), args[1], args[2], nullptr);
+  }
+  if (result == nullptr) return nullptr;
+  if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
+    Py_DECREF(result);
+    PyErr_Format(PyExc_TypeError, "%s: the native forward must return (outputs, ctx)", op_name);
+    return nullptr;
+  }
+  PyObject* seen = PyTuple_GET_ITEM(result, 0);
+  PyObject* ctx = PyTuple_GET_ITEM(result, 1);
+  std::vector<at::Tensor> outputs;
+  if (is_tensor(seen)) {
+    outputs.push_back(THPVariable_Unpack(seen));
+  } else if (PyTuple_Check(seen)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seen); ++i) {
+      PyObject* o = PyTuple_GET_ITEM(seen, i);
+      if (!is_tensor(o)) {
+        Py_DECREF(result);
+        PyErr_Format(PyExc_TypeError, "%s: the native forward's outputs must be tensors", op_name);
+        return nullptr;
+      }
+      outputs.push_back(THPVariable_Unpack(o));
+    }
+  } else {
+    Py_DECREF(result);
+    PyErr_Format(PyExc_TypeError, "%s: the native forward's outputs must be a tensor or a tuple of them", op_name);
+    return nullptr;
+  }
+  PyObject* to_save = PyObject_GetAttrString(ctx, "to_save");
+  if (to_save == nullptr || !PyTuple_Check(to_save)) {
+    Py_XDECREF(to_save);
+    Py_DECREF(result);
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: ctx.to_save must be a tuple", op_name);
+    return nullptr;
+  }
+
+  auto made = NodeMaker<NodePtr>::make();
+  auto* node = static_cast<PyBackwardNode*>(made.get());
+  NodePtr fn = std::move(made);
+  node->op_name = std::string(op_name) + "Backward";
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs));
+  for (const auto& o : outputs) {
+    torch::autograd::set_history(o, fn);
+  }
+  // The saved tensors: an output is saved as one (no reference cycle through its grad_fn).
+  node->saved.reserve(static_cast<size_t>(PyTuple_GET_SIZE(to_save)));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(to_save); ++i) {
+    PyObject* s = PyTuple_GET_ITEM(to_save, i);
+    if (s == Py_None) {
+      node->saved.emplace_back();
+      continue;
+    }
+    if (!is_tensor(s)) {
+      Py_DECREF(to_save);
+      Py_DECREF(result);
+      PyErr_Format(PyExc_TypeError, "%s: save_for_backward takes tensors or None", op_name);
+      return nullptr;
+    }
+    const at::Tensor& t = THPVariable_Unpack(s);
+    bool is_output = false;
+    for (const auto& o : outputs) {
+      is_output = is_output || o.unsafeGetTensorImpl() == t.unsafeGetTensorImpl();
+    }
+    node->saved.emplace_back(t, is_output);
+  }
+  Py_DECREF(to_save);
+  // The context keeps no tensor of its own: a saved-tensor hook (offload) must be what holds them.
+  if (PyObject_SetAttrString(ctx, "to_save", Py_None) != 0) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  node->backward.hold(PyTuple_GET_ITEM(spec, 1));
+  node->ctx.hold(ctx);
+  Py_INCREF(seen);
+  Py_DECREF(result);
+  return seen;
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace titan
