@@ -8,8 +8,11 @@
 // - the node's next edges are the inputs' gradient edges, and it becomes the grad_fn of the outputs;
 // - what the forward saves is kept as SavedVariables: version checks, saved-tensor hooks (activation
 //   offload, checkpointing) and "backward through the graph a second time" behave as for any node;
-// - a Python exception in the backward reaches the caller of backward() as itself.
-// Forward-mode AD is refused (the op defines no jvp), as autograd.Function refuses it.
+// - a Python exception in the backward reaches the caller of backward() as itself; every Python
+//   object is owned (THPObjectPtr), so an error on any path (a pack hook raising, a saved tensor
+//   modified in place) leaks nothing.
+// Forward-mode AD is refused (the op defines no jvp), as autograd.Function refuses it; so is compiled
+// autograd at the backward (the node's backward is Python it cannot trace).
 #include "autograd_node.h"
 
 #include <string>
@@ -25,6 +28,7 @@
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 namespace titan {
 namespace {
@@ -35,6 +39,14 @@ using torch::autograd::Variable;
 using torch::autograd::variable_list;
 // A node's owning pointer: std::shared_ptr<Node> in older torch, c10::intrusive_ptr<Node> in newer.
 using NodePtr = decltype(torch::autograd::Edge::function);
+
+bool is_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
 
 // The Python objects a node keeps, released with the GIL held (a node may die on an autograd thread).
 struct PyRef {
@@ -47,7 +59,8 @@ struct PyRef {
     obj = o;
   }
   ~PyRef() {
-    if (obj != nullptr && Py_IsInitialized()) {
+    // (at interpreter exit the object is left to the process's end: taking the GIL then can hang)
+    if (obj != nullptr && Py_IsInitialized() && !is_finalizing()) {
       PyGILState_STATE state = PyGILState_Ensure();
       Py_DECREF(obj);
       PyGILState_Release(state);
@@ -56,8 +69,8 @@ struct PyRef {
 };
 
 struct PyBackwardNode final : Node {
-  PyRef backward;  // backward(ctx, *grad_outputs) -> one gradient (or None) per input, extras None
-  PyRef ctx;       // the forward's context: its attributes for the backward, saved_tensors set per call
+  PyRef backward;  // backward(ctx, saved_tensors, *grad_outputs) -> a gradient (or None) per input, extras None
+  PyRef ctx;       // the forward's context (its attributes for the backward); never written after the forward
   std::string op_name;
   std::vector<SavedVariable> saved;
 
@@ -70,62 +83,55 @@ struct PyBackwardNode final : Node {
     }
   }
 
+  // Compiled autograd traces a node through these; this one has a Python backward it cannot trace.
+  // (The planned path records the autograd.Function carrier instead while compiled autograd is on
+  // at the forward: titan_kernels/ops/_scaffold.py.)
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) const override {
+    TORCH_CHECK(false, op_name, ": compiled autograd cannot trace this node (recorded by an eager call while "
+                "compiled autograd was off); enable compiled autograd around the forward too, or compile "
+                "the forward (torch.compile)");
+  }
+
   variable_list apply(variable_list&& grads) override {
     pybind11::gil_scoped_acquire gil;
     NodePtr self = getptr();
-    PyObject* saved_tuple = PyTuple_New(static_cast<Py_ssize_t>(saved.size()));
-    if (saved_tuple == nullptr) throw python_error();
+    // The saved tensors go to this call's backward as an argument (never onto the shared ctx: a
+    // retained graph may be differentiated by several threads at once).
+    THPObjectPtr saved_tuple(PyTuple_New(static_cast<Py_ssize_t>(saved.size())));
+    if (!saved_tuple) throw python_error();
     for (size_t i = 0; i < saved.size(); ++i) {
-      Variable t = saved[i].unpack(self);
+      Variable t = saved[i].unpack(self);  // (may throw: saved_tuple is released)
       PyObject* item = t.defined() ? THPVariable_Wrap(t) : (Py_INCREF(Py_None), Py_None);
-      if (item == nullptr) {
-        Py_DECREF(saved_tuple);
-        throw python_error();
-      }
-      PyTuple_SET_ITEM(saved_tuple, static_cast<Py_ssize_t>(i), item);
+      if (item == nullptr) throw python_error();
+      PyTuple_SET_ITEM(saved_tuple.get(), static_cast<Py_ssize_t>(i), item);
     }
-    const int set = PyObject_SetAttrString(ctx.obj, "saved_tensors", saved_tuple);
-    Py_DECREF(saved_tuple);
-    if (set != 0) throw python_error();
-
-    PyObject* args = PyTuple_New(static_cast<Py_ssize_t>(grads.size()) + 1);
-    if (args == nullptr) throw python_error();
+    THPObjectPtr args(PyTuple_New(static_cast<Py_ssize_t>(grads.size()) + 2));
+    if (!args) throw python_error();
     Py_INCREF(ctx.obj);
-    PyTuple_SET_ITEM(args, 0, ctx.obj);
+    PyTuple_SET_ITEM(args.get(), 0, ctx.obj);
+    PyTuple_SET_ITEM(args.get(), 1, saved_tuple.release());
     for (size_t i = 0; i < grads.size(); ++i) {
       PyObject* g = grads[i].defined() ? THPVariable_Wrap(grads[i]) : (Py_INCREF(Py_None), Py_None);
-      if (g == nullptr) {
-        Py_DECREF(args);
-        throw python_error();
-      }
-      PyTuple_SET_ITEM(args, static_cast<Py_ssize_t>(i) + 1, g);
+      if (g == nullptr) throw python_error();
+      PyTuple_SET_ITEM(args.get(), static_cast<Py_ssize_t>(i) + 2, g);
     }
-    PyObject* result = PyObject_Call(backward.obj, args, nullptr);
-    Py_DECREF(args);
-    // The unpacked tensors are the backward's only: a retained graph unpacks again.
-    PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb);
-    if (PyObject_SetAttrString(ctx.obj, "saved_tensors", Py_None) != 0) PyErr_Clear();
-    PyErr_Restore(type, value, tb);
-    if (result == nullptr) throw python_error();
+    THPObjectPtr result(PyObject_Call(backward.obj, args.get(), nullptr));
+    if (!result) throw python_error();
+    THPObjectPtr seq(PySequence_Fast(result.get(), "titan autograd node: the backward must return a tuple"));
+    if (!seq) throw python_error();
 
     const size_t n_inputs = num_outputs();
     variable_list out(n_inputs);
-    PyObject* seq = PySequence_Fast(result, "titan autograd node: the backward must return a tuple");
-    Py_DECREF(result);
-    if (seq == nullptr) throw python_error();
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.get());
     for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* g = PySequence_Fast_GET_ITEM(seq, i);
+      PyObject* g = PySequence_Fast_GET_ITEM(seq.get(), i);
       if (g == Py_None) continue;
-      if (static_cast<size_t>(i) >= n_inputs || !THPVariable_Check(g)) {
-        Py_DECREF(seq);
-        TORCH_CHECK(false, op_name, ": the backward returned ", (static_cast<size_t>(i) >= n_inputs ? "a gradient "
-                    "for an input that was not given" : "something other than a tensor or None"), " at position ", i);
-      }
+      const bool extra = static_cast<size_t>(i) >= n_inputs;
+      TORCH_CHECK(!extra && THPVariable_Check(g), op_name, ": the backward returned ",
+                  extra ? "a gradient for an input that was not given" : "something other than a tensor or None",
+                  " at position ", i);
       out[static_cast<size_t>(i)] = THPVariable_Unpack(g);
     }
-    Py_DECREF(seq);
     return out;
   }
 };
@@ -179,20 +185,19 @@ PyObject* autograd_apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
   }
 
-  PyObject* result;
+  THPObjectPtr result;
   {
     at::AutoGradMode no_grad(false);
     at::AutoDispatchBelowADInplaceOrView below_views;
-    result = PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(spec, 0), args[1], args[2], nullptr);
+    result = THPObjectPtr(PyObject_CallFunctionObjArgs(PyTuple_GET_ITEM(spec, 0), args[1], args[2], nullptr));
   }
-  if (result == nullptr) return nullptr;
-  if (!PyTuple_Check(result) || PyTuple_GET_SIZE(result) != 2) {
-    Py_DECREF(result);
+  if (!result) return nullptr;
+  if (!PyTuple_Check(result.get()) || PyTuple_GET_SIZE(result.get()) != 2) {
     PyErr_Format(PyExc_TypeError, "%s: the native forward must return (outputs, ctx)", op_name);
     return nullptr;
   }
-  PyObject* seen = PyTuple_GET_ITEM(result, 0);
-  PyObject* ctx = PyTuple_GET_ITEM(result, 1);
+  PyObject* seen = PyTuple_GET_ITEM(result.get(), 0);
+  PyObject* ctx = PyTuple_GET_ITEM(result.get(), 1);
   std::vector<at::Tensor> outputs;
   if (is_tensor(seen)) {
     outputs.push_back(THPVariable_Unpack(seen));
@@ -200,46 +205,49 @@ PyObject* autograd_apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(seen); ++i) {
       PyObject* o = PyTuple_GET_ITEM(seen, i);
       if (!is_tensor(o)) {
-        Py_DECREF(result);
         PyErr_Format(PyExc_TypeError, "%s: the native forward's outputs must be tensors", op_name);
         return nullptr;
       }
       outputs.push_back(THPVariable_Unpack(o));
     }
   } else {
-    Py_DECREF(result);
     PyErr_Format(PyExc_TypeError, "%s: the native forward's outputs must be a tensor or a tuple of them", op_name);
     return nullptr;
   }
-  PyObject* to_save = PyObject_GetAttrString(ctx, "to_save");
-  if (to_save == nullptr || !PyTuple_Check(to_save)) {
-    Py_XDECREF(to_save);
-    Py_DECREF(result);
-    if (!PyErr_Occurred()) PyErr_Format(PyExc_TypeError, "%s: ctx.to_save must be a tuple", op_name);
+  THPObjectPtr to_save(PyObject_GetAttrString(ctx, "to_save"));
+  if (!to_save) return nullptr;
+  if (!PyTuple_Check(to_save.get())) {
+    PyErr_Format(PyExc_TypeError, "%s: ctx.to_save must be a tuple", op_name);
     return nullptr;
+  }
+  // The context keeps no tensor of its own: a saved-tensor hook (offload) must be what holds them.
+  if (PyObject_SetAttrString(ctx, "to_save", Py_None) != 0) return nullptr;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(to_save.get()); ++i) {
+    PyObject* s = PyTuple_GET_ITEM(to_save.get(), i);
+    if (s != Py_None && !is_tensor(s)) {
+      PyErr_Format(PyExc_TypeError, "%s: save_for_backward takes tensors or None", op_name);
+      return nullptr;
+    }
   }
 
   auto made = NodeMaker<NodePtr>::make();
   auto* node = static_cast<PyBackwardNode*>(made.get());
   NodePtr fn = std::move(made);
   node->op_name = std::string(op_name) + "Backward";
+  node->backward.hold(PyTuple_GET_ITEM(spec, 1));
+  node->ctx.hold(ctx);
   node->set_next_edges(torch::autograd::collect_next_edges(inputs));
   for (const auto& o : outputs) {
     torch::autograd::set_history(o, fn);
   }
-  // The saved tensors: an output is saved as one (no reference cycle through its grad_fn).
-  node->saved.reserve(static_cast<size_t>(PyTuple_GET_SIZE(to_save)));
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(to_save); ++i) {
-    PyObject* s = PyTuple_GET_ITEM(to_save, i);
+  // The saved tensors (a pack hook may raise: everything above is owned and released): an output is
+  // saved as one (no reference cycle through its grad_fn).
+  node->saved.reserve(static_cast<size_t>(PyTuple_GET_SIZE(to_save.get())));
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(to_save.get()); ++i) {
+    PyObject* s = PyTuple_GET_ITEM(to_save.get(), i);
     if (s == Py_None) {
       node->saved.emplace_back();
       continue;
-    }
-    if (!is_tensor(s)) {
-      Py_DECREF(to_save);
-      Py_DECREF(result);
-      PyErr_Format(PyExc_TypeError, "%s: save_for_backward takes tensors or None", op_name);
-      return nullptr;
     }
     const at::Tensor& t = THPVariable_Unpack(s);
     bool is_output = false;
@@ -248,16 +256,7 @@ PyObject* autograd_apply(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     node->saved.emplace_back(t, is_output);
   }
-  Py_DECREF(to_save);
-  // The context keeps no tensor of its own: a saved-tensor hook (offload) must be what holds them.
-  if (PyObject_SetAttrString(ctx, "to_save", Py_None) != 0) {
-    Py_DECREF(result);
-    return nullptr;
-  }
-  node->backward.hold(PyTuple_GET_ITEM(spec, 1));
-  node->ctx.hold(ctx);
   Py_INCREF(seen);
-  Py_DECREF(result);
   return seen;
   END_HANDLE_TH_ERRORS
 }

@@ -203,3 +203,92 @@ def test_the_graph_is_freed_with_its_outputs(carrier):
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_threads_differentiate_one_retained_graph_at_once(carrier):
+    # Thread A is held on entering the op's grads (before it reads ctx.saved_tensors) while thread B
+    # runs the same node to its end: each backward call has its own saved tensors (the native node
+    # never writes them onto the shared ctx).
+    import sys
+    import threading
+    import time
+
+    q, k, v = _qkv(1, 4, 4, 1, 1, 8)
+    out = tk.flash_attn(q, k, v)
+    want = torch.autograd.grad(out.sum(), (q,), retain_graph=True)[0]
+    inside = threading.Event()
+
+    def hold_in_grads(frame, event, arg):
+        if event == "call" and frame.f_code is attention_op._grads.__code__:
+            inside.set()
+            time.sleep(0.3)  # (the GIL is free: B runs meanwhile)
+
+    got = {}
+
+    def run(name):
+        if name == "A":
+            sys.settrace(hold_in_grads)
+        try:
+            got[name] = torch.autograd.grad(out.sum(), (q,), retain_graph=True)[0]
+        except Exception as e:  # (reported below, with the thread's name)
+            got[name] = e
+        finally:
+            sys.settrace(None)
+
+    a = threading.Thread(target=run, args=("A",), name="A")
+    a.start()
+    assert inside.wait(30)
+    b = threading.Thread(target=run, args=("B",), name="B")
+    b.start()
+    b.join(30)
+    a.join(30)
+    for name in "AB":
+        assert isinstance(got[name], torch.Tensor), (name, got[name])
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("failure", ["pack_hook", "modified_output"])
+def test_a_failing_save_or_backward_leaks_nothing(carrier, failure):
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16)
+    x = q * 1.0
+    ref = weakref.ref(x)
+    if failure == "pack_hook":
+        calls = []
+
+        def pack(t):
+            calls.append(1)
+            if len(calls) == 2:
+                raise ValueError("pack fails")
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with pytest.raises(ValueError, match="pack fails"):
+                tk.flash_attn(x, k, v)
+    else:
+        out = tk.flash_attn(x, k, v)
+        with torch.no_grad():
+            out.mul_(2.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+        del out
+    del x
+    gc.collect()
+    assert ref() is None
+
+
+def test_compiled_autograd(carrier):
+    from torch._dynamo import compiled_autograd
+
+    q, k, v = _qkv(1, 6, 6, 2, 2, 8)
+    want = torch.autograd.grad(tk.flash_attn(q, k, v).sum(), (q, k, v))
+    # On around the forward too (as a training step enables it): the node is one it can trace.
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        tk.flash_attn(q, k, v).sum().backward()
+    for t, w in zip((q, k, v), want):
+        torch.testing.assert_close(t.grad, w)
+    if carrier == "native":
+        # On only at the backward of a node recorded without it: refused, saying what to do.
+        out = tk.flash_attn(q, k, v)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            with pytest.raises(RuntimeError, match="compiled autograd cannot trace this node"):
+                out.sum().backward()

@@ -24,9 +24,9 @@ forward did (eager or traced, plain tensors or DTensor), so one definition serve
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import operator
+import sys
 import typing
 from typing import Any, Callable
 
@@ -112,18 +112,47 @@ below_views: Callable = getattr(torch._C, "_AutoDispatchBelowADInplaceOrView", N
 
 
 class NativeContext:
-    """The ctx an op's ``setup`` and ``grads`` get on the native planned path: what they use of an
-    autograd.Function's ctx (``save_for_backward``; ``saved_tensors`` in the backward; attributes)."""
+    """The ctx an op's ``setup`` gets on the native planned path: what it uses of an
+    autograd.Function's ctx (``save_for_backward``; attributes for the backward)."""
 
     def save_for_backward(self, *tensors) -> None:
         self.to_save = tensors  # (taken, and cleared, by the native node)
 
 
+class _BackwardContext:
+    """One native backward call's ctx for ``grads``: the tensors saved, unpacked for this call (a
+    retained graph may be differentiated by several threads at once), and the forward's attributes."""
+
+    __slots__ = ("saved_tensors", "_forward")
+
+    def __init__(self, forward: NativeContext, saved_tensors: tuple):
+        self.saved_tensors, self._forward = saved_tensors, forward
+
+    def __getattr__(self, name: str):
+        return getattr(self._forward, name)
+
+
+def _compiled_autograd_on() -> bool:
+    # (compiled autograd cannot trace the native node's Python backward; its module is loaded by then)
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
 def planned_carrier(direction: "_Direction") -> Callable:
     """The planned call of ``direction``: the native node with its ``native_spec`` where the extension
-    has one (``titan_kernels._C.autograd_apply``), else its autograd.Function."""
+    has one (``titan_kernels._C.autograd_apply``), else (and while compiled autograd is on, which
+    cannot trace the node) its autograd.Function."""
     native = _native.autograd_apply()
-    return direction.planned_apply if native is None else functools.partial(native, direction.native_spec)
+    if native is None:
+        return direction.planned_apply
+    spec, function = direction.native_spec, direction.planned_apply
+
+    def apply(plan, args, *tensors):
+        if _compiled_autograd_on():
+            return function(plan, args, *tensors)
+        return native(spec, plan, args, *tensors)
+
+    return apply
 
 
 def no_context(ctx, inputs, output) -> None:
@@ -241,8 +270,8 @@ class _Direction:
                 setup(ctx, args, out)
             return seen, ctx
 
-        def native_backward(ctx, *grad_outputs):
-            return planned_grads(ctx, grad_outputs)
+        def native_backward(ctx, saved_tensors, *grad_outputs):
+            return planned_grads(_BackwardContext(ctx, saved_tensors), grad_outputs)
 
         if not materialize_grads or n_outputs == 1:
             self.planned_apply = _direct_apply(self._function("planned", planned_forward, planned_backward))
