@@ -6,6 +6,7 @@ mesh (dp x tp) and a frozen weight work; a sharded hidden dim is redistributed, 
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.distributed.launcher import run_distributed
@@ -92,6 +93,7 @@ def _check_2d(rank: int, world: int) -> None:
             torch.testing.assert_close(grads[1].full_tensor(), dw_ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # ~11 s (2 ranks); by default the 2-D mesh test below runs the same rules on each mesh dim
 def test_dtensor_rms_norm_1d_mesh():
     run_distributed(_check_1d, 2)
 

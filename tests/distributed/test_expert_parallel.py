@@ -8,7 +8,7 @@ and gradient norm within 1e-4 relative of the single-process run, for
   EP 2 x TP 2          (4 ranks: experts split on the expert dim over ep and on the hidden size over tp)
   PP 2 x EP 2          (4 ranks: each pipeline stage's experts split over its own ep pair, 1F1B)
   EP 2 -> 1 process    (a checkpoint of step 3 under EP 2 resumes in one process: steps 4, 5)
-(EP 2 x FSDP 2 and EP 2 x TP 2: ``-m slow``.) The load-balancing bias moves every step (aux-loss-free), so these also check that the token
+(EP 2 x FSDP 2, EP 2 x TP 2 and PP 2 x EP 2: ``-m slow``.) The load-balancing bias moves every step (aux-loss-free), so these also check that the token
 counts are summed over the right ranks. Plus the pieces: the expert-major reordering of received
 rows, the ep mesh and its errors.
 """
@@ -57,6 +57,7 @@ def test_ep2_with_fsdp2_and_with_tp2_equal_one_process(tmp_path, single):
     assert_same(runs["ep2_tp2"], single)
 
 
+@pytest.mark.slow  # 4 ranks on 2 cores, ~15 s; by default EP 2 and PP 2 each equal one process (the test above)
 def test_pp2_x_ep2_equals_one_process(tmp_path, single):
     """Each pipeline stage runs expert parallel on its own (dp_shard 2 = ep 2) group: the mesh is
     (pp 2, dp_shard_mod_ep 1, ep 2), the stage's all-to-alls stay inside its pp slice. ~15 s."""

@@ -45,6 +45,8 @@ def test_kill_9_of_one_rank_mid_step_restarts_and_resumes_exactly(tmp_path, sing
     assert_same(records(folder), single)
 
 
+@pytest.mark.slow  # ~14 s (2 ranks under torchrun); by default the watchdog firing, its stacks and its console
+# line in one process: tests/trainer/test_watchdog.py
 def test_a_hung_rank_makes_every_rank_exit_with_its_stacks(tmp_path):
     folder = tmp_path / "run"
     out, took = torchrun(folder, "--comm.train_timeout_seconds", "4", "--training.steps", "20",

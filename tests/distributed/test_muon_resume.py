@@ -73,6 +73,8 @@ def _two_ranks(rank, world, folder):
         torch.save(full, Path(folder) / "two_ranks.pt")
 
 
+@pytest.mark.slow  # ~12 s (2 ranks); by default Muon's groups and bfloat16 states resume bit-exact in one process
+# (tests/trainer/test_optim_titan.py) and DCP checkpoints reshard across layouts (test_parallel_resume.py)
 def test_fsdp2_checkpoint_resumes_in_one_process_bit_exact(tmp_path):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
