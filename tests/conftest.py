@@ -15,6 +15,13 @@ import pathlib  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# pytest-xdist's workers share the machine's cores: each gets its share of intra-op threads (on 2 cores
+# with 2 workers, one each), so a kernel test's parallel regions do not oversubscribe the cores.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+if _WORKERS > 1:
+    _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(max(1, _CORES // _WORKERS))
+
 # Shipped with the repository (tests/data/README.md says what and from where), so no test skips
 # on a fresh clone for want of data.
 SHARED_DATA = pathlib.Path(__file__).resolve().parent / "data"
