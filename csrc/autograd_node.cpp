@@ -77,6 +77,8 @@ struct PyBackwardNode final : Node {
   std::string name() const override { return op_name; }
 
   void release_variables() override {
+    // (torch calls this at every node's destruction too; at interpreter exit the data is left to it)
+    if (saved.empty() || !Py_IsInitialized() || is_finalizing()) return;
     pybind11::gil_scoped_acquire gil;  // (a saved-tensor hook is a Python object)
     for (auto& s : saved) {
       s.reset_data();  // unpack then raises torch's "backward through the graph a second time"
@@ -117,7 +119,9 @@ struct PyBackwardNode final : Node {
     }
     THPObjectPtr result(PyObject_Call(backward.obj, args.get(), nullptr));
     if (!result) throw python_error();
-    THPObjectPtr seq(PySequence_Fast(result.get(), "titan autograd node: the backward must return a tuple"));
+    TORCH_CHECK(PyTuple_Check(result.get()) || PyList_Check(result.get()), op_name,
+                ": the backward must return a tuple of gradients, got ", Py_TYPE(result.get())->tp_name);
+    THPObjectPtr seq(PySequence_Fast(result.get(), "the backward must return a tuple"));
     if (!seq) throw python_error();
 
     const size_t n_inputs = num_outputs();
@@ -139,9 +143,13 @@ struct PyBackwardNode final : Node {
 template <typename P>
 struct NodeMaker;
 
-template <>
-struct NodeMaker<std::shared_ptr<Node>> {
-  static std::shared_ptr<Node> make() { return std::make_shared<PyBackwardNode>(); }
+template <typename T>
+struct NodeMaker<std::shared_ptr<T>> {
+  // torch's own deleter (found by argument-dependent lookup where this torch has it): a long chain
+  // of nodes is freed iteratively, not by a recursion that can overflow the stack.
+  static std::shared_ptr<T> make() {
+    return std::shared_ptr<T>(new PyBackwardNode(), [](T* node) { deleteNode(node); });
+  }
 };
 
 template <typename T>

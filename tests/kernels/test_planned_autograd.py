@@ -292,3 +292,22 @@ def test_compiled_autograd(carrier):
         with compiled_autograd._enable(torch.compile(backend="eager")):
             with pytest.raises(RuntimeError, match="compiled autograd cannot trace this node"):
                 out.sum().backward()
+
+
+def test_a_gradient_of_the_wrong_shape_is_refused():
+    # autograd checks the gradients it passes; a direct call of the backward op's body (or of the
+    # native node, whose grad_fn is callable) is checked by the op: a clear error, never a read past
+    # dout's end.
+    q, k, v = _qkv(1, 16, 16, 2, 2, 8)
+    with torch.no_grad():
+        out, lse = tk.flash_attn(q, k, v, return_lse=True)
+        flat = (0, 0, 8 ** -0.5, -1, 0, 0.0, 0, True)
+        with pytest.raises(ValueError, match=r"dout: expected shape \(1, 16, 2, 8\)"):
+            attention_op.backward(torch.ones(1, 1, 1, 8), q, k, v, out, lse, None, None, None, None, *flat)
+        with pytest.raises(ValueError, match=r"dlse: expected shape \(1, 2, 16\)"):
+            attention_op.backward(torch.ones_like(out), q, k, v, out, lse, torch.ones(1, 16), None, None, None, *flat)
+    if _NATIVE:
+        out = tk.flash_attn(q, k, v)
+        assert out.grad_fn.name() == "titan::flash_attnBackward"
+        with torch.no_grad(), pytest.raises(ValueError, match=r"dout: expected shape \(1, 16, 2, 8\)"):
+            out.grad_fn(torch.ones(1, 1, 1, 8))

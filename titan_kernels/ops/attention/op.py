@@ -202,6 +202,11 @@ def backward(
     empty float32 tensor without sinks. dout is shaped like out (any strides); dlse, shaped like lse
     or None, is a gradient for the LSE output. ``backend``: the forward's request."""
     a = _record(max_seqlen_q, max_seqlen_k, softmax_scale, window_left, window_right, softcap, chunk_size, return_lse)
+    # (autograd checks the gradients it passes; a direct call of the op or of its grad_fn may not)
+    for name, got, want in (("dout", dout, out), ("dlse", dlse, lse)):
+        if got is not None and got.shape != want.shape:
+            raise ValueError(f"titan::flash_attn_backward: {name}: expected shape {tuple(want.shape)} (the forward's "
+                             f"{'out' if name == 'dout' else 'lse'}), got {tuple(got.shape)}")
     return run_backward(backend, dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, sinks, a)
 
 
