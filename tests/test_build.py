@@ -271,7 +271,8 @@ def test_cmake_builds_torch_extension(tmp_path):
                 self.to_save = t
         def forward(plan, args):
             ctx = Ctx(); ctx.save_for_backward(args[0]); return args[0] * 2, ctx
-        def backward(ctx, g):
+        def backward(ctx, saved, g):
+            assert saved[0] is a or torch.equal(saved[0], a)
             return (g * 2,)
         a = torch.randn(3, requires_grad=True)
         mod.autograd_apply((forward, backward, "double"), None, (a,), a).sum().backward()

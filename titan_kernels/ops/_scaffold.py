@@ -253,10 +253,7 @@ class _Direction:
                 ctx.materialize_grads = False
             with below_views():
                 out, seen = planned_body(plan, args)
-            request = args[-1]
-            ctx.backend = request if request is not None else capture_request(name)
-            if setup is not None:
-                setup(ctx, args, out)
+            setup_context(ctx, args, out)
             return seen
 
         def planned_backward(ctx, *grad_outputs):
@@ -266,10 +263,7 @@ class _Direction:
         def native_forward(plan, args):  # (run by the native node: grad off, below view tracking)
             ctx = NativeContext()
             out, seen = planned_body(plan, args)
-            request = args[-1]
-            ctx.backend = request if request is not None else capture_request(name)
-            if setup is not None:
-                setup(ctx, args, out)
+            setup_context(ctx, args, out)
             return seen, ctx
 
         def native_backward(ctx, saved_tensors, *grad_outputs):
