@@ -5,7 +5,7 @@ wire), scaled by the amax of the whole weight (all-reduced over the ranks), so t
 bit-equal to the unsharded Float8Linear; the module sees a Float8AllGatheredWeight; gradients
 equal the average of the unsharded ones; an uneven shard (7 rows on 2 ranks) is padded; three
 AdamW steps keep every rank equal to a single-process model trained on the same global batch.
-Without it, plain FSDP2 of Float8Linear does the same in high precision. Slow
+Without it, plain FSDP2 of Float8Linear does the same in high precision (slow). Slow
 (``pytest -m slow tests/distributed/test_fsdp_float8.py``, about a minute): the float8 all-gather
 with each layer under torch.compile(fullgraph=True) trains like the single-process model.
 """
@@ -98,6 +98,7 @@ def test_fsdp2_float8_all_gather():
     run_distributed(_check, 2, True)
 
 
+@pytest.mark.slow  # ~7 s (2 ranks); by default the same FSDP2 + float8 linear steps with the float8 all-gather
 def test_fsdp2_float8_linear_high_precision_all_gather():
     run_distributed(_check, 2, False)
 

@@ -49,12 +49,27 @@ def single_validation(single, tmp_path_factory):
     return reference(tmp_path_factory, *VALIDATION, kind="val_loss")
 
 
-@pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+# By default data parallel (token sums over ranks) and 1F1B (the schedule's forward-only eval); the
+# others (~10 s more on 2 cores) are slow: TP's loss parallel and CP's zigzag split are checked in
+# training by default (test_parallel_layouts.py), their validation only here.
+DEFAULT = ("fsdp2", "pp2")
+
+
+def _run(tmp_path_factory, names) -> dict:
     folder = tmp_path_factory.mktemp("validation_layouts")
-    runs = run_layouts(2, {name: [*VALIDATION, *argv] for name, argv in LAYOUTS.items()}, folder)
+    runs = run_layouts(2, {name: [*VALIDATION, *LAYOUTS[name]] for name in names}, folder)
     return {name: (run, records(folder / name, "val_loss") if not isinstance(run, str) else run)
             for name, run in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def default_layouts(tmp_path_factory):
+    return _run(tmp_path_factory, DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def slow_layouts(tmp_path_factory):
+    return _run(tmp_path_factory, [name for name in LAYOUTS if name not in DEFAULT])
 
 
 def test_single_process_validates_at_freq_and_at_the_end(single_validation):
@@ -65,9 +80,10 @@ def test_single_process_validates_at_freq_and_at_the_end(single_validation):
     assert single_validation[5]["val_loss"] < single_validation[2]["val_loss"]  # it learns
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_validation_equals_one_process(layout, layouts, single, single_validation):
-    train, val = layouts[layout]
+@pytest.mark.parametrize("layout", [name if name in DEFAULT else pytest.param(name, marks=pytest.mark.slow)
+                                    for name in LAYOUTS])
+def test_layout_validation_equals_one_process(layout, request, single, single_validation):
+    train, val = request.getfixturevalue("default_layouts" if layout in DEFAULT else "slow_layouts")[layout]
     assert_same(train, single)  # training after an evaluation is undisturbed
     assert sorted(val) == VAL_STEPS
     for step in VAL_STEPS:
